@@ -1,0 +1,62 @@
+"""The scheduler's engine interface: add a request, step the running batch, abort a request.
+
+The scheduler process owns Redis; the engine owns the model, the KV cache and the batch. Calls are
+never concurrent: the scheduler adds and aborts only between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.messages import SamplingParams
+
+
+class RequestRejected(Exception):
+    """The engine cannot serve this request (e.g. prompt plus max_tokens past the context)."""
+
+
+@dataclass
+class EngineRequest:
+    uid: str
+    input_ids: list[int]
+    params: SamplingParams  # max_tokens is set (the tokenizer fills it)
+    # Tokens already produced per choice, when a peer resumes a request after a crash.
+    output_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one choice of one request in one step; `finish_reason` set on its last output."""
+
+    uid: str
+    start: int  # completion-token index of ids[0]
+    ids: list[int]
+    index: int = 0  # choice
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+
+
+class Engine(Protocol):
+    max_context: int  # model context length in tokens
+
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request; raises RequestRejected if it can never be served."""
+
+    def abort(self, uid: str) -> bool:
+        """Drop a request (running or waiting) and free its KV pages; True if it was known."""
+
+    def step(self) -> list[StepOutput]:
+        """Run one batch step (prefill chunks and decodes) and return what it produced."""
+
+    def room(self) -> int:
+        """How many more requests the scheduler should pull from its stream now (0 = full)."""
+
+    def has_work(self) -> bool: ...
+
+    def stats(self) -> dict:
+        """Counts for heartbeats and metrics: running, waiting, kv_used_tokens, kv_total_tokens..."""
+
+    def close(self) -> None: ...

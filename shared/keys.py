@@ -1,0 +1,62 @@
+"""Every Redis key rsinfer uses, built in one place (DESIGN.md, "Redis keys").
+
+No other module spells a key. A namespace prefix lets several releases share one Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TOKENIZER_GROUP = "tokenizer"
+SCHEDULER_GROUP = "scheduler"
+DETOKENIZER_GROUP = "detokenizer"
+
+STAGES = ("tokenizer", "scheduler", "detokenizer")
+ROLES = (*STAGES, "api")
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str = "rsinfer"
+
+    def tokenize(self, model: str) -> str:
+        return f"{self.namespace}:tokenize:{model}"
+
+    def schedule(self, model: str) -> str:
+        return f"{self.namespace}:schedule:{model}"
+
+    def detokenize(self, model: str) -> str:
+        return f"{self.namespace}:detokenize:{model}"
+
+    def reply(self, uid: str) -> str:
+        return f"{self.namespace}:reply:{uid}"
+
+    def abort(self, uid: str) -> str:
+        return f"{self.namespace}:abort:{uid}"
+
+    def request(self, uid: str) -> str:
+        return f"{self.namespace}:req:{uid}"
+
+    def request_pattern(self) -> str:
+        return f"{self.namespace}:req:*"
+
+    def uid_of_request_key(self, key: str) -> str:
+        return key.removeprefix(f"{self.namespace}:req:")
+
+    def worker(self, role: str, worker_id: str) -> str:
+        return f"{self.namespace}:worker:{role}:{worker_id}"
+
+    def workers(self) -> str:
+        """Sorted set of `role:id` scored by last heartbeat: lists workers without SCAN."""
+        return f"{self.namespace}:workers"
+
+    def dead(self) -> str:
+        return f"{self.namespace}:dead"
+
+    def control(self, pod: str, shard: int) -> str:
+        """Per-API-process stream that wakes its blocked reply reader when a request starts."""
+        return f"{self.namespace}:ctl:{pod}:{shard}"
+
+    def stage_stream(self, stage: str, model: str) -> str:
+        return {"tokenizer": self.tokenize, "scheduler": self.schedule,
+                "detokenizer": self.detokenize}[stage](model)

@@ -1,0 +1,156 @@
+"""Every message that travels between processes, as frozen msgspec structs.
+
+Each stream entry holds one field, `data`, whose value is the JSON of one of the tagged structs below
+(`type` names it, `v` is its version), so `redis-cli XRANGE` shows it legibly. Never pickle.
+Decoders ignore fields they do not know, so a newer producer can add optional fields.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+VERSION = 1
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    max_tokens: int | None = None  # None until the tokenizer fills it from the context left
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str
+    content: str
+    name: str | None = None
+
+
+class TokenizeJob(msgspec.Struct, frozen=True, tag="tokenize", omit_defaults=True):
+    """api -> tokenizer: a new request, as the client sent it."""
+
+    uid: str
+    model: str
+    pod: str
+    created_at: float
+    deadline: float
+    params: SamplingParams
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    background: bool = False
+    v: int = VERSION
+
+
+class ScheduleJob(msgspec.Struct, frozen=True, tag="schedule", omit_defaults=True):
+    """tokenizer -> scheduler: a tokenized request whose max_tokens fits the context."""
+
+    uid: str
+    model: str
+    pod: str
+    created_at: float
+    deadline: float
+    params: SamplingParams
+    input_ids: list[int]
+    background: bool = False
+    v: int = VERSION
+
+
+class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """New tokens of one choice of one request, with what a detokenizer needs to turn them into text
+    without any state of its own: the completion tokens just before them (`context`) and the stop strings."""
+
+    uid: str
+    start: int  # completion-token index of ids[0]
+    ids: list[int]
+    prompt_tokens: int
+    index: int = 0  # choice, for n > 1
+    context: list[int] = []
+    finish: str | None = None
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class DetokenizeBatch(msgspec.Struct, frozen=True, tag="detokenize", omit_defaults=True):
+    """scheduler -> detokenizer: everything one engine step produced."""
+
+    scheduler: str
+    step: int
+    items: list[TokenDelta]
+    v: int = VERSION
+
+
+class TopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ReplyEvent(msgspec.Struct, frozen=True, tag="delta", omit_defaults=True):
+    """detokenizer -> api (rsinfer:reply:<uid>): text for completion tokens [start, end) of one choice."""
+
+    start: int
+    end: int
+    text: str
+    prompt_tokens: int
+    index: int = 0
+    ids: list[int] = []
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    v: int = VERSION
+
+
+class ReplyError(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
+    """Any stage -> api: the request cannot be served; `status` is the HTTP status it maps to."""
+
+    message: str
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+    v: int = VERSION
+
+
+Reply = ReplyEvent | ReplyError
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[object, msgspec.json.Decoder] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | str, typ: object) -> object:
+    """Decode JSON into `typ` (a struct or a union of tagged structs); raises msgspec.DecodeError."""
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.json.Decoder(typ)
+    return dec.decode(data)

@@ -1,0 +1,110 @@
+"""Worker heartbeats (`rsinfer:worker:<role>:<id>`, a hash with a TTL) and who is alive.
+
+A sorted set (`rsinfer:workers`, member `role:id`, score = last beat) indexes the heartbeats so that
+listing the live workers needs no SCAN over the whole keyspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.keys import STAGES, Keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    role: str
+    id: str
+    model: str
+    updated_at: float
+    load: dict = field(default_factory=dict)
+
+
+class Heartbeat:
+    """Refreshes this process's heartbeat every `interval` seconds until stopped; deletes it on close."""
+
+    def __init__(self, redis: Redis, keys: Keys, role: str, worker_id: str, model: str,
+                 interval: float, ttl: float, load: Callable[[], dict]):
+        self.redis, self.keys, self.role, self.id, self.model = redis, keys, role, worker_id, model
+        self.interval, self.ttl, self.load = interval, ttl, load
+        self.started_at = time.time()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def key(self) -> str:
+        return self.keys.worker(self.role, self.id)
+
+    async def beat(self) -> None:
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.key, mapping={"role": self.role, "id": self.id, "model": self.model,
+                                         "started_at": f"{self.started_at:.3f}", "updated_at": f"{now:.3f}",
+                                         "load": json.dumps(self.load(), separators=(",", ":"))})
+            pipe.pexpire(self.key, int(self.ttl * 1000))
+            pipe.zadd(self.keys.workers(), {f"{self.role}:{self.id}": now})
+            pipe.zremrangebyscore(self.keys.workers(), "-inf", now - 10 * self.ttl)
+            await pipe.execute()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.role}")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except (RedisError, OSError) as e:
+                log.warning("heartbeat failed: %s", e)
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(RedisError, OSError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.key)
+                pipe.zrem(self.keys.workers(), f"{self.role}:{self.id}")
+                await pipe.execute()
+
+
+async def live_workers(redis: Redis, keys: Keys, ttl: float) -> list[WorkerInfo]:
+    members = await redis.zrangebyscore(keys.workers(), time.time() - ttl, "+inf")
+    pairs = [m.decode().split(":", 1) for m in members]
+    async with redis.pipeline(transaction=False) as pipe:
+        for role, wid in pairs:
+            pipe.hgetall(keys.worker(role, wid))
+        rows = await pipe.execute()
+    out = []
+    for row in rows:
+        if not row:
+            continue  # heartbeat expired: the worker is dead
+        f = {k.decode(): v.decode() for k, v in row.items()}
+        out.append(WorkerInfo(role=f.get("role", ""), id=f.get("id", ""), model=f.get("model", ""),
+                              updated_at=float(f.get("updated_at", 0)), load=json.loads(f.get("load", "{}"))))
+    return out
+
+
+def servable_models(workers: list[WorkerInfo]) -> dict[str, dict[str, int]]:
+    """model -> {stage: live worker count}, for every model that has at least one live stage worker."""
+    models: dict[str, dict[str, int]] = {}
+    for w in workers:
+        if w.role in STAGES:
+            counts = models.setdefault(w.model, dict.fromkeys(STAGES, 0))
+            counts[w.role] += 1
+    return models
+
+
+def complete(counts: dict[str, int]) -> bool:
+    return all(counts.get(stage, 0) > 0 for stage in STAGES)

@@ -1,0 +1,113 @@
+"""Settings of every process, parsed once at the entry point and passed down.
+
+Each field is a `--kebab-case` flag and an `RSINFER_UPPER_CASE` environment variable; a flag wins over
+the environment, the environment over the default. `flag_parser` builds the argparse flags from the
+fields so that the CLI, the environment and the Helm chart cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import typing
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEMO_MODEL_NAME = "rsinfer-demo"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
+    namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
+    log_level: str = Field("INFO", description="logging level")
+    worker_id: str = Field("", description="this process's id in heartbeats and consumer groups (host-pid)")
+    heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
+    heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
+    request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
+    reply_maxlen: int = Field(4096, description="approximate cap on entries in one reply stream")
+
+    def identity(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class StageSettings(CommonSettings):
+    """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
+
+    model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")
+    served_model_name: str | None = Field(None, description="name clients use; default: folder name")
+    batch_size: int = Field(64, ge=1, description="most stream entries taken in one read")
+    claim_idle_ms: int = Field(10_000, ge=100, description="claim a dead peer's entries after this idle")
+    trust_remote_code: bool = Field(False, description="allow model code from the checkpoint")
+
+
+class TokenizerSettings(StageSettings):
+    pass
+
+
+class DetokenizerSettings(StageSettings):
+    pass
+
+
+class SchedulerSettings(StageSettings):
+    batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
+    engine: Literal["paged", "simple"] = Field("paged", description="engine behind the scheduler")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights dtype")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = half the cores, at least 1")
+    max_running: int = Field(64, ge=1, description="most requests in the running batch")
+    max_kv_tokens: int = Field(0, ge=0, description="KV cache size in tokens; 0 = from memory fraction")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for KV")
+    page_size: int = Field(16, ge=1, description="tokens per KV page")
+    chunk_size: int = Field(512, ge=16, description="most prompt tokens prefilled in one step")
+    prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes")
+    cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
+
+
+class ApiSettings(CommonSettings):
+    host: str = Field("0.0.0.0", description="address the API listens on")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    api_key: str | None = Field(None, description="bearer key clients must send; none = open")
+    request_timeout_s: float = Field(600.0, gt=0, description="deadline of every request")
+    max_queued: int = Field(1024, ge=1, description="backlog of a model past which requests get 429")
+    reply_shard_keys: int = Field(256, ge=8, description="reply streams per XREAD connection")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
+
+
+class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
+    """`rsinfer up`: everything on one machine. No --redis-url starts an embedded redis-server."""
+
+    redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
+    redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
+
+
+def _is_bool(annotation: object) -> bool:
+    return annotation is bool
+
+
+def flag_parser(settings_cls: type[BaseSettings], parser: argparse.ArgumentParser) -> None:
+    """Add one `--flag` per settings field; unset flags stay None so the environment can fill them."""
+    for name, field in settings_cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description or ''} (env RSINFER_{name.upper()}, default {field.default!r})"
+        if _is_bool(field.annotation):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text,
+                                choices=_choices(field.annotation))
+
+
+def _choices(annotation: object) -> list[str] | None:
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    return None
+
+
+def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> BaseSettings:
+    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
+    return settings_cls(**given)

@@ -1,0 +1,162 @@
+"""The one typed wrapper around Redis Streams: the only code that calls XADD, XREAD, XREADGROUP, XACK,
+XAUTOCLAIM and XCLAIM.
+
+We use redis-py directly rather than FastStream's stream subscriber, because rsinfer needs what FastStream
+lacks (see shared/notes): its groups are created at `$` (a backlog written before the first worker is
+never read), it never re-reads its pending list and has no XAUTOCLAIM before Redis 8.4 (a dead
+replica's entries would stay stranded), and its binary wire headers make `XRANGE` illegible to operators.
+Here every entry is one field, `data`, holding JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
+
+from shared.messages import decode, encode
+
+log = logging.getLogger(__name__)
+
+FIELD = b"data"
+M = TypeVar("M")
+Target = Redis | Pipeline
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def add(target: Target, key: str, msg: msgspec.Struct, maxlen: int | None = None) -> Any:
+    """XADD one message. On a pipeline it is queued; on a client it returns an awaitable of the id."""
+    return target.xadd(key, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+
+
+def add_fields(target: Target, key: str, fields: dict[str, Any], maxlen: int | None = None) -> Any:
+    """XADD an untyped entry (dead letters and control wake-ups, which are not messages)."""
+    return target.xadd(key, fields, maxlen=maxlen, approximate=True)
+
+
+def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
+    return target.xack(key, group, *ids)
+
+
+async def read(redis: Redis, positions: dict[str, str], count: int, block_ms: int | None
+               ) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
+    """XREAD over many streams from the given ids; returns [(key, [(entry_id, fields)])]."""
+    resp = await redis.xread(positions, count=count, block=block_ms)
+    return [(_s(key), [(_s(eid), fields) for eid, fields in entries]) for key, entries in resp or []]
+
+
+async def read_range(redis: Redis, key: str, after: str = "-", count: int | None = None
+                     ) -> list[tuple[str, dict[bytes, bytes]]]:
+    """XRANGE from `after` (exclusive when it is an id) to the end."""
+    start = "-" if after in ("-", "0", "0-0") else f"({after}"
+    return [(_s(eid), fields) for eid, fields in await redis.xrange(key, start, "+", count=count)]
+
+
+def payload(fields: dict[bytes, bytes]) -> bytes:
+    return fields[FIELD]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Generic[M]):
+    entry_id: str
+    msg: M
+
+
+class GroupConsumer(Generic[M]):
+    """One consumer in one consumer group of one stream, decoding entries into `typ`.
+
+    An entry that cannot be decoded goes to the dead-letter stream with the error and is acknowledged:
+    the worker goes on.
+    """
+
+    def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str):
+        self.redis, self.key, self.group, self.consumer = redis, key, group, consumer
+        self.typ, self.dead_key = typ, dead_key
+
+    async def ensure_group(self) -> None:
+        """Create the group at 0, not `$`, so a backlog written before the first worker is read."""
+        try:
+            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read(self, count: int, block_ms: int | None) -> list[Delivery[M]]:
+        """New entries (`>`). Recreates the group if it vanished (Redis restarted or key deleted)."""
+        try:
+            resp = await self.redis.xreadgroup(self.group, self.consumer, {self.key: ">"},
+                                               count=count, block=block_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("group %s on %s missing; recreating", self.group, self.key)
+            await self.ensure_group()
+            return []
+        entries = resp[0][1] if resp else []
+        return await self._decode_all([(_s(eid), f) for eid, f in entries])
+
+    async def claim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
+        """Take over entries another consumer has held longer than min_idle_ms (it died or hung)."""
+        try:
+            _next, entries, _deleted = await self.redis.xautoclaim(
+                self.key, self.group, self.consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self.ensure_group()
+            return []
+        live = [(_s(eid), f) for eid, f in entries if f is not None]
+        return await self._decode_all(live)
+
+    async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
+        """Give pending entries to another consumer name with idle time maxed, so a peer's claim
+        takes them at once (graceful shutdown)."""
+        if ids:
+            await self.redis.xclaim(self.key, self.group, to_consumer, min_idle_time=0,
+                                    message_ids=list(ids), idle=10**9, justid=True)
+
+    async def pending_ids(self, count: int = 1000) -> list[str]:
+        rows = await self.redis.xpending_range(self.key, self.group, "-", "+", count,
+                                               consumername=self.consumer)
+        return [_s(r["message_id"]) for r in rows]
+
+    def ack_in(self, target: Target, ids: Sequence[str]) -> Any:
+        return ack(target, self.key, self.group, ids) if ids else None
+
+    async def ack(self, ids: Sequence[str]) -> None:
+        if ids:
+            await ack(self.redis, self.key, self.group, ids)
+
+    async def _decode_all(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[Delivery[M]]:
+        out: list[Delivery[M]] = []
+        poison: list[tuple[str, dict[bytes, bytes], str]] = []
+        for eid, fields in entries:
+            try:
+                out.append(Delivery(eid, decode(payload(fields), self.typ)))
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+                poison.append((eid, fields, f"{type(e).__name__}: {e}"))
+        if poison:
+            await self.dead_letter(poison)
+        return out
+
+    async def dead_letter(self, bad: list[tuple[str, dict[bytes, bytes], str]]) -> None:
+        """Move entries that cannot be processed to the dead-letter stream, then acknowledge them."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for eid, fields, error in bad:
+                log.error("dead-lettering %s %s: %s", self.key, eid, error)
+                raw = {f"raw_{_s(k)}": v for k, v in fields.items()}
+                add_fields(pipe, self.dead_key, {**raw, "stream": self.key, "group": self.group,
+                                                 "entry_id": eid, "error": error[:2000],
+                                                 "at": f"{time.time():.3f}"}, maxlen=10_000)
+            ack(pipe, self.key, self.group, [eid for eid, _, _ in bad])
+            await pipe.execute()

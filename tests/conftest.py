@@ -1,0 +1,14 @@
+"""Fixtures every test layer shares: the demo checkpoint, made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.demo_model import ensure_demo_model
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("models") / "rsinfer-demo")
