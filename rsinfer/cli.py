@@ -1,0 +1,96 @@
+"""`rsinfer` command line: one subcommand per process, flags generated from the settings classes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from shared.settings import (
+    ApiSettings,
+    CommonSettings,
+    DetokenizerSettings,
+    SchedulerSettings,
+    TokenizerSettings,
+    UpSettings,
+    flag_parser,
+    settings_from_args,
+)
+
+SERVICES = {
+    "api": (ApiSettings, "the OpenAI-compatible HTTP API"),
+    "tokenizer": (TokenizerSettings, "tokenizer worker (consumer group 'tokenizer')"),
+    "scheduler": (SchedulerSettings, "scheduler worker: the engine (consumer group 'scheduler')"),
+    "detokenizer": (DetokenizerSettings, "detokenizer worker (consumer group 'detokenizer')"),
+    "up": (UpSettings, "everything on one machine, with an embedded redis-server"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rsinfer", description="LLM serving over Redis Streams")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (cls, help_text) in SERVICES.items():
+        flag_parser(cls, sub.add_parser(name, help=help_text, description=help_text))
+
+    demo = sub.add_parser("demo-model", help="write a random-weight demo checkpoint to DIR")
+    demo.add_argument("dir")
+    demo.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b"])
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    insp = sub.add_parser("inspect", help="in-flight requests and stage backlogs, read from Redis")
+    flag_parser(CommonSettings, insp)
+    insp.add_argument("uid", nargs="?")
+
+    health = sub.add_parser("healthcheck", help="exit 0 if this worker's heartbeat is fresh and its loop moves")
+    flag_parser(CommonSettings, health)
+    health.add_argument("--role", required=True, choices=["api", "tokenizer", "scheduler", "detokenizer"])
+    health.add_argument("--max-stall-s", type=float, default=60.0,
+                        help="fail when the loop has had work but not moved for this long")
+
+    bench = sub.add_parser("bench", help="load generator against a running API")
+    from rsinfer.bench import add_bench_args
+
+    add_bench_args(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cmd = args.command
+    if cmd == "demo-model":
+        from shared.demo_model import make_model
+
+        print(make_model(args.dir, shape=args.shape, seed=args.seed, dtype=args.dtype))
+        return 0
+    if cmd == "bench":
+        from rsinfer.bench import run_bench
+
+        return asyncio.run(run_bench(args))
+    if cmd in ("inspect", "healthcheck"):
+        from rsinfer import tools
+
+        settings = settings_from_args(CommonSettings, args)
+        fn = tools.inspect if cmd == "inspect" else tools.healthcheck
+        return asyncio.run(fn(settings, args))
+    settings = settings_from_args(SERVICES[cmd][0], args)
+    if cmd == "up":
+        from rsinfer.up import run_up
+
+        return run_up(settings)
+    from shared.logs import setup_logging
+
+    setup_logging(settings.log_level, cmd, settings.identity())
+    if cmd == "api":
+        from services.api.main import run
+    elif cmd == "tokenizer":
+        from services.tokenizer.main import run
+    elif cmd == "scheduler":
+        from services.scheduler.main import run
+    else:
+        from services.detokenizer.main import run
+    return run(settings) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
