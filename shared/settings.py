@@ -23,6 +23,8 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
+    redis_password: str | None = Field(None, description="Redis password (overrides one in the URL)")
+    redis_tls_ca: str | None = Field(None, description="CA bundle for rediss:// URLs")
     namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
     log_level: str = Field("INFO", description="logging level")
     worker_id: str = Field("", description="this process's id in heartbeats and consumer groups (host-pid)")
@@ -30,6 +32,14 @@ class CommonSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
     request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
     reply_maxlen: int = Field(4096, description="approximate cap on entries in one reply stream")
+
+    def redis_options(self) -> dict:
+        opts: dict = {}
+        if self.redis_password:
+            opts["password"] = self.redis_password
+        if self.redis_tls_ca:
+            opts["ssl_ca_certs"] = self.redis_tls_ca
+        return opts
 
     def identity(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
