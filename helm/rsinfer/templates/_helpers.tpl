@@ -1,0 +1,259 @@
+{{/* ---------- names and labels ---------- */}}
+
+{{- define "rsinfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rsinfer.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "rsinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* What tells one component from another; call with (dict "root" $ "component" "api" "pool" "") */}}
+{{- define "rsinfer.componentLabels" -}}
+app.kubernetes.io/component: {{ .component }}
+{{- with .pool }}
+rsinfer.io/pool: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component: release + componentLabels; same argument. */}}
+{{- define "rsinfer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rsinfer.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{ include "rsinfer.componentLabels" . }}
+{{- end }}
+
+{{- define "rsinfer.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rsinfer.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Deployment name of one stage of one pool */}}
+{{- define "rsinfer.stageName" -}}
+{{- printf "%s-%s-%s" (include "rsinfer.fullname" .root) .pool.name .stage | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rsinfer.image" -}}
+{{- $img := .image -}}
+{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion ($img.tag | toString)) }}
+{{- end }}
+
+{{/* ---------- Redis ---------- */}}
+
+{{- define "rsinfer.redisNamespace" -}}
+{{- default .Release.Name .Values.redisNamespace }}
+{{- end }}
+
+{{- define "rsinfer.redisHost" -}}
+{{- printf "%s-redis" (include "rsinfer.fullname" .) }}
+{{- end }}
+
+{{- define "rsinfer.redisUrl" -}}
+{{- if eq .Values.redis.mode "internal" }}
+{{- printf "redis://%s:%d/0" (include "rsinfer.redisHost" .) (int .Values.redis.internal.port) }}
+{{- else }}
+{{- .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.redisTls" -}}
+{{- if hasPrefix "rediss://" (include "rsinfer.redisUrl" .) }}true{{ end }}
+{{- end }}
+
+{{- define "rsinfer.secretName" -}}
+{{- default (include "rsinfer.fullname" .) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
+
+{{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
+{{- define "rsinfer.settingString" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) }}
+{{- printf "%.0f" . }}
+{{- else }}
+{{- toString . }}
+{{- end }}
+{{- end }}
+
+{{/* A settings map {foo_bar: v} as env names {RSINFER_FOO_BAR: "v"} */}}
+{{- define "rsinfer.settingsEnvMap" -}}
+{{- $out := dict }}
+{{- range $k, $v := . }}
+{{- $_ := set $out (printf "RSINFER_%s" (upper $k)) (include "rsinfer.settingString" $v) }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* Every ConfigMap entry, as {scope: {ENV: value}}: "common", "api" and "<pool>.<stage>". */}}
+{{- define "rsinfer.configScopes" -}}
+{{- $common := include "rsinfer.settingsEnvMap" .Values.settings | fromYaml }}
+{{- $_ := set $common "RSINFER_REDIS_URL" (include "rsinfer.redisUrl" .) }}
+{{- $_ := set $common "RSINFER_NAMESPACE" (include "rsinfer.redisNamespace" .) }}
+{{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
+{{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
+{{- $scopes := dict "common" $common "api" $api }}
+{{- range $pool := .Values.modelPools }}
+{{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
+{{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
+{{- $env := include "rsinfer.settingsEnvMap" $cfg.settings | fromYaml }}
+{{- $_ := set $env "RSINFER_SERVED_MODEL_NAME" $pool.servedModelName }}
+{{- with include "rsinfer.modelRef" $pool }}
+{{- $_ := set $env "RSINFER_MODEL" . }}
+{{- end }}
+{{- $_ := set $scopes (printf "%s.%s" $pool.name $stage) $env }}
+{{- end }}
+{{- end }}
+{{- toYaml $scopes }}
+{{- end }}
+
+{{/* env entries reading one scope of the ConfigMap; call with (dict "root" $ "scope" "api") */}}
+{{- define "rsinfer.configEnv" -}}
+{{- $scopes := include "rsinfer.configScopes" .root | fromYaml }}
+{{- $name := printf "%s-config" (include "rsinfer.fullname" .root) }}
+{{- $prefix := ternary "" (printf "%s." .scope) (eq .scope "common") }}
+{{- range $env, $_ := get $scopes .scope }}
+- name: {{ $env }}
+  valueFrom:
+    configMapKeyRef:
+      name: {{ $name }}
+      key: {{ printf "%s%s" $prefix $env }}
+{{- end }}
+{{- end }}
+
+{{/* What every rsinfer container gets: identity, Redis, secrets, writable cache, common settings. */}}
+{{- define "rsinfer.commonEnv" -}}
+- name: RSINFER_WORKER_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{ include "rsinfer.configEnv" (dict "root" . "scope" "common") | trim }}
+- name: RSINFER_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rsinfer.secretName" . }}
+      key: {{ .Values.auth.redisPasswordKey }}
+      optional: true
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tlsCaSecret }}
+- name: RSINFER_REDIS_TLS_CA
+  value: /etc/rsinfer/redis-ca/{{ .Values.redis.external.tlsCaKey }}
+{{- end }}
+- name: RSINFER_CACHE
+  value: /var/cache/rsinfer
+- name: HOME
+  value: /tmp
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes and mounts every rsinfer container gets: writable /tmp and cache, the Redis CA. */}}
+{{- define "rsinfer.commonVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tlsCaSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.external.tlsCaSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.commonMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /var/cache/rsinfer
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tlsCaSecret }}
+- name: redis-ca
+  mountPath: /etc/rsinfer/redis-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Pod template annotations that roll pods when their configuration changes. */}}
+{{- define "rsinfer.checksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if not .Values.auth.existingSecret }}
+checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPassword | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/* ---------- model pools ---------- */}}
+
+{{/* Deep merge of two maps where the override wins key by key, false and 0 included. */}}
+{{- define "rsinfer.merge" -}}
+{{- $out := deepCopy .base }}
+{{- range $k, $v := .override }}
+{{- if and (kindIs "map" $v) (kindIs "map" (get $out $k)) }}
+{{- $_ := set $out $k (include "rsinfer.merge" (dict "base" (get $out $k) "override" $v) | fromYaml) }}
+{{- else }}
+{{- $_ := set $out $k $v }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* The configuration of one stage of one pool: stages.<stage> merged with the pool's override. */}}
+{{- define "rsinfer.stage" -}}
+{{- include "rsinfer.merge" (dict "base" (get .root.Values.stages .stage) "override" (get .pool .stage | default dict)) }}
+{{- end }}
+
+{{/* RSINFER_MODEL of a pool; empty for the demo model. */}}
+{{- define "rsinfer.modelRef" -}}
+{{- $m := .model }}
+{{- if eq $m.source "hub" }}
+{{- $m.hubId }}
+{{- else if has $m.source (list "pvc" "volume") }}
+{{- printf "/models/%s" ($m.path | default "" | trimPrefix "/") | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+
+{{/* ---------- checks the schema cannot express ---------- */}}
+
+{{- define "rsinfer.validate" -}}
+{{- $names := dict }}
+{{- $served := dict }}
+{{- range .Values.modelPools }}
+{{- if hasKey $names .name }}
+{{- fail (printf "modelPools: pool name %q is used twice" .name) }}
+{{- end }}
+{{- if hasKey $served .servedModelName }}
+{{- fail (printf "modelPools: servedModelName %q is used twice" .servedModelName) }}
+{{- end }}
+{{- $_ := set $names .name true }}
+{{- $_ := set $served .servedModelName true }}
+{{- end }}
+{{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) }}
+{{- fail "redis.mode is external: set redis.external.url (redis://host:6379/0 or rediss://...)" }}
+{{- end }}
+{{- if and .Values.redis.external.tlsCaSecret (eq .Values.redis.mode "external") (not (include "rsinfer.redisTls" .)) }}
+{{- fail "redis.external.tlsCaSecret is set but redis.external.url is not a rediss:// URL" }}
+{{- end }}
+{{- with .Values.api.terminationGracePeriodSeconds }}
+{{- $need := add (int $.Values.api.drainSeconds) (int (default 20 $.Values.api.settings.grace_period_s)) }}
+{{- if le (int .) (int $need) }}
+{{- fail (printf "api.terminationGracePeriodSeconds (%d) must exceed drainSeconds + settings.grace_period_s (%d)" (int .) (int $need)) }}
+{{- end }}
+{{- end }}
+{{- end }}
