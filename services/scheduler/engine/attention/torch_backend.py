@@ -1,0 +1,110 @@
+"""Paged attention in pure torch (the CPU backend, and the reference the CUDA backend is checked against).
+
+Per layer: scatter the new K/V into their slots, gather each row's pages into a dense [B, kv, H, D]
+tensor, and run `scaled_dot_product_attention` with an explicit mask. The mask is bottom-right
+aligned: query i of a row with q_len new tokens and kv_len cached ones sees keys 0..kv_len-q_len+i.
+SDPA's own `is_causal` is top-left aligned, which is wrong whenever a row already has cached tokens
+(chunked prefill, prefix-cache hits, recomputed tails). Masks and gather indices are the same for
+every layer, so `prepare` builds them once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.engine.attention.metadata import AttnMetadata
+from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache
+
+
+@dataclass
+class _Part:
+    """Rows [lo, hi) of the batch, gathered and masked together."""
+
+    block_table: torch.Tensor  # [B, max_pages]
+    max_kv: int
+    mask: torch.Tensor  # [B, 1, Lq, max_kv] bool, True = attend
+    max_q: int = 1
+    batch_idx: torch.Tensor | None = None  # [T] row of each token (prefill part)
+    pos_in_q: torch.Tensor | None = None  # [T] index of each token in its row
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def __init__(self, kv: KVCache):
+        self.kv = kv
+        self.device = kv.k[0].device
+
+    def prepare(self, meta: AttnMetadata) -> None:
+        nd, rows = meta.num_decode, meta.num_rows
+        meta.extra["decode"] = self._decode_part(meta, 0, nd) if nd else None
+        meta.extra["prefill"] = self._prefill_part(meta, nd, rows) if rows > nd else None
+
+    def _block_table(self, meta: AttnMetadata, lo: int, hi: int) -> torch.Tensor:
+        width = max(len(p) for p in meta.pages[lo:hi])
+        table = [p + [SCRATCH_PAGE] * (width - len(p)) for p in meta.pages[lo:hi]]
+        return torch.tensor(table, dtype=torch.int64, device=self.device)
+
+    def _decode_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
+        kv_lens = torch.tensor(meta.kv_lens[lo:hi], device=self.device)
+        max_kv = max(meta.kv_lens[lo:hi])
+        mask = torch.arange(max_kv, device=self.device)[None] < kv_lens[:, None]
+        return _Part(self._block_table(meta, lo, hi), max_kv, mask[:, None, None])
+
+    def _prefill_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
+        q_lens, kv_lens = meta.q_lens[lo:hi], meta.kv_lens[lo:hi]
+        max_q, max_kv = max(q_lens), max(kv_lens)
+        batch_idx = torch.repeat_interleave(torch.arange(hi - lo), torch.tensor(q_lens))
+        starts = torch.tensor([0, *q_lens[:-1]]).cumsum(0)
+        pos_in_q = torch.arange(len(batch_idx)) - starts[batch_idx]
+        ql = torch.tensor(q_lens, device=self.device)[:, None, None]
+        kl = torch.tensor(kv_lens, device=self.device)[:, None, None]
+        qi = torch.arange(max_q, device=self.device)[None, :, None]
+        ki = torch.arange(max_kv, device=self.device)[None, None, :]
+        # bottom-right causal; padded query rows (qi >= q_len) still see key 0, so no row is all -inf
+        mask = (ki <= kl - ql + qi) & (ki < kl)
+        return _Part(self._block_table(meta, lo, hi), max_kv, mask[:, None], max_q,
+                     batch_idx.to(self.device), pos_in_q.to(self.device))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
+                meta: AttnMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, after RoPE) -> attention output [T, Hq, D]."""
+        kp, vp = self.kv.k[layer], self.kv.v[layer]
+        heads, dim = kp.shape[-2:]
+        kp.view(-1, heads, dim)[meta.slot_mapping] = k.to(kp.dtype)
+        vp.view(-1, heads, dim)[meta.slot_mapping] = v.to(vp.dtype)
+        decode, prefill = meta.extra["decode"], meta.extra["prefill"]
+        if prefill is None:
+            return self._decode(q, kp, vp, decode, scaling)
+        if decode is None:
+            return self._prefill(q, kp, vp, prefill, scaling)
+        nd = meta.num_decode
+        return torch.cat([self._decode(q[:nd], kp, vp, decode, scaling),
+                          self._prefill(q[nd:], kp, vp, prefill, scaling)])
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, part: _Part) -> torch.Tensor:
+        rows = part.block_table.shape[0]
+        dense = pool[part.block_table].view(rows, -1, *pool.shape[-2:])[:, :part.max_kv]
+        return dense.transpose(1, 2)  # [B, Hkv, kv, D]
+
+    def _decode(self, q, kp, vp, part: _Part, scaling: float) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), self._gather(kp, part), self._gather(vp, part),
+                                           attn_mask=part.mask, scale=scaling, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _prefill(self, q, kp, vp, part: _Part, scaling: float) -> torch.Tensor:
+        rows = part.block_table.shape[0]
+        if rows == 1:
+            padded = q.unsqueeze(0)
+        else:
+            padded = q.new_zeros(rows, part.max_q, *q.shape[1:])
+            padded[part.batch_idx, part.pos_in_q] = q
+        o = F.scaled_dot_product_attention(padded.transpose(1, 2), self._gather(kp, part),
+                                           self._gather(vp, part), attn_mask=part.mask, scale=scaling,
+                                           enable_gqa=True)
+        o = o.transpose(1, 2)
+        return o[0] if rows == 1 else o[part.batch_idx, part.pos_in_q]

@@ -1,0 +1,234 @@
+"""The paged engine: continuous batching over a paged KV cache behind the scheduler's Engine interface.
+
+Each `step()` plans a batch (decodes, prompt chunks, new requests), runs it as one packed forward,
+samples a token for every sequence whose known tokens are all computed, and returns what it produced.
+A request with n > 1 choices is prefilled once; its choices then share the prompt's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.engine.attention import AttentionBackend, RowSpec
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
+from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
+from services.scheduler.engine.prefix_cache import PrefixCache
+from services.scheduler.engine.sampling import Sampler, SampleRow
+from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
+from services.scheduler.engine.sequence import Seq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_pages: int  # KV pool size in pages, the scratch page included
+    page_size: int = 16
+    max_running: int = 64  # most sequences in the running batch
+    prefill_budget: int = 512  # most prompt tokens computed per step
+    chunked_prefill: bool = True
+    prefix_cache: bool = True
+    backend: str = "auto"  # "auto" | "torch" | "flashinfer"
+    cuda_graphs: bool = False
+    shuffle_pages: int | None = None  # tests: hand out pages in a random order
+    seed: int | None = None  # of the generator of unseeded sampling
+
+
+def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
+    """flashinfer on CUDA (when installed), torch elsewhere."""
+    device = kv.k[0].device
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
+        if device.type == "cuda" and name == "torch":
+            log.warning("flashinfer is not installed (pip install rsinfer[gpu]); using torch attention on CUDA")
+    if name == "flashinfer":
+        from services.scheduler.engine.attention.flashinfer_backend import FlashInferPagedAttention
+
+        g = attention_geometry(model)
+        return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype)
+    from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
+
+    return TorchPagedAttention(kv)
+
+
+def _flashinfer_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+class PagedEngine:
+    def __init__(self, model: torch.nn.Module, eos_ids: set[int], config: EngineConfig):
+        geometry = attention_geometry(model)  # refuses unsupported architectures with the reason
+        param = next(model.parameters())
+        self.config = config
+        self.eos_ids = set(eos_ids)
+        self.max_context = max_context(model)
+        self.kv = KVCache(geometry.kv_shape(config.page_size), config.num_pages, param.dtype, param.device)
+        cache = PrefixCache() if config.prefix_cache else None
+        self.pool = PagePool(config.num_pages, cache, shuffle_seed=config.shuffle_pages)
+        self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
+                                        config.prefill_budget, config.chunked_prefill)
+        backend = make_backend(config.backend, self.kv, model, param.dtype)
+        self.runner = ModelRunner(model, backend, config.page_size)
+        if config.cuda_graphs and param.device.type == "cuda":
+            from services.scheduler.engine.cuda_graph import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running)
+        self.sampler = Sampler(self.eos_ids, param.device, config.seed)
+        self.steps = 0
+        self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
+        log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
+                 self.pool.usable, config.page_size, self.max_context)
+
+    # ---- Engine interface
+
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request; raise RequestRejected if it can never be served."""
+        p = req.params
+        prompt = list(req.input_ids)
+        self._validate(req, prompt)
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - len(prompt)
+        resumed = [list(o) for o in req.output_ids]
+        if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
+            seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1)
+            self.scheduler.waiting.append(seq)
+            return
+        for i in range(p.n):
+            prior = resumed[i] if i < len(resumed) else []
+            seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens)
+            done = self._finish_reason(seq, prior[-1]) if prior else None
+            if done:
+                self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
+            else:
+                self.scheduler.waiting.append(seq)
+
+    def _validate(self, req: EngineRequest, prompt: list[int]) -> None:
+        p = req.params
+        if not prompt:
+            raise RequestRejected("the prompt is empty: at least one input token is needed")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestRejected(f"input token ids must be in [0, {vocab})")
+        if p.n < 1:
+            raise RequestRejected("n must be at least 1")
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - len(prompt)
+        if max_tokens < 1 or len(prompt) + max_tokens > self.max_context:
+            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                  f"model's context of {self.max_context} tokens")
+        need = pages_for(len(prompt) + max_tokens, self.config.page_size)
+        if need > self.pool.usable:
+            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + max_tokens} tokens) exceeds the KV "
+                                  f"cache of {self.pool.usable * self.config.page_size} tokens")
+
+    def abort(self, uid: str) -> bool:
+        before = len(self._pending)
+        self._pending = [o for o in self._pending if o.uid != uid]
+        return bool(self.scheduler.drop(uid)) or len(self._pending) != before
+
+    def room(self) -> int:
+        """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
+        s = self.scheduler
+        if s.waiting or self.pool.available() <= s.watermark + len(s.running):
+            return 0
+        return max(0, s.max_running - len(s.running))
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._pending)
+
+    def stats(self) -> dict:
+        s, ps = self.scheduler, self.config.page_size
+        return {
+            "running": len({q.uid for q in s.running}),
+            "waiting": len({q.uid for q in s.waiting}),
+            "running_sequences": len(s.running),
+            "kv_used_tokens": self.pool.used() * ps,
+            "kv_total_tokens": self.pool.usable * ps,
+            "free_pages": self.pool.available(),
+            "total_pages": self.pool.usable,
+            "cached_pages": len(self.pool.cache) if self.pool.cache else 0,
+            "prefix_hit_tokens": s.prefix_hit_tokens,
+            "preemptions": s.preemptions,
+            "steps": self.steps,
+        }
+
+    def close(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.drop(seq.uid)
+        self._pending.clear()
+
+    # ---- the step
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        self.steps += 1
+        sampling = [sc for sc in batch if sc.samples]
+        try:
+            logits = self._forward(batch)
+        except Exception as exc:  # a failed forward fails its batch, frees its pages, and the loop goes on
+            log.exception("engine step failed; failing %d sequences", len(batch))
+            return outputs + self._fail([sc.seq for sc in batch], f"engine error: {exc}")
+        self.scheduler.computed(batch)
+        return outputs + self._sample(sampling, logits)
+
+    def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
+        rows, ids, sample_idx = [], [], []
+        for sc in batch:
+            seq = sc.seq
+            rows.append(RowSpec(seq.pages, seq.num_computed, sc.num_new))
+            ids.extend(seq.tokens[seq.num_computed:seq.num_computed + sc.num_new])
+            if sc.samples:
+                sample_idx.append(len(ids) - 1)
+        return self.runner.forward(rows, ids, sample_idx)
+
+    def _sample(self, sampling: list[Scheduled], logits: torch.Tensor) -> list[StepOutput]:
+        seqs, logit_rows = [], []
+        for j, sc in enumerate(sampling):
+            group = [sc.seq]
+            if sc.seq.forks:
+                group += self.scheduler.fork(sc.seq, sc.seq.forks)
+                sc.seq.forks = 0
+            seqs.extend(group)
+            logit_rows.extend([j] * len(group))
+        rows = [SampleRow(s.req.params, s.index, s.completion_len, s.tokens, s.prompt_len) for s in seqs]
+        if len(logit_rows) != logits.shape[0]:
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        result = self.sampler(logits, rows)
+        outputs = []
+        for k, seq in enumerate(seqs):
+            tok = result.ids[k]
+            start = seq.completion_len
+            seq.tokens.append(tok)
+            finish = self._finish_reason(seq, tok)
+            lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
+            top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
+            outputs.append(StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top))
+            if finish:
+                self.scheduler.finish(seq)
+        return outputs
+
+    def _finish_reason(self, seq: Seq, tok: int) -> str | None:
+        p = seq.req.params
+        if seq.completion_len >= p.min_tokens and (
+                (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            return "stop"
+        if seq.completion_len >= seq.max_tokens or len(seq.tokens) >= self.max_context:
+            return "length"
+        return None
+
+    def _fail(self, seqs: list[Seq], error: str) -> list[StepOutput]:
+        outputs, failed = [], set()
+        for seq in seqs:
+            if seq.uid not in failed:  # the whole request fails, with every choice
+                failed.add(seq.uid)
+                for s in self.scheduler.drop(seq.uid):
+                    for index in range(s.index, s.index + s.forks + 1):  # unforked choices fail too
+                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error))
+        return outputs

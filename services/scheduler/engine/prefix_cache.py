@@ -1,0 +1,75 @@
+"""Prefix caching by hashed full pages.
+
+A full page is named by a digest chained over every token before its end (the digest of the previous
+page plus this page's tokens), so equal digests mean equal prefixes, not just equal pages. A request
+that starts with the same tokens as an earlier one (a shared system prompt, another choice, its own
+tokens after a preemption) reuses those pages instead of recomputing them.
+
+The cache never owns a page outright: it names pages the pool has handed out, and a page whose
+readers have all gone becomes evictable, least recently released first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def chain_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """Digest of one full page given its parent's digest; 128-bit blake2b makes collisions moot."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def extend_digests(digests: list[bytes], tokens: list[int], page_size: int, upto_pages: int) -> None:
+    """Append the digests of pages len(digests)..upto_pages-1 (pages that are full in `tokens`)."""
+    upto_pages = min(upto_pages, len(tokens) // page_size)
+    for i in range(len(digests), upto_pages):
+        parent = digests[i - 1] if i else b""
+        digests.append(chain_digest(parent, tokens[i * page_size:(i + 1) * page_size]))
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self.page_of: dict[bytes, int] = {}
+        self.digest_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.hits = 0  # pages served from the cache, for stats
+
+    def match(self, digests: list[bytes]) -> list[int]:
+        """Pages of the longest cached prefix of `digests`."""
+        pages = []
+        for d in digests:
+            page = self.page_of.get(d)
+            if page is None:
+                break
+            pages.append(page)
+        self.hits += len(pages)
+        return pages
+
+    def insert(self, digest: bytes, page: int) -> None:
+        """Name a page that just became full; the first page with a given prefix wins."""
+        if digest not in self.page_of and page not in self.digest_of:
+            self.page_of[digest] = page
+            self.digest_of[page] = digest
+
+    def holds(self, page: int) -> bool:
+        return page in self.digest_of
+
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    def make_evictable(self, page: int) -> None:
+        self.evictable[page] = None
+
+    def touch(self, page: int) -> None:
+        self.evictable.pop(page, None)
+
+    def evict(self) -> int:
+        """Forget the least recently released unreferenced page and return it to the caller."""
+        page, _ = self.evictable.popitem(last=False)
+        del self.page_of[self.digest_of.pop(page)]
+        return page
+
+    def __len__(self) -> int:
+        return len(self.digest_of)

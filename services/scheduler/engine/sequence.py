@@ -1,0 +1,39 @@
+"""A sequence: one choice of one request, the unit the scheduler batches, pages and preempts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.engine.base import EngineRequest
+
+
+@dataclass(eq=False)
+class Seq:
+    req: EngineRequest
+    index: int  # choice
+    tokens: list[int]  # prompt, then completion tokens
+    prompt_len: int
+    arrival: int  # admission order; the youngest is preempted first
+    max_tokens: int  # completion tokens allowed in all (tokens resumed after a crash count)
+    num_computed: int = 0  # leading tokens whose K/V are in `pages`
+    pages: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # of full pages, for the prefix cache
+    forks: int = 0  # sibling choices to spawn from this one's prompt at its first sample
+    num_cached_pages: int = 0  # leading pages already named in the prefix cache
+
+    @property
+    def uid(self) -> str:
+        return self.req.uid
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens still to run through the model before this sequence can sample."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.to_compute == 1
