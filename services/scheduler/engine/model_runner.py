@@ -73,10 +73,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         model.config._attn_implementation = attention.ATTN_NAME
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.graphs = None  # DecodeGraphs, when CUDA graphs are on
 
     @torch.inference_mode()
     def forward(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int]) -> torch.Tensor:
         """Run the packed batch; return fp32 logits [len(sample_idx), vocab] of the given token indices."""
+        if self.graphs is not None and len(sample_idx) == len(rows) and self.graphs.fits(rows):
+            return self.graphs.run(rows, input_ids)
         meta = build_metadata(rows, self.page_size, self.device)
         self.backend.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)

@@ -78,7 +78,8 @@ class PagedEngine:
         if config.cuda_graphs and param.device.type == "cuda":
             from services.scheduler.engine.cuda_graph import DecodeGraphs
 
-            self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running)
+            self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running,
+                                                      pages_for(self.max_context, config.page_size))
         self.sampler = Sampler(self.eos_ids, param.device, config.seed)
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.sampling import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,6 @@ class _Seq:
     req: EngineRequest
     index: int
     out: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
 
 class SimpleEngine:
@@ -32,6 +32,7 @@ class SimpleEngine:
         self.max_running = max_running
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.seqs: list[_Seq] = []
+        self.sampler = Sampler(eos_ids, next(model.parameters()).device)
 
     def add(self, req: EngineRequest) -> None:
         max_tokens = req.params.max_tokens or 0
@@ -39,11 +40,8 @@ class SimpleEngine:
             raise RequestRejected(f"prompt ({len(req.input_ids)} tokens) plus max_tokens ({max_tokens}) "
                                   f"exceeds the context of {self.max_context} tokens")
         for i in range(req.params.n):
-            gen = None
-            if req.params.seed is not None:
-                gen = torch.Generator().manual_seed(req.params.seed + i)
             prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
-            self.seqs.append(_Seq(req, i, prior, gen))
+            self.seqs.append(_Seq(req, i, prior))
 
     def abort(self, uid: str) -> bool:
         before = len(self.seqs)
@@ -75,35 +73,24 @@ class SimpleEngine:
             mask[r, width - len(row):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+        result = self.sampler(logits, [SampleRow(s.req.params, s.index, len(s.out), s.req.input_ids + s.out,
+                                                 len(s.req.input_ids)) for s in self.seqs])
         outputs, keep = [], []
-        for s, row_logits in zip(self.seqs, logits, strict=True):
-            tok = self._sample(s, row_logits)
+        for k, s in enumerate(self.seqs):
+            tok = result.ids[k]
             start = len(s.out)
             s.out.append(tok)
             p = s.req.params
             finish = None
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if len(s.out) >= p.min_tokens and (
+                    (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
                 finish = "stop"
             elif len(s.out) >= (p.max_tokens or 0):
                 finish = "length"
-            outputs.append(StepOutput(s.req.uid, start, [tok], s.index, finish))
+            lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
+            top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
+            outputs.append(StepOutput(s.req.uid, start, [tok], s.index, finish, lp, top))
             if finish is None:
                 keep.append(s)
         self.seqs = keep
         return outputs
-
-    @staticmethod
-    def _sample(s: _Seq, logits: torch.Tensor) -> int:
-        p = s.req.params
-        if p.greedy:
-            return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, -1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            cut = sorted_p.cumsum(-1) - sorted_p > p.top_p
-            probs[order[cut]] = 0.0
-        return int(torch.multinomial(probs, 1, generator=s.generator))
