@@ -1,0 +1,411 @@
+"""The Helm chart: lint, render for every example values file, validate, and check what it promises."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from rsinfer.cli import build_parser
+from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
+from tests.deploy import helmbin, kube
+
+pytestmark = pytest.mark.timeout(60)
+
+CI = helmbin.CHART / "ci"
+VALUES = {
+    "defaults": [],
+    "external-redis": [CI / "external-redis-values.yaml"],
+    "internal-redis": [CI / "internal-redis-values.yaml"],
+    "keda": [CI / "keda-values.yaml"],
+    "two-pools": [CI / "two-pools-values.yaml"],
+    "cpu": [CI / "cpu-values.yaml"],
+    "keda-external-tls": [CI / "keda-values.yaml", CI / "external-redis-values.yaml"],
+}
+CASES = pytest.mark.parametrize("case", list(VALUES))
+STAGES = ("tokenizer", "scheduler", "detokenizer")
+SETTINGS = {"api": ApiSettings, "tokenizer": TokenizerSettings, "scheduler": SchedulerSettings,
+            "detokenizer": DetokenizerSettings}
+STREAMS = {"tokenizer": "tokenize", "scheduler": "schedule", "detokenizer": "detokenize"}
+# Environment the code reads outside its settings classes.
+NON_SETTINGS_ENV = {"RSINFER_CACHE"}
+
+
+def pools_of(case: str) -> list[dict]:
+    pools = yaml.safe_load((helmbin.CHART / "values.yaml").read_text())["modelPools"]
+    for path in VALUES[case]:
+        pools = yaml.safe_load(path.read_text()).get("modelPools", pools)
+    return pools
+
+
+def component(doc: dict) -> str:
+    return doc["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def config(docs: list[dict]) -> dict:
+    (cm,) = kube.by_kind(docs, "ConfigMap").values()
+    return cm["data"]
+
+
+# ---------- lint and schema validation ----------
+
+@CASES
+def test_helm_lint_strict(helm_bin, case):
+    args = helmbin.template_args(VALUES[case])
+    proc = helmbin.helm("lint", "--strict", str(helmbin.CHART), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@CASES
+def test_every_manifest_validates(render, case):
+    docs = render(VALUES[case])
+    assert docs
+    for doc in docs:
+        try:
+            kube.validate(doc)
+        except Exception as exc:  # name the object in the failure
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {exc}")
+
+
+@CASES
+def test_names_are_unique_and_short(render, case):
+    seen = set()
+    for doc in render(VALUES[case]):
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in seen, key
+        seen.add(key)
+        assert len(doc["metadata"]["name"]) <= 63
+
+
+# ---------- what every pod gets ----------
+
+@CASES
+def test_every_container_requests_resources(render, case):
+    for doc in render(VALUES[case]):
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for c in kube.containers(doc):
+                requests = c.get("resources", {}).get("requests", {})
+                assert {"cpu", "memory"} <= set(requests), (doc["metadata"]["name"], c["name"])
+
+
+@CASES
+def test_secure_defaults(render, case):
+    docs = render(VALUES[case])
+    for sa in kube.by_kind(docs, "ServiceAccount").values():
+        assert sa["automountServiceAccountToken"] is False
+    for doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        spec = kube.pod_spec(doc)
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in kube.containers(doc):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, "a read-only root filesystem needs a writable /tmp"
+
+
+@CASES
+def test_config_and_secret_references_resolve(render, case):
+    docs = render(VALUES[case])
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for c in kube.containers(doc):
+                kube.resolve_env(c, docs, pod_name="pod-0")  # raises on a dangling required reference
+
+
+# ---------- the processes: what the chart runs is what the CLI accepts ----------
+
+@CASES
+def test_one_deployment_per_stage_per_pool(render, case):
+    deployments = kube.by_kind(render(VALUES[case]), "Deployment")
+    expected = {"rs-rsinfer-api"} | {f"rs-rsinfer-{p['name']}-{s}" for p in pools_of(case) for s in STAGES}
+    assert set(deployments) == expected
+    image = {c["image"] for d in deployments.values() for c in kube.containers(d)}
+    assert image == {"rsinfer:0.1.0"}, "every stage runs the same image"
+
+
+@CASES
+def test_commands_probes_and_env_match_the_cli(render, case):
+    docs = render(VALUES[case])
+    parser = build_parser()
+    for name, dep in kube.by_kind(docs, "Deployment").items():
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        role = component(dep)
+        assert c["command"] == ["rsinfer", role], name
+        parser.parse_args(c["command"][1:] + c.get("args", []))
+        env = kube.resolve_env(c, docs, pod_name=f"{name}-abc")
+        assert env["RSINFER_WORKER_ID"] == f"{name}-abc"
+        fields = {f"RSINFER_{f.upper()}" for f in SETTINGS[role].model_fields}
+        unknown = {k for k in env if k.startswith("RSINFER_")} - fields - NON_SETTINGS_ENV
+        assert not unknown, f"{name}: no {role} setting reads {sorted(unknown)}"
+        # the settings class accepts every value the chart gives it
+        SETTINGS[role](**{k.removeprefix("RSINFER_").lower(): v for k, v in env.items()
+                          if k in fields and k != "RSINFER_REDIS_URL"})
+        if role != "api":
+            for probe in ("startupProbe", "livenessProbe"):
+                cmd = c[probe]["exec"]["command"]
+                assert cmd[:2] == ["rsinfer", "healthcheck"], cmd
+                args = parser.parse_args(cmd[1:])
+                assert args.role == role, shlex.join(cmd)
+
+
+# ---------- api ----------
+
+def test_api_service_probes_and_graceful_shutdown(render):
+    docs = render([])
+    api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
+    spec = kube.pod_spec(api)
+    (c,) = spec["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    pre_stop = c["lifecycle"]["preStop"]["httpGet"]["path"]
+    assert pre_stop.startswith("/drain?wait=")
+    drain = float(pre_stop.split("=")[1])
+    grace = float(config(docs)["api.RSINFER_GRACE_PERIOD_S"])
+    assert spec["terminationGracePeriodSeconds"] > drain + grace
+    assert c["ports"][0]["containerPort"] == int(config(docs)["api.RSINFER_PORT"]) == 8000
+    # the HPA owns the replica count; the PDB keeps some pods through node drains
+    assert "replicas" not in api["spec"]
+    (hpa,) = kube.by_kind(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "rs-rsinfer-api"
+    (pdb,) = kube.by_kind(docs, "PodDisruptionBudget").values()
+    assert pdb["spec"]["selector"]["matchLabels"] == api["spec"]["selector"]["matchLabels"]
+    (svc,) = [s for s in kube.by_kind(docs, "Service").values() if component(s) == "api"]
+    assert svc["spec"]["selector"] == api["spec"]["selector"]["matchLabels"]
+
+
+def test_api_fixed_replicas_without_hpa(render):
+    docs = render(VALUES["cpu"])
+    assert kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]["spec"]["replicas"] == 1
+    assert not kube.by_kind(docs, "HorizontalPodAutoscaler")
+
+
+def test_ingress_and_service_monitor(render):
+    docs = render(VALUES["external-redis"])
+    (ing,) = kube.by_kind(docs, "Ingress").values()
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "rs-rsinfer-api", "port": {"name": "http"}}
+    (sm,) = kube.by_kind(docs, "ServiceMonitor").values()
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_termination_grace_must_cover_drain_and_grace(render):
+    with pytest.raises(helmbin.RenderError, match="terminationGracePeriodSeconds"):
+        render(sets=["api.terminationGracePeriodSeconds=15"])
+    docs = render(sets=["api.terminationGracePeriodSeconds=120"])
+    assert kube.pod_spec(kube.by_kind(docs, "Deployment")["rs-rsinfer-api"])[
+        "terminationGracePeriodSeconds"] == 120
+
+
+# ---------- scheduler: GPUs, model, shared memory ----------
+
+def scheduler(docs, pool="demo"):
+    return kube.by_kind(docs, "Deployment")[f"rs-rsinfer-{pool}-scheduler"]
+
+
+def test_scheduler_gets_a_gpu_by_default_and_none_on_cpu(render):
+    dep = scheduler(render([]))
+    (c,) = kube.pod_spec(dep)["containers"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+        kube.pod_spec(dep)["tolerations"]
+    shm = next(v for v in kube.pod_spec(dep)["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+    docs = render(VALUES["cpu"])
+    (c,) = kube.pod_spec(scheduler(docs))["containers"]
+    assert "nvidia.com/gpu" not in str(c["resources"])
+    assert "tolerations" not in kube.pod_spec(scheduler(docs))
+    assert config(docs)["demo.scheduler.RSINFER_DEVICE"] == "cpu"
+    # tokenizers never ask for GPUs
+    for dep in kube.by_kind(docs, "Deployment").values():
+        if component(dep) != "scheduler":
+            assert "nvidia.com/gpu" not in str(dep)
+
+
+def test_model_sources(render):
+    docs = render(VALUES["internal-redis"])
+    for stage in STAGES:
+        dep = kube.by_kind(docs, "Deployment")[f"rs-rsinfer-qwen3-{stage}"]
+        env = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")
+        assert env["RSINFER_MODEL"] == "/models/Qwen3-8B"
+        assert env["RSINFER_SERVED_MODEL_NAME"] == "Qwen/Qwen3-8B"
+        assert env["HF_HUB_OFFLINE"] == "1"
+        vol = next(v for v in kube.pod_spec(dep)["volumes"] if v["name"] == "model")
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+    docs = render(VALUES["two-pools"])
+    big = scheduler(docs, "big")
+    (c,) = kube.pod_spec(big)["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert kube.pod_spec(big)["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    vol = next(v for v in kube.pod_spec(big)["volumes"] if v["name"] == "model")
+    assert vol["nfs"]["server"] == "nfs.example.internal"
+    env = kube.resolve_env(c, docs, "p")
+    assert env["RSINFER_MODEL"] == "/models/Llama-3.3-70B-Instruct"
+    assert env["RSINFER_DTYPE"] == "bfloat16" and env["RSINFER_MAX_RUNNING"] == "128"
+
+    small = scheduler(docs, "small")
+    env = kube.resolve_env(kube.pod_spec(small)["containers"][0], docs, "p")
+    assert env["RSINFER_MODEL"] == "Qwen/Qwen3-0.6B"
+    assert env["HF_HOME"].startswith("/var/cache/rsinfer")
+    assert env["RSINFER_KV_MEMORY_FRACTION"] == "0.5" and env["RSINFER_CUDA_GRAPHS"] == "true"
+    # pool overrides stay in their pool
+    assert kube.by_kind(docs, "Deployment")["rs-rsinfer-small-tokenizer"]["spec"]["replicas"] == 2
+    assert kube.by_kind(docs, "Deployment")["rs-rsinfer-big-tokenizer"]["spec"]["replicas"] == 1
+
+    docs = render([])
+    env = kube.resolve_env(kube.pod_spec(scheduler(docs))["containers"][0], docs, "p")
+    assert "RSINFER_MODEL" not in env, "the demo pool runs the built-in demo model"
+    assert env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"
+
+
+# ---------- KEDA ----------
+
+@CASES
+def test_keda_scaled_objects(render, case):
+    docs = render(VALUES[case])
+    deployments = kube.by_kind(docs, "Deployment")
+    hpa_targets = {h["spec"]["scaleTargetRef"]["name"] for h in kube.by_kind(docs, "HorizontalPodAutoscaler").values()}
+    scaled = kube.by_kind(docs, "ScaledObject")
+    auths = kube.by_kind(docs, "TriggerAuthentication")
+    cfg = config(docs)
+    url = urlparse(cfg["RSINFER_REDIS_URL"])
+    for so in scaled.values():
+        target = so["spec"]["scaleTargetRef"]["name"]
+        dep = deployments[target]
+        stage = component(dep)
+        assert stage in STAGES
+        assert "replicas" not in dep["spec"], f"{target} is scaled by KEDA: no fixed replicas"
+        assert target not in hpa_targets, f"{target} is scaled by KEDA: no HPA"
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "redis-streams"
+        meta = trigger["metadata"]
+        assert all(isinstance(v, str) for v in meta.values()), meta
+        served = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")["RSINFER_SERVED_MODEL_NAME"]
+        assert meta["stream"] == f"{cfg['RSINFER_NAMESPACE']}:{STREAMS[stage]}:{served}"
+        assert meta["consumerGroup"] == stage
+        assert int(meta["lagCount"]) >= 1, "lagCount mode (scale to zero capable, Redis 7+)"
+        assert meta["address"] == url.netloc.rsplit("@", 1)[-1]
+        assert meta["databaseIndex"] == (url.path.strip("/") or "0")
+        assert (meta.get("enableTLS") == "true") == (url.scheme == "rediss")
+        if "authenticationRef" in trigger:
+            assert trigger["authenticationRef"]["name"] in auths
+    for name, dep in deployments.items():
+        if name not in {so["spec"]["scaleTargetRef"]["name"] for so in scaled.values()}:
+            assert "replicas" in dep["spec"] or name in hpa_targets, name
+    expect_keda = "keda" in case
+    assert bool(scaled) == (expect_keda or case == "two-pools")
+    if expect_keda:
+        assert len(scaled) == 3 * len(pools_of(case))
+
+
+def test_keda_auth_uses_the_release_secrets(render):
+    docs = render(VALUES["keda-external-tls"])
+    (auth,) = kube.by_kind(docs, "TriggerAuthentication").values()
+    refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+    assert refs["password"]["name"] == "rsinfer-credentials"
+    assert refs["ca"] == {"parameter": "ca", "name": "redis-ca", "key": "ca.crt"}
+
+
+def test_pool_override_can_turn_keda_off(render):
+    docs = render(VALUES["keda"], set_json=[
+        'modelPools=[{"name":"a","servedModelName":"a","model":{"source":"demo"},'
+        '"scheduler":{"keda":{"enabled":false},"replicas":3}}]'])
+    assert {so["spec"]["scaleTargetRef"]["name"] for so in kube.by_kind(docs, "ScaledObject").values()} == {
+        "rs-rsinfer-a-tokenizer", "rs-rsinfer-a-detokenizer"}
+    assert scheduler(docs, "a")["spec"]["replicas"] == 3
+
+
+# ---------- Redis ----------
+
+def test_in_chart_redis(render):
+    docs = render(VALUES["internal-redis"])
+    (sts,) = kube.by_kind(docs, "StatefulSet").values()
+    (c,) = kube.pod_spec(sts)["containers"]
+    args = c["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert "$(REDIS_PASSWORD)" in args and "--maxmemory" in args
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+    env = kube.resolve_env(c, docs, "redis-0")
+    assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == "also-change-me"
+    cfg = config(docs)
+    assert cfg["RSINFER_REDIS_URL"] == "redis://rs-rsinfer-redis:6379/0"
+    api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
+    api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
+    assert api_env["RSINFER_REDIS_PASSWORD"] == "also-change-me"
+    assert api_env["RSINFER_API_KEY"] == "change-me"
+
+    # no password given: a generated one, the same for Redis and every client
+    docs = render([])
+    (sts,) = kube.by_kind(docs, "StatefulSet").values()
+    redis_pw = kube.resolve_env(kube.pod_spec(sts)["containers"][0], docs, "redis-0")["REDIS_PASSWORD"]
+    assert len(redis_pw) == 32
+    api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
+    api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
+    assert api_env["RSINFER_REDIS_PASSWORD"] == redis_pw
+    assert "RSINFER_API_KEY" not in api_env
+
+
+def test_external_redis_with_tls(render):
+    docs = render(VALUES["external-redis"])
+    assert not kube.by_kind(docs, "StatefulSet")
+    cfg = config(docs)
+    assert cfg["RSINFER_REDIS_URL"] == "rediss://redis.example.internal:6380/2"
+    assert cfg["RSINFER_NAMESPACE"] == "team-a"
+    assert not kube.by_kind(docs, "Secret"), "auth.existingSecret: the chart makes no Secret"
+    for dep in kube.by_kind(docs, "Deployment").values():
+        (c,) = kube.pod_spec(dep)["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RSINFER_REDIS_TLS_CA"]["value"] == "/etc/rsinfer/redis-ca/ca.crt"
+        assert env["RSINFER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rsinfer-credentials"
+        assert {"name": "redis-ca", "mountPath": "/etc/rsinfer/redis-ca", "readOnly": True} in c["volumeMounts"]
+
+
+def test_redis_namespace_defaults_to_release_and_is_configurable(render):
+    assert config(render([]))["RSINFER_NAMESPACE"] == "rs"
+    assert config(render([], release="other"))["RSINFER_NAMESPACE"] == "other"
+    docs = render(VALUES["keda"], sets=["redisNamespace=shared-b"])
+    assert config(docs)["RSINFER_NAMESPACE"] == "shared-b"
+    assert all(so["spec"]["triggers"][0]["metadata"]["stream"].startswith("shared-b:")
+               for so in kube.by_kind(docs, "ScaledObject").values())
+
+
+def test_config_change_rolls_pods(render):
+    def checksum(docs):
+        return kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]["spec"]["template"]["metadata"][
+            "annotations"]["checksum/config"]
+
+    assert checksum(render([])) != checksum(render([], sets=["settings.log_level=DEBUG"]))
+
+
+# ---------- NOTES.txt ----------
+
+def test_notes_print_the_redis_recipes_for_this_release(helm_bin, tmp_path):
+    # `helm template` does not render NOTES.txt: render it through a wrapper template in a copy.
+    chart = tmp_path / "rsinfer"
+    shutil.copytree(helmbin.CHART, chart)
+    (chart / "notes.txt").write_text((chart / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
+        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+    docs = helmbin.render([CI / "two-pools-values.yaml"], sets=["redisNamespace=llm-prod"], chart=chart)
+    notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
+    assert "--scan --pattern 'llm-prod:req:*'" in notes
+    assert "HGETALL llm-prod:req:<uid>" in notes
+    assert "SET llm-prod:abort:<uid> admin EX 300" in notes
+    for model in ("llama-70b", "qwen3-0.6b"):
+        assert f"XINFO GROUPS llm-prod:schedule:{model}" in notes
+        assert f"XPENDING llm-prod:schedule:{model} scheduler" in notes
+    assert "exec -it rs-rsinfer-redis-0 -- redis-cli" in notes
