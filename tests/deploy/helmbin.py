@@ -73,12 +73,13 @@ def fetch_helm() -> Path:
 
 
 def helm(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(find_helm()), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HELM_CACHE_HOME": str(CACHE / "home"),
-                               "HELM_CONFIG_HOME": str(CACHE / "home"), "HELM_DATA_HOME": str(CACHE / "home")})
+    home = str(CACHE / "home")  # keep helm's own state out of $HOME
+    env = {**os.environ, "HELM_CACHE_HOME": home, "HELM_CONFIG_HOME": home, "HELM_DATA_HOME": home}
+    return subprocess.run([str(find_helm()), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def template_args(values: list[str | Path] = (), sets: list[str] = (), set_json: list[str] = ()) -> list[str]:
+def template_args(values: list[str | Path] = (), sets: list[str] = (),
+                  set_json: list[str] = ()) -> list[str]:
     args: list[str] = []
     for v in values:
         args += ["-f", str(v)]

@@ -277,7 +277,8 @@ def test_model_sources(render):
 def test_keda_scaled_objects(render, case):
     docs = render(VALUES[case])
     deployments = kube.by_kind(docs, "Deployment")
-    hpa_targets = {h["spec"]["scaleTargetRef"]["name"] for h in kube.by_kind(docs, "HorizontalPodAutoscaler").values()}
+    hpas = kube.by_kind(docs, "HorizontalPodAutoscaler").values()
+    hpa_targets = {h["spec"]["scaleTargetRef"]["name"] for h in hpas}
     scaled = kube.by_kind(docs, "ScaledObject")
     auths = kube.by_kind(docs, "TriggerAuthentication")
     cfg = config(docs)
@@ -370,7 +371,8 @@ def test_external_redis_with_tls(render):
         env = {e["name"]: e for e in c["env"]}
         assert env["RSINFER_REDIS_TLS_CA"]["value"] == "/etc/rsinfer/redis-ca/ca.crt"
         assert env["RSINFER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rsinfer-credentials"
-        assert {"name": "redis-ca", "mountPath": "/etc/rsinfer/redis-ca", "readOnly": True} in c["volumeMounts"]
+        ca_mount = {"name": "redis-ca", "mountPath": "/etc/rsinfer/redis-ca", "readOnly": True}
+        assert ca_mount in c["volumeMounts"]
 
 
 def test_redis_namespace_defaults_to_release_and_is_configurable(render):
