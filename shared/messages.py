@@ -1,7 +1,7 @@
 """Every message that travels between processes, as frozen msgspec structs.
 
 Each stream entry holds one field, `data`, whose value is the JSON of one of the tagged structs below
-(`type` names it, `v` is its version), so `redis-cli XRANGE` shows it legibly. Never pickle.
+(`kind` names it, `v` is its version), so `redis-cli XRANGE` shows it legibly. Never pickle.
 Decoders ignore fields they do not know, so a newer producer can add optional fields.
 """
 
@@ -43,7 +43,7 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str | None = None
 
 
-class TokenizeJob(msgspec.Struct, frozen=True, tag="tokenize", omit_defaults=True):
+class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
     """api -> tokenizer: a new request, as the client sent it."""
 
     uid: str
@@ -60,7 +60,7 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag="tokenize", omit_defaults=Tru
     v: int = VERSION
 
 
-class ScheduleJob(msgspec.Struct, frozen=True, tag="schedule", omit_defaults=True):
+class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True):
     """tokenizer -> scheduler: a tokenized request whose max_tokens fits the context."""
 
     uid: str
@@ -83,6 +83,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     ids: list[int]
     prompt_tokens: int
     index: int = 0  # choice, for n > 1
+    n: int = 1  # choices in the request
     context: list[int] = []
     finish: str | None = None
     stop: list[str] = []
@@ -91,7 +92,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-class DetokenizeBatch(msgspec.Struct, frozen=True, tag="detokenize", omit_defaults=True):
+class DetokenizeBatch(msgspec.Struct, frozen=True, tag_field="kind", tag="detokenize", omit_defaults=True):
     """scheduler -> detokenizer: everything one engine step produced."""
 
     scheduler: str
@@ -113,7 +114,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     top_logprobs: list[TopLogprob]
 
 
-class ReplyEvent(msgspec.Struct, frozen=True, tag="delta", omit_defaults=True):
+class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omit_defaults=True):
     """detokenizer -> api (rsinfer:reply:<uid>): text for completion tokens [start, end) of one choice."""
 
     start: int
@@ -127,7 +128,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag="delta", omit_defaults=True):
     v: int = VERSION
 
 
-class ReplyError(msgspec.Struct, frozen=True, tag="error", omit_defaults=True):
+class ReplyError(msgspec.Struct, frozen=True, tag_field="kind", tag="error", omit_defaults=True):
     """Any stage -> api: the request cannot be served; `status` is the HTTP status it maps to."""
 
     message: str

@@ -62,6 +62,11 @@ async def read_range(redis: Redis, key: str, after: str = "-", count: int | None
     return [(_s(eid), fields) for eid, fields in await redis.xrange(key, start, "+", count=count)]
 
 
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def payload(fields: dict[bytes, bytes]) -> bytes:
     return fields[FIELD]
 
@@ -129,6 +134,22 @@ class GroupConsumer(Generic[M]):
         rows = await self.redis.xpending_range(self.key, self.group, "-", "+", count,
                                                consumername=self.consumer)
         return [_s(r["message_id"]) for r in rows]
+
+    async def trim_acknowledged(self) -> None:
+        """XTRIM MINID below the oldest entry any group still needs (its oldest pending entry, else its
+        last delivered one): acknowledged entries would otherwise stay in the stream forever."""
+        try:
+            groups = await self.redis.xinfo_groups(self.key)
+        except ResponseError:
+            return  # no such stream yet
+        floors = []
+        for g in groups:
+            pending = await self.redis.xpending(self.key, g["name"])
+            floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
+        if floors:
+            floor = min(floors, key=_id_tuple)
+            if floor != "0-0":
+                await self.redis.xtrim(self.key, minid=floor, approximate=True)
 
     def ack_in(self, target: Target, ids: Sequence[str]) -> Any:
         return ack(target, self.key, self.group, ids) if ids else None

@@ -1,0 +1,77 @@
+"""`rsinfer inspect` (requests and backlogs, read from Redis) and `rsinfer healthcheck` (liveness)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from shared.keys import STAGES, Keys
+from shared.redis_conn import connect
+from shared.registry import live_workers
+from shared.settings import CommonSettings
+
+
+async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
+    keys = Keys(settings.namespace)
+    redis = connect(settings.redis_url, **settings.redis_options())
+    try:
+        if args.uid:
+            record = await redis.hgetall(keys.request(args.uid))
+            if not record:
+                print(f"no request {args.uid}")
+                return 1
+            print(json.dumps({k.decode(): v.decode() for k, v in record.items()}, indent=2))
+            return 0
+        workers = await live_workers(redis, keys, settings.heartbeat_ttl_s)
+        print(f"{'ROLE':12} {'WORKER':32} {'MODEL':20} LOAD")
+        for w in sorted(workers, key=lambda w: (w.role, w.id)):
+            print(f"{w.role:12} {w.id:32} {w.model:20} {json.dumps(w.load)}")
+        print(f"\n{'MODEL':20} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
+        for model in sorted({w.model for w in workers if w.model}):
+            for stage in STAGES:
+                try:
+                    groups = await redis.xinfo_groups(keys.stage_stream(stage, model))
+                except Exception:
+                    continue
+                for g in groups:
+                    print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
+        print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
+        now = time.time()
+        async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
+            r = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
+            age = now - float(r.get("created_at", now))
+            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
+                  f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
+        return 0
+    finally:
+        await redis.aclose()
+
+
+async def healthcheck(settings: CommonSettings, args: argparse.Namespace) -> int:
+    """0 when this worker's heartbeat is fresh and its loop moved within max_stall_s. The heartbeat is
+    written by its own task, so a hung engine step shows as a fresh heartbeat with a stale loop."""
+    keys = Keys(settings.namespace)
+    redis = connect(settings.redis_url, **settings.redis_options())
+    try:
+        raw = await redis.hgetall(keys.worker(args.role, settings.identity()))
+    except Exception as e:
+        print(f"unhealthy: redis: {e}")
+        return 1
+    finally:
+        await redis.aclose()
+    if not raw:
+        print(f"unhealthy: no heartbeat for {args.role}:{settings.identity()}")
+        return 1
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    now = time.time()
+    if now - float(fields.get("updated_at", 0)) > settings.heartbeat_ttl_s:
+        print("unhealthy: heartbeat is stale")
+        return 1
+    load = json.loads(fields.get("load", "{}"))
+    stalled = now - float(load.get("last_step_at", now))
+    if stalled > args.max_stall_s:
+        print(f"unhealthy: loop has not moved for {stalled:.0f}s")
+        return 1
+    print("ok")
+    return 0

@@ -1,0 +1,125 @@
+"""`rsinfer up`: an embedded redis-server, one tokenizer, scheduler and detokenizer, and the API, each its
+own process talking only through Redis; stopped together on Ctrl-C/SIGTERM, in reverse order."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from pydantic_settings import BaseSettings
+
+from shared.logs import setup_logging
+from shared.models import resolve_model
+from shared.redis_server import RedisServer
+from shared.settings import (
+    ApiSettings,
+    DetokenizerSettings,
+    SchedulerSettings,
+    TokenizerSettings,
+    UpSettings,
+)
+
+log = logging.getLogger("rsinfer.up")
+
+ROLES: dict[str, type[BaseSettings]] = {"tokenizer": TokenizerSettings, "scheduler": SchedulerSettings,
+                                        "detokenizer": DetokenizerSettings, "api": ApiSettings}
+
+
+def child_env(settings: UpSettings, cls: type[BaseSettings], overrides: dict[str, str]) -> dict[str, str]:
+    """The environment that gives a child the settings `up` was given (flags or RSINFER_* variables)
+    for every field the child knows; the rest keep the child's own defaults."""
+    env = dict(os.environ)
+    for name in settings.model_fields_set & set(cls.model_fields):
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"RSINFER_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    env.update(overrides)
+    return env
+
+
+class Stack:
+    """Child processes of one `up`, started in pipeline order and stopped in reverse."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, role: str, env: dict[str, str]) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env)
+        self.procs.append((role, proc))
+        return proc
+
+    def dead(self) -> list[str]:
+        return [f"{role} (exit {p.returncode})" for role, p in self.procs if p.poll() is not None]
+
+    def stop(self, grace: float = 10.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_ready(url: str, stack: Stack, timeout: float = 300.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stack.dead():
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def run_up(settings: UpSettings) -> int:
+    setup_logging(settings.log_level, "up", str(os.getpid()))
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    redis_server = None if settings.redis_url else RedisServer(settings.redis_port).start()
+    redis_url = settings.redis_url or redis_server.url
+    stack = Stack()
+    try:
+        model_path, model_name = resolve_model(settings)
+        common = {"RSINFER_REDIS_URL": redis_url, "RSINFER_MODEL": model_path,
+                  "RSINFER_SERVED_MODEL_NAME": model_name}
+        single = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        for role, cls in ROLES.items():
+            stack.spawn(role, child_env(settings, cls, {**common, **({} if role == "scheduler" else single)}))
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        api_url = f"http://{host}:{settings.port}"
+        print(f"rsinfer: redis at {redis_url} (redis-cli -u {redis_url}), namespace '{settings.namespace}'",
+              flush=True)
+        print(f"rsinfer: serving model '{model_name}' from {model_path}", flush=True)
+        if not wait_ready(api_url, stack):
+            print(f"rsinfer: failed to start: {', '.join(stack.dead()) or 'not ready in time'}", flush=True)
+            return 1
+        print(f"rsinfer: ready on {api_url}  (OpenAI base URL {api_url}/v1)", flush=True)
+        while not stopping:
+            if stack.dead():
+                print(f"rsinfer: a process died: {', '.join(stack.dead())}; stopping", flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stack.stop(settings.grace_period_s)
+        if redis_server:
+            redis_server.stop()

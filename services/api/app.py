@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP API (FastAPI): endpoints of DESIGN.md, "HTTP API"."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from services.api import errors
+from services.api.errors import ApiError
+from services.api.formats import ChatFormat, CompletionFormat, Format
+from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.service import ApiService, OwnedEventSource
+from shared.registry import complete
+from shared.settings import ApiSettings
+
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/drain")
+UID_PREFIXES = ("chatcmpl-", "cmpl-")
+MAX_BODY_BYTES = 16 << 20
+M = TypeVar("M", bound=BaseModel)
+
+
+class Guard:
+    """Pure ASGI middleware (it does not buffer streams): bearer-key check and body size limit."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = None
+            auth = headers.get(b"authorization", b"").decode()
+            if self.api_key and scope["path"] not in OPEN_PATHS and auth != f"Bearer {self.api_key}":
+                error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+            length = headers.get(b"content-length")
+            if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+                error = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+            if error:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: ApiSettings) -> FastAPI:
+    svc = ApiService(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await svc.start()
+        try:
+            yield
+        finally:
+            await svc.close()
+
+    app = FastAPI(title="rsinfer", lifespan=lifespan)
+    app.state.service = svc
+    errors.install(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        await svc.admit(body.model)
+        job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
+                   messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+        fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
+                         job.params.logprobs, body.include_usage)
+        return await svc.respond(request, job, fmt, bool(body.stream), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        await svc.admit(body.model)
+        prompt, ids = body.single_prompt()
+        job = svc.new_job(body.model, body.timeout, body.background, params=body.params(), prompt=prompt,
+                   input_ids=ids)
+        fmt = CompletionFormat(f"cmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
+                               job.params.logprobs, body.include_usage)
+        return await svc.respond(request, job, fmt, bool(body.stream), "completion")
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse_body(request, GenerateRequest)
+        from services.api.native import generate as native_generate
+
+        model = body.model or _only_model(svc)
+        await svc.admit(model)
+        job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids)
+        return await native_generate(svc, request, job, body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        snap = svc.stages.snapshot
+        data = [{"id": m, "object": "model", "created": int(snap.at), "owned_by": "rsinfer"}
+                for m, counts in sorted(snap.models.items()) if complete(counts)]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/requests/{uid}")
+    async def get_request(uid: str):
+        record = await _record(svc, uid)
+        return {"id": _bare(uid), "object": "request", **record}
+
+    @app.delete("/v1/requests/{uid}")
+    async def abort_request(uid: str):
+        from shared import records
+
+        await _record(svc, uid)
+        await records.abort(svc.redis, svc.keys, _bare(uid), "api", settings.request_ttl_s)
+        return {"id": _bare(uid), "object": "request.abort", "aborted": True}
+
+    @app.get("/v1/requests/{uid}/stream")
+    async def reattach(uid: str, request: Request):
+        record = await _record(svc, uid)
+        fmt_cls = ChatFormat if record.get("kind") == "chat" else CompletionFormat
+        n = int(record.get("n", 1))
+        fmt: Format = fmt_cls(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)),
+                              n, bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+        deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
+        flight = await svc.gateway.attach(_bare(uid), n, deadline)
+        last = request.headers.get("last-event-id")
+        return OwnedEventSource(svc.stream_chunks(flight, fmt, record.get("model", ""), skip_until=last),
+                                on_close=flight.close)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        snap = svc.stages.snapshot
+        body = {"ready": snap.ready() and not svc.draining, "redis": snap.redis_ok, "draining": svc.draining,
+                "models": snap.models}
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/drain")
+    async def drain(wait: float = 0.0):
+        """preStop hook: stop taking new requests (and go unready), then give endpoints time to update."""
+        svc.draining = True
+        await asyncio.sleep(max(0.0, min(wait, 120.0)))
+        return {"draining": True, "inflight": len(svc.gateway.inflight)}
+
+    return Guard(app, settings.api_key)  # type: ignore[return-value]
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """JSON whatever the Content-Type says (`curl -d` sends form-urlencoded); errors become 400s."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _only_model(svc: ApiService) -> str:
+    models = [m for m, c in svc.stages.snapshot.models.items() if complete(c)]
+    if len(models) != 1:
+        raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"), param="model")
+    return models[0]
+
+
+def _bare(uid: str) -> str:
+    for prefix in UID_PREFIXES:
+        uid = uid.removeprefix(prefix)
+    return uid
+
+
+async def _record(svc: ApiService, uid: str) -> dict:
+    raw = await svc.redis.hgetall(svc.keys.request(_bare(uid)))
+    if not raw:
+        raise ApiError(404, f"no request `{uid}` (finished requests are kept for the TTL)", param="uid",
+                       code="request_not_found")
+    return {k.decode(): v.decode() for k, v in raw.items()}

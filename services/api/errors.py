@@ -1,0 +1,86 @@
+"""Every HTTP error in OpenAI's shape {"error": {"message", "type", "param", "code"}} with the right
+status: 400 for any bad input (never FastAPI's 422), 401, 404, 413, 429/503 with Retry-After, 504."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.api.schemas import BadRequest
+
+log = logging.getLogger(__name__)
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "server_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def redis_down() -> ApiError:
+    return ApiError(503, "the request broker (Redis) is unreachable; retry shortly", code="broker_unavailable",
+                    retry_after=1)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    ctx_error = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, BadRequest):
+        return str(ctx_error), ctx_error.param
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    where = ".".join(loc)
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return ApiError(400, str(exc), param=exc.param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RedisError)
+    async def _redis(_: Request, exc: RedisError) -> JSONResponse:
+        log.warning("redis error: %s", exc)
+        return redis_down().response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return ApiError(500, "internal error", type="server_error").response()

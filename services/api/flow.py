@@ -1,0 +1,106 @@
+"""From raw reply-stream entries to ordered events: per choice, in token-index order, each range once.
+
+Stages may write a range twice (a peer replica redoing a dead one's work) or out of order (a gap a peer
+fills after claiming it); events carry [start, end) token ranges, so the API delivers each choice's
+events in order, holds early ones and drops what it already delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from services.api.replies import Subscription
+from shared.messages import Reply, ReplyError, ReplyEvent, decode
+
+log = logging.getLogger(__name__)
+
+
+class StageFailed(Exception):
+    """A stage sent an error reply for this request."""
+
+    def __init__(self, error: ReplyError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+class OrderedReplies:
+    def __init__(self, n: int):
+        self.next = [0] * n  # next token index to deliver, per choice
+        self.held: list[dict[int, ReplyEvent]] = [{} for _ in range(n)]
+        self.finished: dict[int, str] = {}
+        self.prompt_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.next)
+
+    def accept(self, ev: ReplyEvent) -> list[ReplyEvent]:
+        """Events now deliverable, in order, after receiving `ev`."""
+        i = ev.index
+        if not 0 <= i < len(self.next) or i in self.finished:
+            return []
+        self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
+        if ev.finish_reason is not None and not ev.ids and ev.start <= self.next[i]:
+            self.finished[i] = ev.finish_reason  # an abort or error ends the choice where it stands
+            self.held[i].clear()
+            return [ev]
+        if ev.end < self.next[i] or (ev.end == self.next[i] and ev.finish_reason is None):
+            return []  # already delivered
+        if ev.start > self.next[i]:
+            self.held[i][ev.start] = ev  # a gap before it: wait for the range a peer will redo
+            return []
+        out = [ev]
+        self._advance(ev)
+        while i not in self.finished and (nxt := self.held[i].pop(self.next[i], None)) is not None:
+            out.append(nxt)
+            self._advance(nxt)
+        return out
+
+    def _advance(self, ev: ReplyEvent) -> None:
+        self.next[ev.index] = max(self.next[ev.index], ev.end)
+        if ev.finish_reason is not None:
+            self.finished[ev.index] = ev.finish_reason
+            self.held[ev.index].clear()
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.next)
+
+
+async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: float
+                         ) -> AsyncIterator[tuple[str, list[ReplyEvent]]]:
+    """Yield (last entry id, events) for everything that arrives at once, until every choice finished.
+    Raises StageFailed on an error reply, DeadlineExceeded at the deadline, HubError if Redis is gone."""
+    while not order.done:
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        try:
+            first = await asyncio.wait_for(sub.get(), remaining)
+        except TimeoutError:
+            raise DeadlineExceeded() from None
+        events: list[ReplyEvent] = []
+        last_id = first[0]
+        for entry_id, raw in [first, *sub.drain()]:
+            last_id = entry_id
+            try:
+                msg = decode(raw, Reply)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("uid=%s unreadable reply entry %s: %s", sub.uid, entry_id, e)
+                continue
+            if isinstance(msg, ReplyError):
+                if events:
+                    yield last_id, events
+                raise StageFailed(msg)
+            events.extend(order.accept(msg))
+        if events:
+            yield last_id, events

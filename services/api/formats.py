@@ -1,0 +1,144 @@
+"""Reply events -> OpenAI bodies: chat.completion(.chunk), text_completion, and SGLang's /generate.
+
+Keys OpenAI's schema requires but allows to be null are sent as null (`logprobs`, `message.refusal`,
+each chunk's `finish_reason` until the last). Events that arrive together are coalesced into one chunk
+per choice: the API's cost follows the number of chunks it sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.messages import ReplyEvent, TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp_chat(lps: list[TokenLogprob]) -> list[dict]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+             "top_logprobs": [{"token": x.token, "logprob": x.logprob, "bytes": x.bytes} for x in t.top_logprobs]}
+            for t in lps]
+
+
+def _lp_text(lps: list[TokenLogprob], offset: int) -> dict:
+    offsets, at = [], offset
+    for t in lps:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{x.token: x.logprob for x in t.top_logprobs} for t in lps], "text_offset": offsets}
+
+
+@dataclass
+class Choice:
+    """One choice's text so far (non-stream bodies and completion logprob offsets)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    length: int = 0
+    started: bool = False
+
+
+def group_by_choice(events: list[ReplyEvent]) -> dict[int, tuple[str, list[TokenLogprob], str | None]]:
+    out: dict[int, tuple[str, list[TokenLogprob], str | None]] = {}
+    for ev in events:
+        text, lps, _ = out.get(ev.index, ("", [], None))
+        out[ev.index] = (text + ev.text, lps + list(ev.logprobs or []), ev.finish_reason)
+    return out
+
+
+class Format:
+    """Base: builds bodies for one request; subclasses say how a choice looks."""
+
+    object_chunk = ""
+    object_full = ""
+
+    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool):
+        self.rid, self.model, self.created = rid, model, created
+        self.want_logprobs, self.include_usage = logprobs, include_usage
+        self.choices = [Choice() for _ in range(n)]
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def chunks(self, events: list[ReplyEvent]) -> list[dict]:
+        out = []
+        for index, (text, lps, finish) in sorted(group_by_choice(events).items()):
+            c = self.choices[index]
+            if not text and finish is None and c.started:
+                continue  # nothing visible yet (bytes held back until a character completes)
+            body = self._head(self.object_chunk)
+            body["choices"] = [self.chunk_choice(index, c, text, lps, finish)]
+            if self.include_usage:
+                body["usage"] = None
+            c.started = True
+            c.length += len(text)
+            out.append(body)
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        body = self._head(self.object_chunk)
+        body["choices"] = []
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def add(self, events: list[ReplyEvent]) -> None:
+        for ev in events:
+            c = self.choices[ev.index]
+            c.text.append(ev.text)
+            c.logprobs.extend(ev.logprobs or [])
+            c.finish_reason = ev.finish_reason or c.finish_reason
+
+    def response(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        body = self._head(self.object_full)
+        body["choices"] = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
+        raise NotImplementedError
+
+    def full_choice(self, index: int, c: Choice) -> dict:
+        raise NotImplementedError
+
+
+class ChatFormat(Format):
+    object_chunk = "chat.completion.chunk"
+    object_full = "chat.completion"
+
+    def chunk_choice(self, index, c, text, lps, finish):
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if not c.started else {}
+        if text:
+            delta["content"] = text
+        logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def full_choice(self, index, c):
+        logprobs = {"content": _lp_chat(c.logprobs), "refusal": None} if self.want_logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+class CompletionFormat(Format):
+    object_chunk = "text_completion"
+    object_full = "text_completion"
+
+    def chunk_choice(self, index, c, text, lps, finish):
+        logprobs = _lp_text(lps, c.length) if self.want_logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def full_choice(self, index, c):
+        logprobs = _lp_text(c.logprobs, 0) if self.want_logprobs else None
+        return {"index": index, "text": "".join(c.text), "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def generate_body(uid: str, c: Choice, ids: list[int], prompt_tokens: int, text: str | None = None) -> dict:
+    """SGLang's /generate shape: text, output_ids and meta_info."""
+    return {"text": "".join(c.text) if text is None else text, "output_ids": ids,
+            "meta_info": {"id": uid, "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
+                          "prompt_tokens": prompt_tokens, "completion_tokens": len(ids)}}

@@ -1,0 +1,57 @@
+"""SGLang-style `POST /generate`: text or input_ids in; text, output_ids and meta_info out."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import Request
+
+from services.api.flow import DeadlineExceeded, StageFailed
+from services.api.formats import Choice, generate_body
+from services.api.replies import HubError
+from services.api.service import DONE, ApiService, OwnedEventSource, sse_event, until_disconnect
+from shared.messages import TokenizeJob
+
+
+async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: bool):
+    flight = await svc.gateway.open(job, {"kind": "generate", "n": 1})
+    choice, ids = Choice(), []
+
+    def body() -> dict:
+        return generate_body(job.uid, choice, ids, flight.order.prompt_tokens)
+
+    async def events():
+        async for _, evs in flight.events():
+            for ev in evs:
+                choice.text.append(ev.text)
+                ids.extend(ev.ids)
+                choice.finish_reason = ev.finish_reason or choice.finish_reason
+            yield
+
+    async def chunks():
+        try:
+            async for _ in events():
+                yield sse_event(orjson.dumps(body()))
+        except (StageFailed, DeadlineExceeded, HubError) as e:
+            yield sse_event(orjson.dumps({"error": {"message": str(e) or type(e).__name__}}))
+        yield DONE
+
+    if stream:
+        return OwnedEventSource(chunks(), on_close=lambda: svc.finish(flight, job.model, "generate"))
+
+    async def collect() -> dict:
+        async for _ in events():
+            pass
+        return body()
+
+    try:
+        from services.api.service import stage_error, timeout_error
+
+        try:
+            _, result = await until_disconnect(request, collect())
+        except StageFailed as e:
+            raise stage_error(e) from None
+        except DeadlineExceeded:
+            raise timeout_error() from None
+        return result
+    finally:
+        await svc.finish(flight, job.model, "generate")

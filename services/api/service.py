@@ -1,0 +1,231 @@
+"""The API process's state and how one request is answered, streamed or not.
+
+Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
+(stream: `OwnedEventSource`), so client disconnects, deadlines and errors all release the request's
+state here and abort it in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import orjson
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from services.api.errors import ApiError, redis_down
+from services.api.flow import DeadlineExceeded, StageFailed
+from services.api.formats import Format
+from services.api.gateway import Gateway, Inflight, new_uid
+from services.api.metrics import Metrics
+from services.api.registry import StageRegistry
+from services.api.replies import HubError, ReplyHub
+from shared.keys import Keys
+from shared.messages import TokenizeJob
+from shared.redis_conn import connect
+from shared.registry import Heartbeat
+from shared.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(data: bytes, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+DONE = sse_event(b"[DONE]")
+
+
+class OwnedEventSource(EventSourceResponse):
+    """An SSE response that runs `on_close` when it ends for any reason, even if its generator never
+    started (a client that left before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any):
+        super().__init__(content, sep="\n", ping=15, headers=SSE_HEADERS, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+def stage_error(e: StageFailed) -> ApiError:
+    err = e.error
+    return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
+
+
+def timeout_error() -> ApiError:
+    return ApiError(504, "the request did not finish before its deadline", code="request_timeout")
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` unless the client goes away first: (True, result) or (False, None)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return (False, None) if gone else (True, task.result())
+
+
+class ApiService:
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.pod = settings.identity()
+        self.keys = Keys(settings.namespace)
+        self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
+        self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
+                            settings.reply_shard_keys)
+        self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
+        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s)
+        self.metrics = Metrics(self.stages)
+        self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
+                                   settings.heartbeat_ttl_s, self.load)
+        self.draining = False
+
+    def load(self) -> dict:
+        return {"inflight": len(self.gateway.inflight), "subscriptions": self.hub.subscriptions,
+                "draining": self.draining}
+
+    async def start(self) -> None:
+        await self.stages.refresh()
+        self.stages.start()
+        self.heartbeat.start()
+        log.info("api ready: pod=%s redis_ok=%s models=%s", self.pod, self.stages.snapshot.redis_ok,
+                 sorted(self.stages.snapshot.models))
+
+    async def close(self) -> None:
+        for flight in list(self.gateway.inflight.values()):
+            flight.end_reason = "server_shutdown"
+            await flight.close()
+        await self.heartbeat.stop()
+        await self.stages.stop()
+        await self.hub.close()
+        await self.redis.aclose()
+
+    def new_job(self, model: str, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
+        return TokenizeJob(uid=new_uid(), model=model, pod=self.pod, created_at=time.time(),
+                           deadline=self.gateway.deadline(timeout), background=bool(background), **fields)
+
+    # -- admission --------------------------------------------------------------------------------------
+    async def admit(self, model: str) -> None:
+        if self.draining:
+            raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
+        snap = self.stages.snapshot
+        if model not in snap.models:
+            snap = await self.stages.refresh()  # a worker may have come up since the last refresh
+        if not snap.redis_ok:
+            raise redis_down()
+        if model not in snap.models:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if snap.queued(model) >= self.settings.max_queued:
+            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued; retry shortly",
+                           code="overloaded", retry_after=1)
+
+    # -- answering --------------------------------------------------------------------------------------
+    async def respond(self, request: Request, job: TokenizeJob, fmt: Format, stream: bool, kind: str):
+        record = {"kind": kind, "n": job.params.n, "rid": fmt.rid, "created": fmt.created,
+                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs)}
+        flight = await self.gateway.open(job, record)
+        self.metrics.inflight.labels(job.model).inc()
+        if stream:
+            return OwnedEventSource(self.stream_chunks(flight, fmt, job.model),
+                                    on_close=lambda: self.finish(flight, job.model, "stream"),
+                                    send_timeout=30)
+        try:
+            connected, result = await until_disconnect(request, self.collect(flight, fmt, job.model))
+            if not connected:
+                return None
+            return result
+        finally:
+            await self.finish(flight, job.model, "full")
+
+    async def collect(self, flight: Inflight, fmt: Format, model: str) -> dict:
+        try:
+            async for _, events in flight.events():
+                self._first_token(flight, model)
+                fmt.add(events)
+        except StageFailed as e:
+            raise stage_error(e) from None
+        except DeadlineExceeded:
+            flight.end_reason = "timeout"
+            raise timeout_error() from None
+        except HubError:
+            flight.end_reason = "broker_unavailable"
+            raise redis_down() from None
+        return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens)
+
+    async def stream_chunks(self, flight: Inflight, fmt: Format, model: str,
+                            skip_until: str | None = None) -> AsyncIterator[bytes]:
+        """SSE events for one request; entries up to `skip_until` (Last-Event-ID) are not sent again."""
+        try:
+            async for last_id, events in flight.events():
+                self._first_token(flight, model)
+                chunks = fmt.chunks(events)
+                if skip_until and not _after(last_id, skip_until):
+                    continue
+                for chunk in chunks:
+                    yield sse_event(orjson.dumps(chunk), last_id)
+            if fmt.include_usage:
+                yield sse_event(orjson.dumps(fmt.usage_chunk(flight.order.prompt_tokens,
+                                                             flight.order.completion_tokens)))
+        except StageFailed as e:
+            yield sse_event(orjson.dumps(stage_error(e).body()))
+        except DeadlineExceeded:
+            flight.end_reason = "timeout"
+            yield sse_event(orjson.dumps(timeout_error().body()))
+        except HubError:
+            flight.end_reason = "broker_unavailable"
+            yield sse_event(orjson.dumps(redis_down().body()))
+        yield DONE
+
+    def _first_token(self, flight: Inflight, model: str) -> None:
+        if flight.first_token_at is None:
+            flight.first_token_at = time.monotonic()
+            self.metrics.ttft.labels(model).observe(flight.first_token_at - flight.started)
+
+    async def finish(self, flight: Inflight, model: str, endpoint: str) -> None:
+        if flight.closed:
+            return
+        await flight.close()
+        if not flight.owner:
+            return
+        status = "ok" if flight.done else flight.end_reason
+        self.metrics.inflight.labels(model).dec()
+        self.metrics.requests.labels(model, endpoint, status).inc()
+        self.metrics.duration.labels(model).observe(time.monotonic() - flight.started)
+        self.metrics.prompt_tokens.labels(model).inc(flight.order.prompt_tokens)
+        self.metrics.generated_tokens.labels(model).inc(flight.order.completion_tokens)
+
+
+def _after(entry_id: str, other: str) -> bool:
+    def parts(x: str) -> tuple[int, int]:
+        ms, _, seq = x.partition("-")
+        return int(ms), int(seq or 0)
+
+    try:
+        return parts(entry_id) > parts(other)
+    except ValueError:
+        return True

@@ -1,0 +1,126 @@
+"""Incremental detokenization with no per-request state.
+
+The text of a completion through token k is defined as the decoded text of tokens [0, k) with two
+things held back: trailing incomplete UTF-8 (decoded as U+FFFD, as SGLang's DecodeStatus holds it) and a
+trailing piece that could still grow into a stop string. The text sent for tokens [start, end) is the
+difference between that text at `end` and at `start`, computed from a window of the tokens just before
+`start` (`TokenDelta.context`, sent by the scheduler). So any replica turns the same range into the same
+text, and a replica that takes over a dead peer's entries needs nothing from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.messages import TokenDelta, TokenLogprob, TopLogprob
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    text: str
+    stopped: bool  # a stop string ended this choice; text is cut before it
+
+
+def stop_hold(text: str, stops: Iterable[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+def visible(text: str, stops: list[str], final: bool) -> str:
+    """What may be shown of `text` now: all of it when final, else minus held-back parts."""
+    if final:
+        return text
+    text = text.rstrip(REPLACEMENT)
+    return text[: len(text) - stop_hold(text, stops)] if stops else text
+
+
+def render_delta(before: str, after: str, stops: list[str], final: bool) -> Rendered:
+    """Text to send for the tokens that turned window text `before` into `after`."""
+    shown = visible(before, stops, final=False)
+    if not after.startswith(shown):  # decoding merged across the boundary; never resend text
+        shown = after[: _common_prefix(shown, after)]
+    cut = _first_stop(after, stops, len(shown))
+    if cut is not None:
+        return Rendered(after[len(shown):max(cut, len(shown))], True)
+    return Rendered(visible(after, stops, final)[len(shown):], False)
+
+
+def _first_stop(text: str, stops: list[str], shown: int) -> int | None:
+    """Start of the earliest stop string ending past what was already shown."""
+    hits = [i for s in stops if s and (i := text.find(s, max(0, shown - len(s) + 1))) != -1]
+    return min(hits) if hits else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def merge_deltas(items: list[TokenDelta]) -> list[TokenDelta]:
+    """Join consecutive, contiguous deltas of the same choice (several engine steps in one read) so
+    that one reply entry carries them all."""
+    import msgspec
+
+    out: list[TokenDelta] = []
+    last: dict[tuple[str, int], int] = {}
+    for it in items:
+        key = (it.uid, it.index)
+        j = last.get(key)
+        prev = out[j] if j is not None else None
+        if prev is not None and prev.finish is None and prev.start + len(prev.ids) == it.start:
+            out[j] = msgspec.structs.replace(
+                prev, ids=prev.ids + it.ids, finish=it.finish,
+                logprobs=_concat(prev.logprobs, it.logprobs), top_logprobs=_concat(prev.top_logprobs,
+                                                                                   it.top_logprobs))
+        else:
+            last[key] = len(out)
+            out.append(it)
+    return out
+
+
+def _concat(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else (a or []) + (b or [])
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def render(self, items: list[TokenDelta]) -> list[Rendered]:
+        """Render many deltas with two batched decodes per skip_special_tokens setting."""
+        out: list[Rendered | None] = [None] * len(items)
+        for skip in (True, False):
+            idx = [i for i, it in enumerate(items) if it.skip_special_tokens == skip]
+            if not idx:
+                continue
+            windows = [items[i].context for i in idx] + [items[i].context + items[i].ids for i in idx]
+            texts = self.tokenizer.batch_decode(windows, skip_special_tokens=skip,
+                                                clean_up_tokenization_spaces=False)
+            for k, i in enumerate(idx):
+                it = items[i]
+                out[i] = render_delta(texts[k], texts[k + len(idx)], it.stop, it.finish is not None)
+        return out  # type: ignore[return-value]
+
+    def logprobs(self, it: TokenDelta) -> list[TokenLogprob] | None:
+        if it.logprobs is None:
+            return None
+        tops = it.top_logprobs or [[] for _ in it.ids]
+        return [TokenLogprob(token=(t := self._token(tid)), logprob=lp, bytes=list(t.encode()),
+                             top_logprobs=[TopLogprob(token=(s := self._token(i)), logprob=v,
+                                                      bytes=list(s.encode())) for i, v in top])
+                for tid, lp, top in zip(it.ids, it.logprobs, tops, strict=False)]
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,95 @@
+"""Detokenizer worker: consumer group `detokenizer` on rsinfer:detokenize:<model> -> rsinfer:reply:<uid>.
+
+Each read is one batch of engine steps: contiguous tokens of a choice are merged into one reply entry,
+all windows are decoded together, and one pipeline writes every reply entry (EXPIRE only when a request
+starts, ends or crosses a refresh mark, not per token) and acknowledges the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
+from shared import records
+from shared.keys import DETOKENIZER_GROUP
+from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
+from shared.models import load_tokenizer, resolve_model
+from shared.settings import DetokenizerSettings
+from shared.streams import Delivery
+from shared.worker import StageWorker, serve
+
+log = logging.getLogger(__name__)
+
+REFRESH_EVERY_TOKENS = 64  # refresh TTLs and the record's token count this often on long requests
+STATUS_OF = {"stop": "finished", "length": "finished", "abort": "aborted", "error": "failed"}
+FINISHED_MEMORY = 50_000
+
+
+class DetokenizerWorker(StageWorker[DetokenizeBatch]):
+    role = "detokenizer"
+    group = DETOKENIZER_GROUP
+    message_type = DetokenizeBatch
+
+    def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
+        super().__init__(settings, model_name)
+        self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
+        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
+        # Choices this replica ended on a stop string: later steps the scheduler made before it saw the
+        # abort flag are dropped. Bounded; the API also ignores anything after a choice's final entry.
+        self.finished: OrderedDict[tuple[str, int], None] = OrderedDict()
+
+    def load(self) -> dict:
+        return {**super().load(), "finished_tracked": len(self.finished)}
+
+    async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
+        items = [it for d in batch for it in d.msg.items if (it.uid, it.index) not in self.finished]
+        # Claimed entries are rendered one step at a time: a dead peer may have written some of them
+        # already, and equal ranges are what lets the API drop duplicates exactly.
+        if not claimed:
+            items = merge_deltas(items)
+        rendered = await asyncio.to_thread(self.detok.render, items) if items else []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for it, r in zip(items, rendered, strict=True):
+                self._send(pipe, it, r)
+            self.source.ack_in(pipe, [d.entry_id for d in batch])
+            await pipe.execute()
+
+    def _send(self, pipe, it: TokenDelta, r: Rendered) -> None:
+        finish = "stop" if r.stopped else it.finish
+        end = it.start + len(it.ids)
+        event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
+                           index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it))
+        mark = it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
+        records.reply(pipe, self.keys, it.uid, event, self.ttl, self.maxlen, refresh_ttl=mark)
+        if finish is not None:
+            records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
+                               finish_reason=finish, completion_tokens=end)
+            self._remember(it.uid, it.index)
+            if r.stopped and it.finish is None:
+                log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
+                self._stop_engine(pipe, it)
+        elif mark:
+            records.set_status(pipe, self.keys, it.uid, self.ttl, completion_tokens=end)
+
+    def _stop_engine(self, pipe, it: TokenDelta) -> None:
+        """Tell the scheduler to stop spending compute: the abort flag with reason "stop". With n > 1
+        one flag would stop every choice, so there the choice's later tokens are dropped instead."""
+        if it.n == 1:
+            records.abort(pipe, self.keys, it.uid, "stop", self.ttl)
+
+    def _remember(self, uid: str, index: int) -> None:
+        self.finished[(uid, index)] = None
+        while len(self.finished) > FINISHED_MEMORY:
+            self.finished.popitem(last=False)
+
+
+def run(settings: DetokenizerSettings) -> int:
+    model_path, model_name = resolve_model(settings)
+
+    async def build() -> DetokenizerWorker:
+        return DetokenizerWorker(settings, model_path, model_name)
+
+    asyncio.run(serve(build))
+    return 0

@@ -1,0 +1,81 @@
+"""Prompt -> token ids, batched: chat template for messages, plain encoding for text prompts.
+
+A job the model cannot serve (empty prompt, prompt plus max_tokens past the context, a template error,
+token ids outside the vocabulary) becomes a ReplyError with HTTP status 400, never a silent drop.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.messages import ReplyError, ScheduleJob, TokenizeJob
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ReplyError:
+    return ReplyError(message=message, status=400, type="invalid_request_error", param=param, code=code)
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, max_context: int):
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, jobs: list[TokenizeJob]) -> list[ScheduleJob | ReplyError]:
+        """One result per job, in order. Texts are encoded in two batched calls (chat and plain)."""
+        results: list[ScheduleJob | ReplyError | None] = [None] * len(jobs)
+        chat: dict[int, str] = {}
+        plain: dict[int, str] = {}
+        for i, job in enumerate(jobs):
+            if job.input_ids is not None:
+                results[i] = self._from_ids(job, job.input_ids)
+            elif job.messages is not None:
+                rendered = self._render_chat(job)
+                if isinstance(rendered, ReplyError):
+                    results[i] = rendered
+                else:
+                    chat[i] = rendered
+            else:
+                plain[i] = job.prompt or ""
+        for texts, special in ((chat, False), (plain, True)):
+            if texts:
+                encoded = self.tokenizer(list(texts.values()), add_special_tokens=special)["input_ids"]
+                for i, ids in zip(texts, encoded, strict=True):
+                    results[i] = self.fit(jobs[i], list(ids))
+        return results  # type: ignore[return-value]
+
+    def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
+        messages = [msgspec.structs.asdict(m) for m in job.messages or []]
+        for m in messages:
+            if m.get("name") is None:
+                m.pop("name", None)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=job.add_generation_prompt, tokenize=False)
+        except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
+            return invalid(f"the chat template rejected the messages: {e}", param="messages")
+
+    def _from_ids(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return invalid(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+        return self.fit(job, ids)
+
+    def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
+        """Fill max_tokens from the context left, or refuse a request that cannot fit."""
+        n, limit = len(ids), self.max_context
+        if n == 0:
+            return invalid("the prompt is empty after tokenization", "prompt")
+        if n >= limit:
+            return invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                           f"has {n} tokens.", "messages", "context_length_exceeded")
+        max_tokens = job.params.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif n + max_tokens > limit:
+            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                           "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
+                           deadline=job.deadline, params=msgspec.structs.replace(job.params, max_tokens=max_tokens),
+                           input_ids=ids, background=job.background)

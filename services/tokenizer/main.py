@@ -1,0 +1,78 @@
+"""Tokenizer worker: consumer group `tokenizer` on rsinfer:tokenize:<model> -> rsinfer:schedule:<model>.
+
+Each read is one batch: skip aborted and expired jobs, encode the rest together, then one pipeline
+writes the schedule entries, request records and error replies and acknowledges the whole read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from services.tokenizer.encode import PromptEncoder
+from shared import records, streams
+from shared.keys import TOKENIZER_GROUP
+from shared.messages import ReplyError, ScheduleJob, TokenizeJob
+from shared.models import context_length, load_tokenizer, resolve_model
+from shared.settings import TokenizerSettings
+from shared.streams import Delivery
+from shared.worker import StageWorker, serve
+
+log = logging.getLogger(__name__)
+
+
+def timeout_error() -> ReplyError:
+    return ReplyError(message="the request passed its deadline", status=504, type="timeout",
+                      code="request_timeout")
+
+
+class TokenizerWorker(StageWorker[TokenizeJob]):
+    role = "tokenizer"
+    group = TOKENIZER_GROUP
+    message_type = TokenizeJob
+
+    def __init__(self, settings: TokenizerSettings, model_path: str, model_name: str):
+        super().__init__(settings, model_name)
+        self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
+                                     context_length(model_path, settings.trust_remote_code))
+        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
+
+    async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
+        jobs = [d.msg for d in batch]
+        aborted = await records.abort_reasons(self.redis, self.keys, (j.uid for j in jobs))
+        now = time.time()
+        todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
+        encoded = dict(zip((j.uid for j in todo), await asyncio.to_thread(self.encoder.encode, todo),
+                           strict=True))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                self._route(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
+            self.source.ack_in(pipe, [d.entry_id for d in batch])
+            await pipe.execute()
+
+    def _route(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None, aborted: str | None):
+        uid, keys = job.uid, self.keys
+        if aborted is not None:
+            log.info("uid=%s skipped: aborted (%s)", uid, aborted)
+            records.end_aborted(pipe, keys, uid, job.params.n, aborted, self.ttl, self.maxlen)
+        elif result is None:
+            log.info("uid=%s skipped: deadline passed", uid)
+            records.end_failed(pipe, keys, uid, timeout_error(), self.ttl, self.maxlen)
+        elif isinstance(result, ReplyError):
+            log.info("uid=%s refused: %s", uid, result.message)
+            records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
+        else:
+            streams.add(pipe, keys.schedule(self.model_name), result)
+            records.set_status(pipe, keys, uid, self.ttl, "tokenized", prompt_tokens=len(result.input_ids),
+                               max_tokens=result.params.max_tokens)
+
+
+def run(settings: TokenizerSettings) -> int:
+    model_path, model_name = resolve_model(settings)
+
+    async def build() -> TokenizerWorker:
+        return TokenizerWorker(settings, model_path, model_name)
+
+    asyncio.run(serve(build))
+    return 0

@@ -1,0 +1,37 @@
+"""Which checkpoint a stage serves and under which name."""
+
+from __future__ import annotations
+
+import os
+
+from shared.settings import DEMO_MODEL_NAME, StageSettings
+
+
+def resolve_model(settings: StageSettings) -> tuple[str, str]:
+    """(checkpoint path or hub id, served model name). No --model means the locally made demo model."""
+    if not settings.model:
+        from shared.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model()), settings.served_model_name or DEMO_MODEL_NAME
+    path = settings.model
+    # A hub id keeps its full name, as other servers do.
+    name = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
+    return path, settings.served_model_name or name
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def context_length(path: str, trust_remote_code: bool = False) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = getattr(config, "text_config", None) or config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

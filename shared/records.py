@@ -1,0 +1,78 @@
+"""Per-request keys every stage writes: the request record (`rsinfer:req:<uid>`), the reply stream and
+the abort flag. Every write refreshes the key's TTL, so nothing outlives its request.
+
+The helpers queue commands on a pipeline; the caller executes it once for a whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from shared import streams
+from shared.keys import Keys
+
+STATUSES = ("queued", "tokenized", "running", "finished", "aborted", "failed")
+
+
+def set_status(pipe: Pipeline, keys: Keys, uid: str, ttl: int, status: str | None = None,
+               **fields: Any) -> None:
+    """HSET the request record (status plus any fields, e.g. prompt_tokens) and refresh its TTL."""
+    mapping = {k: _field(v) for k, v in fields.items() if v is not None}
+    if status:
+        mapping["status"] = status
+    mapping["updated_at"] = f"{time.time():.3f}"
+    pipe.hset(keys.request(uid), mapping=mapping)
+    pipe.expire(keys.request(uid), ttl)
+
+
+def _field(v: Any) -> str | int | float:
+    return v if isinstance(v, str | int | float) and not isinstance(v, bool) else str(v)
+
+
+def reply(pipe: Pipeline, keys: Keys, uid: str, msg: msgspec.Struct, ttl: int, maxlen: int,
+          refresh_ttl: bool = True) -> None:
+    """XADD to the request's reply stream; EXPIRE with it because XADD alone neither sets nor keeps one."""
+    streams.add(pipe, keys.reply(uid), msg, maxlen=maxlen)
+    if refresh_ttl:
+        pipe.expire(keys.reply(uid), ttl)
+
+
+def abort(pipe: Pipeline | Redis, keys: Keys, uid: str, reason: str, ttl: int) -> Any:
+    """Set the abort flag: every stage drops the request at its next look. The value is the reason."""
+    return pipe.set(keys.abort(uid), reason, ex=ttl)
+
+
+async def abort_reasons(redis: Redis, keys: Keys, uids: Iterable[str]) -> dict[str, str]:
+    """uid -> reason for each uid whose abort flag is set, in one round trip (cluster-safe pipeline)."""
+    uids = list(uids)
+    if not uids:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for uid in uids:
+            pipe.get(keys.abort(uid))
+        values = await pipe.execute()
+    return {uid: v.decode() for uid, v in zip(uids, values, strict=True) if v is not None}
+
+
+def end_aborted(pipe: Pipeline, keys: Keys, uid: str, n: int, reason: str, ttl: int, maxlen: int,
+                prompt_tokens: int = 0, completed: dict[int, int] | None = None) -> None:
+    """Finish every choice of a request with finish_reason "abort" (the reason goes to the record)."""
+    from shared.messages import ReplyEvent
+
+    for i in range(n):
+        end = (completed or {}).get(i, 0)
+        reply(pipe, keys, uid, ReplyEvent(start=end, end=end, text="", prompt_tokens=prompt_tokens, index=i,
+                                          finish_reason="abort"), ttl, maxlen)
+    set_status(pipe, keys, uid, ttl, "aborted", finish_reason="abort", error=f"aborted: {reason}")
+
+
+def end_failed(pipe: Pipeline, keys: Keys, uid: str, error: Any, ttl: int, maxlen: int) -> None:
+    """Send a ReplyError to the client and mark the request failed."""
+    reply(pipe, keys, uid, error, ttl, maxlen)
+    set_status(pipe, keys, uid, ttl, "failed", finish_reason="error", error=error.message[:500])

@@ -1,0 +1,130 @@
+"""What every stage worker shares: build, report ready, loop, close in `finally` in reverse order.
+
+A worker consumes one stream through one consumer group. Its loop survives Redis outages (backoff and
+retry; groups are recreated when Redis comes back empty), periodically claims entries a dead peer left
+pending, and trims entries every group member has acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from redis.exceptions import RedisError
+
+from shared.keys import Keys
+from shared.redis_conn import connect
+from shared.registry import Heartbeat
+from shared.settings import StageSettings
+from shared.streams import Delivery, GroupConsumer
+
+log = logging.getLogger(__name__)
+M = TypeVar("M")
+
+TRIM_EVERY_S = 10.0
+MAX_BACKOFF_S = 2.0
+
+
+class StageWorker(Generic[M]):
+    role: str = ""
+    group: str = ""
+    message_type: type
+
+    def __init__(self, settings: StageSettings, model_name: str):
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.id = settings.identity()
+        self.model_name = model_name
+        self.redis = connect(settings.redis_url, **settings.redis_options())
+        self.source = GroupConsumer[M](self.redis, self.keys.stage_stream(self.role, model_name), self.group,
+                                       self.id, self.message_type, self.keys.dead())
+        self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
+                                   settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load)
+        self.stopping = asyncio.Event()
+        self.steps = 0
+        self.last_step_at = time.time()
+        self._last_claim = 0.0
+        self._last_trim = 0.0
+
+    # -- hooks for subclasses -------------------------------------------------------------------------
+    async def handle(self, batch: list[Delivery[M]], claimed: bool) -> None:
+        raise NotImplementedError
+
+    def load(self) -> dict:
+        return {"steps": self.steps, "last_step_at": round(self.last_step_at, 3)}
+
+    def read_count(self) -> int:
+        return self.settings.batch_size
+
+    # -- the shape every worker has -------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.source.ensure_group()
+        await self.heartbeat.beat()
+        self.heartbeat.start()
+        log.info("%s ready: model=%s stream=%s", self.role, self.model_name, self.source.key)
+
+    async def loop(self) -> None:
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                await self.iteration()
+                backoff = 0.1
+            except (RedisError, OSError) as e:
+                log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    async def iteration(self) -> None:
+        """Receive, do, send, acknowledge: one read (claims first when due) handled as one batch."""
+        batch, claimed = await self.receive()
+        if batch:
+            await self.handle(batch, claimed)
+            self.steps += 1
+        self.last_step_at = time.time()  # the loop moved (liveness), busy or idle
+        await self.housekeeping()
+
+    async def receive(self, block_ms: int | None = 1000) -> tuple[list[Delivery[M]], bool]:
+        count = self.read_count()
+        if count <= 0:
+            return [], False
+        now = time.time()
+        if now - self._last_claim > self.settings.claim_idle_ms / 2000:
+            self._last_claim = now
+            claimed = await self.source.claim(self.settings.claim_idle_ms, count)
+            if claimed:
+                log.info("claimed %d entries a dead or stuck peer left pending", len(claimed))
+                return claimed, True
+        return await self.source.read(count, block_ms), False
+
+    async def housekeeping(self) -> None:
+        now = time.time()
+        if now - self._last_trim > TRIM_EVERY_S:
+            self._last_trim = now
+            await self.source.trim_acknowledged()
+
+    async def close(self) -> None:
+        await self.heartbeat.stop()
+        await self.redis.aclose()
+
+    def request_stop(self) -> None:
+        self.stopping.set()
+
+
+async def serve(build: Callable[[], Awaitable[StageWorker]]) -> None:
+    """Build a worker, report it ready, run its loop until SIGTERM/SIGINT, then close it."""
+    worker = await build()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    try:
+        await worker.start()
+        await worker.loop()
+    finally:
+        with contextlib.suppress(Exception):
+            await worker.close()
+        log.info("%s stopped", worker.role)
