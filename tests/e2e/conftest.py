@@ -1,0 +1,131 @@
+"""End-to-end fixtures: a real redis-server on a free port and real rsinfer processes, started once per
+session (each process imports torch). Tests that kill or restart processes start their own stack in
+their own namespace on the same redis-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from shared.keys import Keys
+from shared.redis_server import RedisServer, free_port
+
+MODEL = "rsinfer-demo"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@dataclass
+class Stack:
+    """A set of rsinfer processes sharing one namespace on the test redis-server."""
+
+    redis_url: str
+    model_dir: Path
+    namespace: str
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    port: int = 0
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.namespace)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+        env.update(RSINFER_REDIS_URL=self.redis_url, RSINFER_NAMESPACE=self.namespace,
+                   RSINFER_MODEL=str(self.model_dir), RSINFER_SERVED_MODEL_NAME=MODEL,
+                   RSINFER_HEARTBEAT_TTL_S="3", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   RSINFER_THREADS="1", **extra)
+        return env
+
+    def start(self, name: str, role: str, **extra: str) -> subprocess.Popen:
+        """Start `rsinfer <role>` as process `name` (worker id = name; `up` names its own children)."""
+        serves_http = role in ("api", "up")
+        if serves_http and not self.port:
+            self.port = free_port()
+        if role != "up":
+            extra.setdefault("RSINFER_WORKER_ID", name)
+        env = self.env(**({"RSINFER_PORT": str(self.port)} if serves_http else {}), **extra)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (owned by the child)
+        proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(30)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"processes died: {dead}; logs in {self.log_dir}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"stack not ready; logs in {self.log_dir}")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def new_stack(redis_server: RedisServer, model_dir: Path, tmp_path_factory, prefix: str) -> Stack:
+    ns = f"{prefix}{uuid.uuid4().hex[:6]}"
+    return Stack(redis_server.url, model_dir, ns, tmp_path_factory.mktemp(f"logs-{ns}"))
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
+    """`rsinfer up` on a free port against the test redis-server, for the whole session."""
+    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "e2e")
+    try:
+        s.start("up", "up")
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()

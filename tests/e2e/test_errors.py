@@ -1,0 +1,97 @@
+"""Bad input gets a clear 4xx in OpenAI's error shape, never a 500, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def _post(stack, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}{path}", timeout=30, **kw)
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ('{"model": "rsinfer-demo", "messages": [', 400, None),
+    ('[1, 2]', 400, None),
+    ('{"model": "rsinfer-demo"}', 400, "messages"),
+    ('{"model": "rsinfer-demo", "messages": []}', 400, "messages"),
+    ('{"model": "rsinfer-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', 400,
+     "max_tokens"),
+    ('{"model": "rsinfer-demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400,
+     "temperature"),
+    ('{"model": "rsinfer-demo", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages"),
+    ('{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+])
+def test_bad_chat_requests(stack, body, status, param):
+    _assert_error(_post(stack, "/v1/chat/completions", content=body), status, param)
+
+
+def test_prompt_longer_than_context_is_refused(stack):
+    long = "word " * 5000  # the demo model's context is 4096 tokens
+    err = _assert_error(_post(stack, "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": long}]}), 400)
+    assert "context length" in err["message"]
+    err = _assert_error(_post(stack, "/v1/completions", json={
+        "model": MODEL, "prompt": "hello", "max_tokens": 5000}), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_odd_values_never_give_500(stack):
+    odd = [None, "", [], {}, 0, -1, 2**70, "x" * 3, [None], {"a": None}]
+    for field in ("model", "messages", "max_tokens", "temperature", "stop", "n", "stream", "top_p", "seed"):
+        for value in odd:
+            body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, field: value}
+            resp = _post(stack, "/v1/chat/completions", json=body)
+            assert resp.status_code < 500, (field, value, resp.text)
+        huge = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "{field}": 1e999}}'
+        assert _post(stack, "/v1/chat/completions", content=huge).status_code < 500
+    for field in ("prompt", "max_tokens", "logprobs", "echo"):
+        for value in odd:
+            resp = _post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                         field: value})
+            assert resp.status_code < 500, (field, value, resp.text)
+
+
+def test_unknown_route_and_method_use_the_error_shape(stack):
+    _assert_error(httpx.get(f"{stack.base_url}/v1/nothing-here"), 404)
+    _assert_error(httpx.get(f"{stack.base_url}/v1/chat/completions"), 405)
+
+
+def test_server_keeps_serving_after_bad_input(stack):
+    for body in ("{", "null", '{"model": 5}'):
+        assert _post(stack, "/v1/chat/completions", content=body).status_code == 400
+    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_malformed_stream_entry_goes_to_dead_letter(stack):
+    r = stack.redis()
+    key = stack.keys.tokenize(MODEL)
+    eid = r.xadd(key, {"data": "{not json"})
+    r.xadd(key, {"garbage": "no data field"})
+    for _ in range(100):
+        dead = r.xrange(stack.keys.dead())
+        if sum(1 for _, f in dead if f.get("stream") == key) >= 2:
+            break
+        import time
+
+        time.sleep(0.05)
+    entries = [f for _, f in r.xrange(stack.keys.dead()) if f.get("stream") == key]
+    assert any(f["entry_id"] == eid and "DecodeError" in f["error"] for f in entries)
+    assert len(entries) >= 2
+    assert stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage

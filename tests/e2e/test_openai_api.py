@@ -1,0 +1,112 @@
+"""The official openai client, streaming and not, against `rsinfer up`; bodies in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+def test_models_lists_the_served_model(stack):
+    models = stack.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_non_stream_has_usage_and_length_finish(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 9
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 9
+
+
+def test_chat_stream_matches_non_stream(stack):
+    client = stack.client()
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_sse_wire_format(stack):
+    """Raw SSE: event ids, null finish_reason until the last chunk, [DONE] at the end."""
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    payloads = [json.loads(d) for d in data[:-1]]
+    assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+    assert all("finish_reason" in p["choices"][0] and "logprobs" in p["choices"][0] for p in payloads)
+    assert [p["choices"][0]["finish_reason"] for p in payloads][-1] == "length"
+    assert any(line.startswith("id: ") for line in lines)
+
+
+def test_completions_stream_and_not(stack):
+    client = stack.client()
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+
+
+def test_completion_from_token_ids(stack):
+    r = stack.client().completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 4
+
+
+def test_n_choices_each_complete(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, n=3, temperature=1.0,
+                                               seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 15
+
+
+def test_logprobs_of_chosen_tokens(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0,
+                                               logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    # greedy: the chosen token is the most likely one
+    assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-4 for t in content)
+
+
+def test_native_generate(stack):
+    r = httpx.post(f"{stack.base_url}/generate", json={"text": "Hello", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0}}, timeout=30).json()
+    assert len(r["output_ids"]) == 5 and r["meta_info"]["finish_reason"] == {"type": "length"}
+
+
+def test_health_and_ready(stack):
+    assert httpx.get(f"{stack.base_url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{stack.base_url}/ready")
+    assert ready.status_code == 200 and ready.json()["models"][MODEL] == {
+        "tokenizer": 1, "scheduler": 1, "detokenizer": 1}
+
+
+def test_metrics_expose_pipeline_gauges(stack):
+    stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    text = httpx.get(f"{stack.base_url}/metrics").text
+    assert f'rsinfer_stage_workers{{model="{MODEL}",stage="scheduler"}} 1.0' in text
+    assert "rsinfer_generated_tokens_total" in text
