@@ -1,0 +1,226 @@
+"""Chart smoke test: run exactly what the Helm chart's Deployments run, as local processes.
+
+`helm template` renders the chart with its defaults; each Deployment's container command, args and
+environment (ConfigMap and Secret references resolved from the rendered manifests, the pod name from
+the downward API) are started as they are, against a local redis-server that requires the password
+the chart generated. Only these differ from the pods:
+  - RSINFER_REDIS_URL points at the local redis-server, RSINFER_MODEL/RSINFER_SERVED_MODEL_NAME at
+    the test's demo checkpoint, RSINFER_PORT at a free port (the rendered containerPort is checked);
+  - the pods' emptyDir mounts (/tmp, the cache) become local temporary folders.
+Then the API must turn ready, answer a chat completion through the official openai client, and every
+worker's rendered liveness probe must pass; the preStop hook must turn the API unready. A flag or
+setting renamed in the code but not in the chart breaks this test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
+from tests.deploy import helmbin, kube
+
+pytestmark = pytest.mark.timeout(240)
+
+API_KEY = "sk-chart-smoke"
+READY_TIMEOUT_S = 150
+SETTINGS = {"api": ApiSettings, "tokenizer": TokenizerSettings, "scheduler": SchedulerSettings,
+            "detokenizer": DetokenizerSettings}
+# What the code reads from the environment besides its settings; and what the demo pool leaves unset.
+NON_SETTINGS_ENV = {"RSINFER_CACHE"}
+MAY_BE_UNSET = {"RSINFER_MODEL"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def manifests():
+    try:
+        helmbin.find_helm()
+    except helmbin.HelmUnavailable as exc:
+        pytest.skip(f"chart smoke test skipped: no helm binary and none could be fetched ({exc})")
+    # Defaults, plus an API key (so the Secret's wiring is exercised) and a short preStop drain.
+    return helmbin.render(sets=[f"auth.apiKey={API_KEY}", "api.drainSeconds=1"])
+
+
+@pytest.fixture
+def local_redis(manifests, tmp_path):
+    """redis-server on a free port, with the password the chart generated for its in-chart Redis."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        pytest.skip("redis-server is not on PATH")
+    (sts,) = kube.by_kind(manifests, "StatefulSet").values()
+    password = kube.resolve_env(kube.pod_spec(sts)["containers"][0], manifests, "redis-0")["REDIS_PASSWORD"]
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path), "--requirepass", password],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password=password, socket_connect_timeout=0.5)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def _rsinfer_argv(argv: list[str]) -> list[str]:
+    """The container's argv with `rsinfer` resolved to this environment's console script."""
+    assert argv[0] == "rsinfer", argv
+    script = Path(sys.executable).with_name("rsinfer")
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "rsinfer.cli"]
+    return head + argv[1:]
+
+
+class Pod:
+    """One Deployment's single container, run as a local process."""
+
+    def __init__(self, deployment: dict, manifests: list[dict], root: Path, overrides: dict[str, str]):
+        self.name = f"{deployment['metadata']['name']}-smoke"
+        spec = kube.pod_spec(deployment)
+        (self.container,) = spec["containers"]
+        env = kube.resolve_env(self.container, manifests, pod_name=self.name)
+        # pydantic ignores unknown RSINFER_* variables: a renamed setting must fail here, not be dropped
+        role = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        fields = {f"RSINFER_{f.upper()}" for f in SETTINGS[role].model_fields} | NON_SETTINGS_ENV
+        unknown = sorted(k for k in env if k.startswith("RSINFER_") and k not in fields)
+        assert not unknown, f"{self.name}: no {role} setting reads {unknown}"
+        # overrides replace what the chart sets; they never add what it forgot
+        forgotten = sorted(set(overrides) - set(env) - MAY_BE_UNSET)
+        assert not forgotten, f"{self.name}: the chart does not set {forgotten}"
+        # emptyDir volumes become local folders; env values under their mount paths follow them
+        empty = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        mounts = {}
+        for m in self.container.get("volumeMounts", []):
+            if m["name"] in empty and m["mountPath"] != "/dev/shm":
+                local = root / self.name / m["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                mounts[m["mountPath"]] = str(local)
+        for key, value in env.items():
+            for mount_path, local in mounts.items():
+                if value == mount_path or value.startswith(mount_path + "/"):
+                    env[key] = local + value[len(mount_path):]
+        env.update(overrides)
+        self.env = env
+        self.log_path = root / f"{self.name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def process_env(self) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+        return {**base, **self.env}
+
+    def start(self) -> None:
+        argv = _rsinfer_argv(self.container["command"] + self.container.get("args", []))
+        log = open(self.log_path, "ab")  # noqa: SIM115  (owned by the child)
+        self.proc = subprocess.Popen(argv, env=self.process_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def exec_probe(self, probe: str) -> subprocess.CompletedProcess:
+        argv = _rsinfer_argv(self.container[probe]["exec"]["command"])
+        return subprocess.run(argv, env=self.process_env(), capture_output=True, text=True,
+                              timeout=self.container[probe].get("timeoutSeconds", 10) + 20)
+
+    def log_tail(self, lines: int = 25) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _get(url: str, timeout: float = 5) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, demo_model_dir, tmp_path):
+    deployments = kube.by_kind(manifests, "Deployment")
+    api_dep = deployments.pop("rs-rsinfer-api")
+    assert sorted(deployments) == ["rs-rsinfer-demo-detokenizer", "rs-rsinfer-demo-scheduler",
+                                   "rs-rsinfer-demo-tokenizer"]
+    port = _free_port()
+    model = {"RSINFER_REDIS_URL": local_redis, "RSINFER_MODEL": str(demo_model_dir),
+             "RSINFER_SERVED_MODEL_NAME": "rsinfer-demo"}
+    api = Pod(api_dep, manifests, tmp_path, {"RSINFER_REDIS_URL": local_redis, "RSINFER_PORT": str(port)})
+    assert str(api.container["ports"][0]["containerPort"]) == kube.resolve_env(
+        api.container, manifests, "p")["RSINFER_PORT"], "the chart's containerPort is the port the API uses"
+    workers = [Pod(dep, manifests, tmp_path, model) for dep in deployments.values()]
+    for w in workers:
+        assert w.env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"  # as rendered: only the path moves
+    pods = [*workers, api]
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name} (exit {p.proc.poll() if p.proc else None}):\n{p.log_tail()}"
+                         for p in pods)
+
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for pod in pods:
+            pod.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while _get_ready(base) != 200:
+            dead = [p.name for p in pods if p.proc.poll() is not None]
+            assert not dead, f"processes exited: {dead}\n{logs()}"
+            assert time.monotonic() < deadline, f"/ready not 200 after {READY_TIMEOUT_S}s\n{logs()}"
+            time.sleep(0.5)
+        assert _get(f"{base}{api.container['livenessProbe']['httpGet']['path']}") == 200
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="rsinfer-demo", messages=[{"role": "user", "content": "Hello from Kubernetes"}],
+            max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content, f"empty answer: {reply}\n{logs()}"
+        assert reply.usage.completion_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+
+        # the workers' rendered liveness probes (rsinfer healthcheck) pass against the live workers
+        for w in workers:
+            probe = w.exec_probe("livenessProbe")
+            assert probe.returncode == 0, f"{w.name} liveness: {probe.stdout}{probe.stderr}"
+
+        # the preStop hook: the API stops being ready before SIGTERM
+        assert _get(f"{base}{api.container['lifecycle']['preStop']['httpGet']['path']}", timeout=30) == 200
+        assert _get_ready(base) == 503
+    finally:
+        for pod in pods:
+            if pod.proc and pod.proc.poll() is None:
+                pod.proc.terminate()
+        for pod in pods:
+            if pod.proc:
+                try:
+                    pod.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pod.proc.kill()
+                    pod.proc.wait()
+
+
+def _get_ready(base: str) -> int:
+    try:
+        return _get(f"{base}/ready", timeout=2)
+    except OSError:
+        return 0
