@@ -12,6 +12,7 @@ Only full pages are ever shared, and a full page is never written again, so no c
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,14 @@ class KVCache:
         self._v = torch.empty(dims, dtype=dtype, device=device)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
-        self._k[:, SCRATCH_PAGE].zero_()
-        self._v[:, SCRATCH_PAGE].zero_()
+        self.zero_pages([SCRATCH_PAGE])
+
+    def zero_pages(self, pages: list[int]) -> None:
+        """Clear pages before use by a backend that reads whole pages (torch): a masked key still
+        multiplies its value by 0, and never-written memory may hold NaN."""
+        idx = torch.tensor(pages, dtype=torch.long, device=self._k.device)
+        self._k.index_fill_(1, idx, 0)
+        self._v.index_fill_(1, idx, 0)
 
 
 class PagePool:
@@ -57,7 +64,8 @@ class PagePool:
     references (evicted on demand, least recently used first).
     """
 
-    def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None, shuffle_seed: int | None = None):
+    def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None, shuffle_seed: int | None = None,
+                 on_alloc: Callable[[list[int]], None] | None = None):
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages, got {num_pages}")
         self.num_pages = num_pages
@@ -67,6 +75,7 @@ class PagePool:
         if shuffle_seed is not None:  # tests: prove nothing assumes contiguous pages
             random.Random(shuffle_seed).shuffle(self.free)
         self.cache = prefix_cache
+        self.on_alloc = on_alloc
 
     def available(self) -> int:
         return len(self.free) + (self.cache.num_evictable() if self.cache else 0)
@@ -86,6 +95,8 @@ class PagePool:
             page = self.free.pop()
             self.refs[page] = 1
             pages.append(page)
+        if self.on_alloc and pages:
+            self.on_alloc(pages)
         return pages
 
     def share(self, pages: list[int]) -> None:

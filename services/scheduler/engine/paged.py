@@ -69,11 +69,13 @@ class PagedEngine:
         self.eos_ids = set(eos_ids)
         self.max_context = max_context(model)
         self.kv = KVCache(geometry.kv_shape(config.page_size), config.num_pages, param.dtype, param.device)
+        backend = make_backend(config.backend, self.kv, model, param.dtype)
         cache = PrefixCache() if config.prefix_cache else None
-        self.pool = PagePool(config.num_pages, cache, shuffle_seed=config.shuffle_pages)
+        # torch attention reads whole pages (flashinfer reads only kv_len): keep their tails finite
+        zero = self.kv.zero_pages if backend.name == "torch" else None
+        self.pool = PagePool(config.num_pages, cache, shuffle_seed=config.shuffle_pages, on_alloc=zero)
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
-        backend = make_backend(config.backend, self.kv, model, param.dtype)
         self.runner = ModelRunner(model, backend, config.page_size)
         if config.cuda_graphs and param.device.type == "cuda":
             from services.scheduler.engine.cuda_graph import DecodeGraphs

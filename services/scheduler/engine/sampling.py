@@ -111,7 +111,7 @@ class Sampler:
         top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_x, order = x.sort(-1, descending=True, stable=True)
+            sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
             rank = torch.arange(vocab, device=x.device)[None]
             drop = rank >= torch.tensor(top_k, device=x.device)[:, None]
             sorted_p = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), -1)

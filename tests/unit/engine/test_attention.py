@@ -11,7 +11,7 @@ import torch
 
 from services.scheduler.engine.attention import RowSpec
 from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
-from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
+from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache, PagePool, pages_for
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry
 from tests.unit.engine.util import clone_model, prompts
 
@@ -22,7 +22,11 @@ PAGE = 4
 def _runner(model, num_pages=128):
     engine_model = clone_model(model)
     kv = KVCache(attention_geometry(engine_model).kv_shape(PAGE), num_pages, torch.float32, "cpu")
-    return ModelRunner(engine_model, TorchPagedAttention(kv), PAGE), PagePool(num_pages, shuffle_seed=11)
+    kv._k.fill_(float("nan"))  # never-written memory may hold anything: it must never reach an output
+    kv._v.fill_(float("nan"))
+    kv.zero_pages([SCRATCH_PAGE])  # as KVCache leaves it
+    pool = PagePool(num_pages, shuffle_seed=11, on_alloc=kv.zero_pages)
+    return ModelRunner(engine_model, TorchPagedAttention(kv), PAGE), pool
 
 
 @torch.inference_mode()

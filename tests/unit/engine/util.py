@@ -58,8 +58,8 @@ def engine(model: torch.nn.Module, **kw) -> PagedEngine:
     return PagedEngine(model, eos, EngineConfig(**cfg))
 
 
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def drain(eng: PagedEngine, arrivals: dict[int, list[EngineRequest]] | None = None,

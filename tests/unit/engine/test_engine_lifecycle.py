@@ -1,0 +1,187 @@
+"""Requests end, abort, get preempted, fork and fail without leaking a page; refusals are clear."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.scheduler.engine.base import EngineRequest, RequestRejected
+from services.scheduler.engine.model_runner import UnsupportedModel
+from shared.messages import SamplingParams
+from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tiny_model, tokens
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def engine_model(demo_model):
+    return clone_model(demo_model)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preemption_keeps_greedy_output_and_frees_pages(demo_model, engine_model, prefix_cache):
+    ps = prompts([10, 14, 9, 12, 11, 13], demo_model.config.vocab_size, seed=1)
+    refs = [hf_greedy(demo_model, p, N) for p in ps]
+    # 6 requests need ~9 pages each at the end; 21 pages force preemptions during decode
+    eng = engine(engine_model, num_pages=22, page_size=4, prefix_cache=prefix_cache)
+    out = drain(eng, {0: [EngineRequest(f"r{i}", p, greedy(N)) for i, p in enumerate(ps)]})
+    assert eng.stats()["preemptions"] > 0
+    for i, ref in enumerate(refs):
+        assert tokens(out[(f"r{i}", 0)]) == ref
+    assert eng.pool.available() == eng.pool.usable
+    if not prefix_cache:
+        assert len(eng.pool.free) == eng.pool.usable
+
+
+def test_random_mix_of_finish_abort_preempt_returns_every_page(engine_model):
+    rng = random.Random(3)
+    eng = engine(engine_model, num_pages=30, page_size=4, max_running=6)
+    start = eng.pool.available()
+    live: set[str] = set()
+    for step in range(150):
+        if step < 100 and rng.random() < 0.4:
+            uid = f"q{step}"
+            n = rng.choice([1, 1, 2])
+            params = (greedy(rng.randrange(1, 20), n=n) if rng.random() < 0.5 else
+                      SamplingParams(max_tokens=rng.randrange(1, 20), temperature=1.0, top_k=50, seed=step, n=n))
+            eng.add(EngineRequest(uid, prompts([rng.randrange(1, 30)], 1000, seed=step)[0], params))
+            live.add(uid)
+        if live and rng.random() < 0.15:
+            uid = rng.choice(sorted(live))
+            eng.abort(uid)
+            live.discard(uid)
+        for o in eng.step():
+            if o.finish_reason:
+                live.discard(o.uid)  # n > 1: other choices may still run; abort() below is harmless
+    for uid in list(live):
+        eng.abort(uid)
+    assert not eng.has_work()
+    assert eng.pool.available() == start
+    assert all(r == 0 for r in eng.pool.refs)
+    assert eng.stats()["preemptions"] > 0
+
+
+def test_abort_running_and_waiting(engine_model):
+    eng = engine(engine_model, max_running=1)
+    eng.add(EngineRequest("a", [5, 6, 7, 8, 9], greedy(50)))
+    eng.add(EngineRequest("b", [5, 6, 7], greedy(50)))
+    eng.step()
+    eng.step()
+    assert eng.stats()["running"] == 1 and eng.stats()["waiting"] == 1
+    assert eng.abort("a") and eng.abort("b") and not eng.abort("zzz")
+    assert not eng.has_work() and eng.pool.available() == eng.pool.usable
+
+
+def test_n_choices_share_prompt_pages(demo_model, engine_model):
+    p = prompts([10], demo_model.config.vocab_size, seed=2)[0]
+    ref = hf_greedy(demo_model, p, N)
+    eng = engine(engine_model, page_size=4, prefix_cache=False)
+    eng.add(EngineRequest("n", p, greedy(N, n=3)))
+    first = eng.step()
+    assert sorted(o.index for o in first) == [0, 1, 2]
+    parent = eng.scheduler.running[0]
+    assert [eng.pool.refs[pg] for pg in parent.pages[:2]] == [3, 3]  # 2 full prompt pages, shared
+    out = drain(eng)
+    for i in range(3):
+        assert tokens([o for o in first if o.index == i] + out[("n", i)]) == ref
+    assert eng.pool.available() == eng.pool.usable
+
+
+def test_seeded_n_choices_differ_and_repeat(engine_model):
+    def run():
+        eng = engine(engine_model)
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3)
+        out = drain(eng, {0: [EngineRequest("s", [4, 5, 6, 7, 8], params)]})
+        return [tokens(out[("s", i)]) for i in range(3)]
+
+    a, b = run(), run()
+    assert a == b
+    assert len({tuple(x) for x in a}) == 3
+
+
+def test_resume_continues_a_request(demo_model, engine_model):
+    p = prompts([9], demo_model.config.vocab_size, seed=4)[0]
+    ref = hf_greedy(demo_model, p, N)
+    eng = engine(engine_model)
+    out = drain(eng, {0: [EngineRequest("r", p, greedy(N), output_ids=[ref[:10]])]})
+    got = out[("r", 0)]
+    assert got[0].start == 10 and [t for o in got for t in o.ids] == ref[10:]
+
+
+def test_finish_reasons_stop_tokens_min_tokens(demo_model, engine_model):
+    p = prompts([9], demo_model.config.vocab_size, seed=4)[0]
+    ref = hf_greedy(demo_model, p, N)
+    stop = ref[3]
+    eng = engine(engine_model, eos={stop})
+    params = SamplingParams(max_tokens=N, temperature=0.0)
+    out = drain(eng, {0: [EngineRequest("eos", p, params),
+                          EngineRequest("ids", p, SamplingParams(max_tokens=N, temperature=0.0,
+                                                                   stop_token_ids=[ref[5]], ignore_eos=True)),
+                          EngineRequest("len", p, greedy(4))]})
+    assert tokens(out[("eos", 0)]) == ref[:4] and out[("eos", 0)][-1].finish_reason == "stop"
+    assert tokens(out[("ids", 0)]) == ref[:6] and out[("ids", 0)][-1].finish_reason == "stop"
+    assert tokens(out[("len", 0)]) == ref[:4] and out[("len", 0)][-1].finish_reason == "length"
+    # min_tokens: the EOS cannot end the request (nor be chosen) before 6 tokens
+    out = drain(eng, {0: [EngineRequest("min", p, SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6))]})
+    got = tokens(out[("min", 0)])
+    assert stop not in got and len(got) == 6 and got[:3] == ref[:3]
+
+
+def test_refusals(engine_model):
+    eng = engine(engine_model, num_pages=16, page_size=4)
+    ctx = eng.max_context
+    with pytest.raises(RequestRejected, match="context"):
+        eng.add(EngineRequest("long", [5] * 10, greedy(ctx)))
+    with pytest.raises(RequestRejected, match="KV cache"):
+        eng.add(EngineRequest("kv", [5] * 10, greedy(60)))
+    with pytest.raises(RequestRejected, match="empty"):
+        eng.add(EngineRequest("empty", [], greedy(3)))
+    with pytest.raises(RequestRejected, match="token ids"):
+        eng.add(EngineRequest("vocab", [10**6], greedy(3)))
+    assert not eng.has_work()
+
+
+def test_room_and_stats(engine_model):
+    eng = engine(engine_model, max_running=2)
+    assert eng.room() == 2
+    for uid in "abc":
+        eng.add(EngineRequest(uid, [5, 6, 7], greedy(30)))
+    assert eng.room() == 0  # some are waiting
+    eng.step()
+    stats = eng.stats()
+    for key in ("running", "waiting", "kv_used_tokens", "kv_total_tokens", "free_pages", "total_pages",
+                "preemptions", "steps"):
+        assert key in stats
+    assert stats["running"] == 2 and stats["waiting"] == 1 and stats["kv_used_tokens"] > 0
+    assert eng.room() == 0
+
+
+def test_failed_step_fails_its_requests_and_frees_pages(engine_model, monkeypatch):
+    eng = engine(engine_model)
+    eng.add(EngineRequest("x", [5, 6, 7], greedy(5, n=2)))
+    monkeypatch.setattr(eng.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    out = eng.step()
+    assert sorted(o.index for o in out) == [0, 1]
+    assert all(o.finish_reason == "error" and "boom" in o.error for o in out)
+    assert not eng.has_work() and eng.pool.available() == eng.pool.usable
+    monkeypatch.undo()
+    eng.add(EngineRequest("y", [5, 6, 7], greedy(2)))
+    assert len(tokens(drain(eng)[("y", 0)])) == 2
+
+
+def test_unsupported_architectures_are_refused_with_the_reason():
+    sliding = tiny_model("qwen2")
+    sliding.config.layer_types = ["sliding_attention"] * sliding.config.num_hidden_layers
+    with pytest.raises(UnsupportedModel, match="sliding"):
+        engine(sliding)
+    plain = tiny_model("llama")
+    plain._supports_attention_backend = False
+    with pytest.raises(UnsupportedModel, match="AttentionInterface"):
+        engine(plain)
+
+
+def test_logits_dtype_and_device_follow_the_model(engine_model):
+    eng = engine(engine_model)
+    assert eng.kv.k[0].dtype == torch.float32 and eng.kv.k[0].device.type == "cpu"
