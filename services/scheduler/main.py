@@ -132,6 +132,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 self.engine.abort(uid)
                 log.info("uid=%s aborted (%s)", uid, reason)
                 if reason != "stop":  # a stop string already ended the reply in the detokenizer
+                    records.set_status(pipe, self.keys, uid, self.ttl, error=f"aborted: {reason}")
                     items += [TokenDelta(uid=uid, start=len(seq), ids=[], prompt_tokens=len(run.job.input_ids),
                                          index=i, n=run.job.params.n, finish="abort")
                               for i, seq in enumerate(run.outputs) if i not in run.done]
