@@ -7,8 +7,16 @@ from pathlib import Path
 import pytest
 
 from shared.demo_model import ensure_demo_model
+from shared.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("models") / "rsinfer-demo")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free port for the whole session; tests use their own namespaces."""
+    with RedisServer() as server:
+        yield server

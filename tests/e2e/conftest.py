@@ -25,12 +25,6 @@ from shared.redis_server import RedisServer, free_port
 MODEL = "rsinfer-demo"
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 @dataclass
 class Stack:
     """A set of rsinfer processes sharing one namespace on the test redis-server."""

@@ -1,0 +1,38 @@
+"""OrderedReplies: per-choice order, duplicates dropped, gaps held until a peer fills them."""
+
+from __future__ import annotations
+
+from shared.messages import ReplyEvent
+from services.api.flow import OrderedReplies
+
+
+def ev(start, end, index=0, finish=None):
+    return ReplyEvent(start=start, end=end, text=f"[{start}:{end}]", prompt_tokens=3, index=index,
+                      ids=list(range(start, end)), finish_reason=finish)
+
+
+def texts(events):
+    return [e.text for e in events]
+
+
+def test_in_order_duplicates_and_gaps():
+    o = OrderedReplies(1)
+    assert texts(o.accept(ev(0, 2))) == ["[0:2]"]
+    assert o.accept(ev(0, 2)) == []  # duplicate (a peer redid it)
+    assert o.accept(ev(4, 5)) == []  # gap: held
+    assert texts(o.accept(ev(2, 4))) == ["[2:4]", "[4:5]"]
+    assert o.accept(ev(3, 4)) == []
+    assert not o.done
+    assert texts(o.accept(ev(5, 6, finish="length"))) == ["[5:6]"]
+    assert o.done and o.completion_tokens == 6 and o.prompt_tokens == 3
+    assert o.accept(ev(6, 7)) == []  # nothing after the end
+
+
+def test_choices_are_independent_and_abort_ends_where_it_stands():
+    o = OrderedReplies(2)
+    o.accept(ev(0, 3, index=1))
+    o.accept(ev(0, 1, index=0))
+    assert texts(o.accept(ev(1, 1, index=0, finish="abort"))) == ["[1:1]"]
+    assert o.finished == {0: "abort"}
+    o.accept(ev(0, 0, index=1, finish="abort"))  # an abort marker that lags behind still ends the choice
+    assert o.done and o.finished[1] == "abort"

@@ -1,0 +1,50 @@
+"""Request bodies -> SamplingParams; what we cannot honour is refused, not ignored."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.api.schemas import BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_every_sampling_field_travels():
+    body = ChatCompletionRequest.model_validate(dict(
+        model="m", messages=MSG, max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, stop="END", seed=3,
+        presence_penalty=0.1, frequency_penalty=0.2, top_k=5, min_p=0.05, ignore_eos=True,
+        repetition_penalty=1.1, min_tokens=2, stop_token_ids=[4], logprobs=True, top_logprobs=3))
+    p = body.params()
+    assert (p.max_tokens, p.temperature, p.top_p, p.n, p.stop, p.seed) == (7, 0.5, 0.9, 2, ["END"], 3)
+    assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p) == (0.1, 0.2, 5, 0.05)
+    assert (p.ignore_eos, p.repetition_penalty, p.min_tokens, p.stop_token_ids) == (True, 1.1, 2, [4])
+    assert p.logprobs and p.top_logprobs == 3
+
+
+def test_content_parts_and_developer_role():
+    body = ChatCompletionRequest.model_validate(dict(model="m", messages=[
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}]))
+    msg = body.chat_messages()[0]
+    assert (msg.role, msg.content) == ("system", "be brief")
+
+
+@pytest.mark.parametrize("extra", [{"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
+                                   {"top_logprobs": 2}, {"stop": [""]}, {"n": 0}, {"max_tokens": 0}])
+def test_refused(extra):
+    with pytest.raises((ValidationError, BadRequest)):
+        ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, **extra)).params()
+
+
+def test_completion_prompts():
+    assert CompletionRequest(model="m", prompt="x").single_prompt() == ("x", None)
+    assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt() == (None, [1, 2])
+    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == (None, [1, 2])
+    with pytest.raises(BadRequest):
+        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+    assert CompletionRequest(model="m", prompt="x").params().max_tokens == 16
+
+
+def test_generate_sampling_params():
+    g = GenerateRequest(text="hi", sampling_params={"max_new_tokens": 9, "temperature": 0})
+    assert g.params().max_tokens == 9 and g.params().greedy

@@ -1,0 +1,105 @@
+"""Stateless incremental detokenization: text per token range, held-back partial characters, stops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from shared.messages import TokenDelta
+from services.detokenizer.incremental import Detokenizer, merge_deltas, render_delta, stop_hold, visible
+
+TEXT = "你好，世界 🌍 KV Cache 是什么？ Hello world 🚀🤖 ok."
+
+
+@pytest.fixture(scope="module")
+def demo_tok(demo_model_dir):
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    from shared.demo_model import _qwen_tokenizer
+
+    return _qwen_tokenizer()
+
+
+def stream_text(tok, ids, step_sizes, stops=(), window=8):
+    """Feed ids in steps, each rendered only from a window before it, like separate replicas would."""
+    detok, out, i, chunks = Detokenizer(tok), "", 0, []
+    while i < len(ids):
+        n = step_sizes[len(chunks) % len(step_sizes)]
+        new = ids[i:i + n]
+        final = i + n >= len(ids)
+        delta = TokenDelta(uid="u", start=i, ids=new, prompt_tokens=1, context=ids[max(0, i - window):i],
+                           stop=list(stops), finish="length" if final else None)
+        r = detok.render([delta])[0]
+        chunks.append(r.text)
+        out += r.text
+        i += n
+        if r.stopped:
+            return out, chunks, True
+    return out, chunks, False
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+@pytest.mark.parametrize("steps", [[1], [2], [3, 1], [5]])
+def test_chunks_concatenate_to_the_text_without_broken_characters(request, tok_name, steps):
+    tok = request.getfixturevalue(tok_name)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # the text really splits characters across tokens
+    text, chunks, _ = stream_text(tok, ids, steps)
+    assert text == TEXT
+    assert all("\ufffd" not in c for c in chunks)
+
+
+def test_stop_string_cuts_text_across_steps(demo_tok):
+    ids = demo_tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    text, chunks, stopped = stream_text(demo_tok, ids, [1], stops=["gamma"], window=8 + 5)
+    assert stopped and text == "alpha beta "
+    assert all("gam" not in c for c in chunks)
+
+
+def test_partial_stop_is_held_then_released(demo_tok):
+    ids = demo_tok.encode("one two twin", add_special_tokens=False)
+    text, _, stopped = stream_text(demo_tok, ids, [1], stops=["two three"], window=8 + 9)
+    assert not stopped and text == "one two twin"
+
+
+def test_stop_hold_and_visible():
+    assert stop_hold("abc ga", ["gamma"]) == 2
+    assert stop_hold("abc", ["gamma"]) == 0
+    assert visible("abc\ufffd", [], final=False) == "abc"
+    assert visible("abc\ufffd", [], final=True) == "abc\ufffd"
+    assert render_delta("ab", "abcd", [], False).text == "cd"
+    assert render_delta("ab ST", "ab STOP rest", ["STOP"], False).text == ""
+    assert render_delta("ab ST", "ab STOP rest", ["STOP"], False).stopped
+
+
+def test_random_token_streams_are_replica_independent(demo_tok):
+    """Random ids (as a random model emits): rendering in any step split gives the same text."""
+    rng = random.Random(0)
+    ids = [rng.randrange(len(demo_tok)) for _ in range(200)]
+    one, _, _ = stream_text(demo_tok, ids, [1])
+    mixed, _, _ = stream_text(demo_tok, ids, [3, 1, 4, 1, 5])
+    assert one == mixed
+
+
+def test_merge_joins_contiguous_steps_of_a_choice():
+    a = TokenDelta(uid="u", start=0, ids=[1], prompt_tokens=2)
+    b = TokenDelta(uid="v", start=4, ids=[9], prompt_tokens=2)
+    c = TokenDelta(uid="u", start=1, ids=[2, 3], prompt_tokens=2, finish="length")
+    d = TokenDelta(uid="u", start=7, ids=[5], prompt_tokens=2)  # not contiguous: kept apart
+    merged = merge_deltas([a, b, c, d])
+    assert [(m.uid, m.start, m.ids, m.finish) for m in merged] == [
+        ("u", 0, [1, 2, 3], "length"), ("v", 4, [9], None), ("u", 7, [5], None)]
+
+
+def test_logprobs_name_tokens(demo_tok):
+    ids = demo_tok.encode("hi there", add_special_tokens=False)
+    d = TokenDelta(uid="u", start=0, ids=ids, prompt_tokens=1, logprobs=[-0.5] * len(ids),
+                   top_logprobs=[[(ids[0], -0.5)]] * len(ids))
+    lps = Detokenizer(demo_tok).logprobs(d)
+    assert "".join(t.token for t in lps) == "hi there"
+    assert lps[0].top_logprobs[0].logprob == -0.5

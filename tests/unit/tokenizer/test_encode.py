@@ -1,0 +1,42 @@
+"""PromptEncoder: chat template + batched encoding, and refusals that become 400 replies."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from shared.messages import ChatMessage, ReplyError, SamplingParams, ScheduleJob, TokenizeJob
+from services.tokenizer.encode import PromptEncoder
+
+
+@pytest.fixture(scope="module")
+def encoder(demo_model_dir):
+    return PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64)
+
+
+def job(**kw) -> TokenizeJob:
+    base = dict(uid="u", model="m", pod="p", created_at=0.0, deadline=1e12, params=SamplingParams())
+    return TokenizeJob(**{**base, **kw})
+
+
+def test_batch_mixes_chat_text_and_ids(encoder):
+    jobs = [job(uid="a", messages=[ChatMessage("user", "hello")]), job(uid="b", prompt="hello"),
+            job(uid="c", input_ids=[1, 2, 3], params=SamplingParams(max_tokens=5))]
+    a, b, c = encoder.encode(jobs)
+    assert isinstance(a, ScheduleJob) and isinstance(b, ScheduleJob) and isinstance(c, ScheduleJob)
+    tok = encoder.tokenizer
+    assert tok.decode(a.input_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(b.input_ids) == "hello"
+    assert c.input_ids == [1, 2, 3] and c.params.max_tokens == 5
+    assert a.params.max_tokens == 64 - len(a.input_ids)  # unset max_tokens: what the context leaves
+
+
+def test_refusals(encoder):
+    too_long, too_many, empty, bad_id = encoder.encode([
+        job(prompt="word " * 100), job(prompt="hi", params=SamplingParams(max_tokens=64)), job(prompt=""),
+        job(input_ids=[10**6])])
+    assert isinstance(too_long, ReplyError) and too_long.code == "context_length_exceeded"
+    assert too_long.status == 400 and "maximum context length is 64" in too_long.message
+    assert isinstance(too_many, ReplyError) and too_many.param == "max_tokens"
+    assert isinstance(empty, ReplyError) and "empty" in empty.message
+    assert isinstance(bad_id, ReplyError) and "outside the vocabulary" in bad_id.message
