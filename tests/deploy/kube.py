@@ -16,7 +16,8 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import yaml
 
-KUBE_VERSION = "1.30"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest the schemas know.
+KUBE_VERSIONS = ("1.27", kubernetes_validate.utils.latest_version())
 CRD_DIR = Path(__file__).parent / "crds"
 
 # kubernetes-validate re-reads its (large) schema files on every call; read each once.
@@ -60,7 +61,8 @@ def validate(doc: dict) -> None:
         jsonschema.Draft7Validator(schema).validate(doc)
         return
     # SchemaNotFoundError (an unknown built-in kind or apiVersion) is an error here, not a warning.
-    kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:

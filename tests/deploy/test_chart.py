@@ -298,7 +298,8 @@ def test_keda_scaled_objects(render, case):
         assert meta["stream"] == f"{cfg['RSINFER_NAMESPACE']}:{STREAMS[stage]}:{served}"
         assert meta["consumerGroup"] == stage
         assert int(meta["lagCount"]) >= 1, "lagCount mode (scale to zero capable, Redis 7+)"
-        assert meta["address"] == url.netloc.rsplit("@", 1)[-1]
+        host = url.netloc.rsplit("@", 1)[-1]
+        assert meta["address"] == (host if url.port else f"{host}:6379")
         assert meta["databaseIndex"] == (url.path.strip("/") or "0")
         assert (meta.get("enableTLS") == "true") == (url.scheme == "rediss")
         if "authenticationRef" in trigger:
@@ -318,6 +319,14 @@ def test_keda_auth_uses_the_release_secrets(render):
     refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
     assert refs["password"]["name"] == "rsinfer-credentials"
     assert refs["ca"] == {"parameter": "ca", "name": "redis-ca", "key": "ca.crt"}
+
+
+def test_keda_address_gets_the_default_port(render):
+    docs = render(VALUES["keda"], sets=["redis.mode=external", "redis.external.url=redis://red.example/3"])
+    for so in kube.by_kind(docs, "ScaledObject").values():
+        meta = so["spec"]["triggers"][0]["metadata"]
+        assert (meta["address"], meta["databaseIndex"]) == ("red.example:6379", "3")
+    assert not kube.by_kind(docs, "TriggerAuthentication"), "no password, no CA: nothing to authenticate"
 
 
 def test_pool_override_can_turn_keda_off(render):
@@ -342,7 +351,8 @@ def test_in_chart_redis(render):
     env = kube.resolve_env(c, docs, "redis-0")
     assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == "also-change-me"
     cfg = config(docs)
-    assert cfg["RSINFER_REDIS_URL"] == "redis://rs-rsinfer-redis:6379/0"
+    # namespace-qualified: KEDA's operator resolves it from its own namespace
+    assert cfg["RSINFER_REDIS_URL"] == "redis://rs-rsinfer-redis.llm.svc:6379/0"
     api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
     api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
     assert api_env["RSINFER_REDIS_PASSWORD"] == "also-change-me"

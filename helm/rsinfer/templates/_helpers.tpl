@@ -68,9 +68,10 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- printf "%s-redis" (include "rsinfer.fullname" .) }}
 {{- end }}
 
+{{/* The URL every process (and, as host:port, KEDA's operator in its own namespace) connects to. */}}
 {{- define "rsinfer.redisUrl" -}}
 {{- if eq .Values.redis.mode "internal" }}
-{{- printf "redis://%s:%d/0" (include "rsinfer.redisHost" .) (int .Values.redis.internal.port) }}
+{{- printf "redis://%s.%s.svc:%d/0" (include "rsinfer.redisHost" .) .Release.Namespace (int .Values.redis.internal.port) }}
 {{- else }}
 {{- .Values.redis.external.url }}
 {{- end }}
