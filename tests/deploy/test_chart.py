@@ -400,6 +400,10 @@ def test_config_change_rolls_pods(render):
             "annotations"]["checksum/config"]
 
     assert checksum(render([])) != checksum(render([], sets=["settings.log_level=DEBUG"]))
+    (redis,) = kube.by_kind(render([]), "StatefulSet").values()
+    annotations = redis["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/config" not in annotations, "a settings change must not restart Redis"
+    assert "checksum/secret" in annotations
 
 
 # ---------- NOTES.txt ----------

@@ -195,7 +195,13 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{/* Pod template annotations that roll pods when their configuration changes. */}}
 {{- define "rsinfer.checksums" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
-{{- if not .Values.auth.existingSecret }}
+{{- with include "rsinfer.secretChecksum" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.secretChecksum" -}}
+{{- if not .Values.auth.existingSecret -}}
 checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPassword | sha256sum }}
 {{- end }}
 {{- end }}
