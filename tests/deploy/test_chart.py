@@ -369,6 +369,49 @@ def test_in_chart_redis(render):
     assert "RSINFER_API_KEY" not in api_env
 
 
+def test_in_chart_redis_command_runs(render, tmp_path):
+    """The StatefulSet's redis-server command line, run locally: AOF on, password required."""
+    import re
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if not binary:
+        pytest.skip("redis-server is not on PATH")
+    docs = render(VALUES["internal-redis"])
+    (sts,) = kube.by_kind(docs, "StatefulSet").values()
+    (c,) = kube.pod_spec(sts)["containers"]
+    env = kube.resolve_env(c, docs, "redis-0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]  # kubelet's $(VAR)
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--dir") + 1] = str(tmp_path)
+    proc = subprocess.Popen([binary, *args, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password=env["REDIS_PASSWORD"], socket_connect_timeout=0.5)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_external_redis_with_tls(render):
     docs = render(VALUES["external-redis"])
     assert not kube.by_kind(docs, "StatefulSet")
