@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
+import socket
+import subprocess
+import time
 from urllib.parse import urlparse
 
 import pytest
+import redis
 import yaml
 
 from rsinfer.cli import build_parser
@@ -371,13 +376,6 @@ def test_in_chart_redis(render):
 
 def test_in_chart_redis_command_runs(render, tmp_path):
     """The StatefulSet's redis-server command line, run locally: AOF on, password required."""
-    import re
-    import socket
-    import subprocess
-    import time
-
-    import redis
-
     binary = shutil.which("redis-server")
     if not binary:
         pytest.skip("redis-server is not on PATH")
