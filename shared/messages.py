@@ -1,7 +1,8 @@
 """Every message that travels between processes, as frozen msgspec structs.
 
 Each stream entry holds one field, `data`, whose value is the JSON of one of the tagged structs below
-(`kind` names it, `v` is its version), so `redis-cli XRANGE` shows it legibly. Never pickle.
+(`kind` names it, `v` is its version), so `redis-cli XRANGE` shows it
+legibly; no Python object serialization crosses a process.
 Decoders ignore fields they do not know, so a newer producer can add optional fields.
 """
 

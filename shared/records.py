@@ -60,6 +60,13 @@ async def abort_reasons(redis: Redis, keys: Keys, uids: Iterable[str]) -> dict[s
     return {uid: v.decode() for uid, v in zip(uids, values, strict=True) if v is not None}
 
 
+def deadline_error():
+    from shared.messages import ReplyError
+
+    return ReplyError(message="the request passed its deadline", status=504, type="timeout",
+                      code="request_timeout")
+
+
 def end_aborted(pipe: Pipeline, keys: Keys, uid: str, n: int, reason: str, ttl: int, maxlen: int,
                 prompt_tokens: int = 0, completed: dict[int, int] | None = None) -> None:
     """Finish every choice of a request with finish_reason "abort" (the reason goes to the record)."""

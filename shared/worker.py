@@ -45,6 +45,7 @@ class StageWorker(Generic[M]):
                                        self.id, self.message_type, self.keys.dead())
         self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
                                    settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load)
+        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
         self.stopping = asyncio.Event()
         self.steps = 0
         self.last_step_at = time.time()
@@ -113,6 +114,15 @@ class StageWorker(Generic[M]):
 
     def request_stop(self) -> None:
         self.stopping.set()
+
+
+def run_stage(settings: StageSettings, build: Callable[[str, str], Awaitable[StageWorker]]) -> int:
+    """Entry point of a stage process: resolve the model, then serve the worker `build` makes."""
+    from shared.models import resolve_model
+
+    model_path, model_name = resolve_model(settings)
+    asyncio.run(serve(lambda: build(model_path, model_name)))
+    return 0
 
 
 async def serve(build: Callable[[], Awaitable[StageWorker]]) -> None:

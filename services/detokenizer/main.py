@@ -15,10 +15,10 @@ from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
 from shared import records
 from shared.keys import DETOKENIZER_GROUP
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
-from shared.models import load_tokenizer, resolve_model
+from shared.models import load_tokenizer
 from shared.settings import DetokenizerSettings
 from shared.streams import Delivery
-from shared.worker import StageWorker, serve
+from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ class DetokenizerWorker(StageWorker[DetokenizeBatch]):
     def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
-        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
         # Choices this replica ended on a stop string: later steps the scheduler made before it saw the
         # abort flag are dropped. Bounded; the API also ignores anything after a choice's final entry.
         self.finished: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -86,10 +85,7 @@ class DetokenizerWorker(StageWorker[DetokenizeBatch]):
 
 
 def run(settings: DetokenizerSettings) -> int:
-    model_path, model_name = resolve_model(settings)
-
-    async def build() -> DetokenizerWorker:
+    async def build(model_path: str, model_name: str) -> DetokenizerWorker:
         return DetokenizerWorker(settings, model_path, model_name)
 
-    asyncio.run(serve(build))
-    return 0
+    return run_stage(settings, build)

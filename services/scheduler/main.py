@@ -18,10 +18,9 @@ from services.scheduler.engine.factory import build_engine
 from shared import records, streams
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import DetokenizeBatch, ReplyError, ScheduleJob, TokenDelta
-from shared.models import resolve_model
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
-from shared.worker import StageWorker, serve
+from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +50,6 @@ class Running:
                           top_logprobs=out.top_logprobs)
 
 
-def timeout_error() -> ReplyError:
-    return ReplyError(message="the request passed its deadline", status=504, type="timeout",
-                      code="request_timeout")
-
-
 class SchedulerWorker(StageWorker[ScheduleJob]):
     role = "scheduler"
     group = SCHEDULER_GROUP
@@ -65,7 +59,6 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         super().__init__(settings, model_name)
         self.engine = engine
         self.running: dict[str, Running] = {}
-        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
         self.detokenize_key = self.keys.detokenize(model_name)
 
     def load(self) -> dict:
@@ -100,7 +93,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                     records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
                                         self.maxlen, len(job.input_ids))
                 elif job.deadline <= now:
-                    records.end_failed(pipe, self.keys, job.uid, timeout_error(), self.ttl, self.maxlen)
+                    records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
                 else:
                     try:
                         self.engine.add(EngineRequest(job.uid, job.input_ids, job.params))
@@ -141,7 +134,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 run = self.running.pop(uid)
                 self.engine.abort(uid)
                 log.info("uid=%s dropped: deadline passed", uid)
-                records.end_failed(pipe, self.keys, uid, timeout_error(), self.ttl, self.maxlen)
+                records.end_failed(pipe, self.keys, uid, records.deadline_error(), self.ttl, self.maxlen)
                 self.source.ack_in(pipe, [run.entry_id])
             if items:
                 streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, items))
@@ -179,11 +172,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
 
 def run(settings: SchedulerSettings) -> int:
-    model_path, model_name = resolve_model(settings)
-
-    async def build() -> SchedulerWorker:
+    async def build(model_path: str, model_name: str) -> SchedulerWorker:
         engine = await asyncio.to_thread(build_engine, settings, model_path)
         return SchedulerWorker(settings, model_name, engine)
 
-    asyncio.run(serve(build))
-    return 0
+    return run_stage(settings, build)

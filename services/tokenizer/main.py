@@ -14,17 +14,12 @@ from services.tokenizer.encode import PromptEncoder
 from shared import records, streams
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
-from shared.models import context_length, load_tokenizer, resolve_model
+from shared.models import context_length, load_tokenizer
 from shared.settings import TokenizerSettings
 from shared.streams import Delivery
-from shared.worker import StageWorker, serve
+from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
-
-
-def timeout_error() -> ReplyError:
-    return ReplyError(message="the request passed its deadline", status=504, type="timeout",
-                      code="request_timeout")
 
 
 class TokenizerWorker(StageWorker[TokenizeJob]):
@@ -36,7 +31,6 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
         super().__init__(settings, model_name)
         self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
                                      context_length(model_path, settings.trust_remote_code))
-        self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
 
     async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
         jobs = [d.msg for d in batch]
@@ -58,7 +52,7 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
             records.end_aborted(pipe, keys, uid, job.params.n, aborted, self.ttl, self.maxlen)
         elif result is None:
             log.info("uid=%s skipped: deadline passed", uid)
-            records.end_failed(pipe, keys, uid, timeout_error(), self.ttl, self.maxlen)
+            records.end_failed(pipe, keys, uid, records.deadline_error(), self.ttl, self.maxlen)
         elif isinstance(result, ReplyError):
             log.info("uid=%s refused: %s", uid, result.message)
             records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
@@ -69,10 +63,7 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
 
 
 def run(settings: TokenizerSettings) -> int:
-    model_path, model_name = resolve_model(settings)
-
-    async def build() -> TokenizerWorker:
+    async def build(model_path: str, model_name: str) -> TokenizerWorker:
         return TokenizerWorker(settings, model_path, model_name)
 
-    asyncio.run(serve(build))
-    return 0
+    return run_stage(settings, build)
