@@ -24,7 +24,6 @@ from shared.redis_conn import connect_single
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 2000
-READ_COUNT = 256
 CONTROL_TTL_S = 3600
 FAIL_AFTER_S = 2.0  # Redis unreachable this long: fail every subscription rather than hang
 
@@ -88,7 +87,7 @@ class _Shard:
                 if self.control_id == "$":  # learn the control stream's tip once, so wakes aren't missed
                     self.control_id = await self._control_tip()
                     continue
-                resp = await streams.read(self.redis, positions, READ_COUNT, BLOCK_MS)
+                resp = await streams.read(self.redis, positions, self.hub.high_water, BLOCK_MS)
                 failing_since = None
             except (RedisError, OSError) as e:
                 failing_since = failing_since or time.monotonic()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.messages import ReplyEvent
 from services.api.flow import OrderedReplies
+from shared.messages import ReplyEvent
 
 
 def ev(start, end, index=0, finish=None):

@@ -7,8 +7,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from shared.messages import TokenDelta
 from services.detokenizer.incremental import Detokenizer, merge_deltas, render_delta, stop_hold, visible
+from shared.messages import TokenDelta
 
 TEXT = "你好，世界 🌍 KV Cache 是什么？ Hello world 🚀🤖 ok."
 

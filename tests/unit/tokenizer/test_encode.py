@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from shared.messages import ChatMessage, ReplyError, SamplingParams, ScheduleJob, TokenizeJob
 from services.tokenizer.encode import PromptEncoder
+from shared.messages import ChatMessage, ReplyError, SamplingParams, ScheduleJob, TokenizeJob
 
 
 @pytest.fixture(scope="module")
