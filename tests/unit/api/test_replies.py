@@ -38,7 +38,7 @@ async def test_many_streams_are_sharded_and_each_gets_its_own_entries(hub_env):
         # written after the subscription: the blocked read must wake for it
         await streams.add(redis, keys.reply(f"u{i}"), event(i))
     for i, sub in enumerate(subs):
-        entry_id, raw = await asyncio.wait_for(sub.get(), 5)
+        _, raw = await asyncio.wait_for(sub.get(), 5)
         assert decode(raw, ReplyEvent).start == i
     hub.unsubscribe(subs[0])
     assert hub.subscriptions == 19
