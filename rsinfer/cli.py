@@ -27,28 +27,32 @@ SERVICES = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rsinfer", description="LLM serving over Redis Streams")
+    # No abbreviated flags: a renamed flag must fail loudly where a chart or script still uses the old one.
+    parser = argparse.ArgumentParser(prog="rsinfer", description="LLM serving over Redis Streams",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_text) in SERVICES.items():
-        flag_parser(cls, sub.add_parser(name, help=help_text, description=help_text))
+        flag_parser(cls, sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False))
 
-    demo = sub.add_parser("demo-model", help="write a random-weight demo checkpoint to DIR")
+    demo = sub.add_parser("demo-model", help="write a random-weight demo checkpoint to DIR", allow_abbrev=False)
     demo.add_argument("dir")
     demo.add_argument("--shape", default="tiny", choices=["tiny", "qwen3-0.6b"])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
-    insp = sub.add_parser("inspect", help="in-flight requests and stage backlogs, read from Redis")
+    insp = sub.add_parser("inspect", help="in-flight requests and stage backlogs, read from Redis",
+                          allow_abbrev=False)
     flag_parser(CommonSettings, insp)
     insp.add_argument("uid", nargs="?")
 
-    health = sub.add_parser("healthcheck", help="exit 0 if this worker's heartbeat is fresh and its loop moves")
+    health = sub.add_parser("healthcheck", help="exit 0 if this worker's heartbeat is fresh and its loop moves",
+                            allow_abbrev=False)
     flag_parser(CommonSettings, health)
     health.add_argument("--role", required=True, choices=["api", "tokenizer", "scheduler", "detokenizer"])
     health.add_argument("--max-stall-s", type=float, default=60.0,
                         help="fail when the loop has had work but not moved for this long")
 
-    bench = sub.add_parser("bench", help="load generator against a running API")
+    bench = sub.add_parser("bench", help="load generator against a running API", allow_abbrev=False)
     from rsinfer.bench import add_bench_args
 
     add_bench_args(bench)

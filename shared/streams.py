@@ -123,6 +123,13 @@ class GroupConsumer(Generic[M]):
         live = [(_s(eid), f) for eid, f in entries if f is not None]
         return await self._decode_all(live)
 
+    async def touch(self, ids: Sequence[str]) -> None:
+        """Reset the idle time of entries we still work on (XCLAIM to ourselves, JUSTID), so that peers
+        claim only the entries of a consumer that died or hung."""
+        if ids:
+            await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_time=0,
+                                    message_ids=list(ids), justid=True)
+
     async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
         """Give pending entries to another consumer name with idle time maxed, so a peer's claim
         takes them at once (graceful shutdown)."""

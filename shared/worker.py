@@ -1,8 +1,10 @@
-"""What every stage worker shares: build, report ready, loop, close in `finally` in reverse order.
+"""What every stage worker shares: build, report ready, loop, drain, close in `finally` in reverse order.
 
 A worker consumes one stream through one consumer group. Its loop survives Redis outages (backoff and
-retry; groups are recreated when Redis comes back empty), periodically claims entries a dead peer left
-pending, and trims entries every group member has acknowledged.
+retry; groups are recreated when Redis comes back empty), claims entries a dead or hung peer left
+pending, and trims entries every group member has acknowledged. On SIGTERM it stops taking new
+entries, lets in-flight work finish within the grace period, and hands what is left back to the group
+so a peer takes it at once.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ M = TypeVar("M")
 
 TRIM_EVERY_S = 10.0
 MAX_BACKOFF_S = 2.0
+CLAIM_EVERY_S = 0.5  # claims are cheap; polling often is what makes a hand-back "at once"
+HANDOFF_CONSUMER = "handoff"  # entries handed back on shutdown wait here, idle, for any peer to claim
 
 
 class StageWorker(Generic[M]):
@@ -47,10 +51,10 @@ class StageWorker(Generic[M]):
                                    settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load)
         self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
         self.stopping = asyncio.Event()
+        self.forced = asyncio.Event()
         self.steps = 0
         self.last_step_at = time.time()
-        self._last_claim = 0.0
-        self._last_trim = 0.0
+        self._last: dict[str, float] = {}
 
     # -- hooks for subclasses -------------------------------------------------------------------------
     async def handle(self, batch: list[Delivery[M]], claimed: bool) -> None:
@@ -62,6 +66,13 @@ class StageWorker(Generic[M]):
     def read_count(self) -> int:
         return self.settings.batch_size
 
+    def held_entries(self) -> list[str]:
+        """Entries this worker holds on purpose across iterations (kept alive against claims)."""
+        return []
+
+    async def finish_in_flight(self) -> None:
+        """On shutdown, within the grace period: finish what can be finished (default: nothing held)."""
+
     # -- the shape every worker has -------------------------------------------------------------------
     async def start(self) -> None:
         await self.source.ensure_group()
@@ -70,10 +81,14 @@ class StageWorker(Generic[M]):
         log.info("%s ready: model=%s stream=%s", self.role, self.model_name, self.source.key)
 
     async def loop(self) -> None:
+        await self.retrying(self.iteration, until=self.stopping)
+
+    async def retrying(self, step: Callable[[], Awaitable[None]], until: asyncio.Event) -> None:
+        """Run `step` until `until` is set; a Redis outage means backoff and retry, never exit."""
         backoff = 0.1
-        while not self.stopping.is_set():
+        while not until.is_set():
             try:
-                await self.iteration()
+                await step()
                 backoff = 0.1
             except (RedisError, OSError) as e:
                 log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
@@ -89,30 +104,49 @@ class StageWorker(Generic[M]):
         self.last_step_at = time.time()  # the loop moved (liveness), busy or idle
         await self.housekeeping()
 
+    def due(self, what: str, every_s: float) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(what, 0.0) < every_s:
+            return False
+        self._last[what] = now
+        return True
+
     async def receive(self, block_ms: int | None = 1000) -> tuple[list[Delivery[M]], bool]:
         count = self.read_count()
         if count <= 0:
             return [], False
-        now = time.time()
-        if now - self._last_claim > self.settings.claim_idle_ms / 2000:
-            self._last_claim = now
+        if self.due("claim", min(CLAIM_EVERY_S, self.settings.claim_idle_ms / 2000)):
             claimed = await self.source.claim(self.settings.claim_idle_ms, count)
             if claimed:
-                log.info("claimed %d entries a dead or stuck peer left pending", len(claimed))
+                log.info("claimed %d entries a dead, hung or departing peer left pending", len(claimed))
                 return claimed, True
         return await self.source.read(count, block_ms), False
 
     async def housekeeping(self) -> None:
-        now = time.time()
-        if now - self._last_trim > TRIM_EVERY_S:
-            self._last_trim = now
+        if self.due("touch", self.settings.claim_idle_ms / 3000):
+            await self.source.touch(self.held_entries())
+        if self.due("trim", TRIM_EVERY_S):
             await self.source.trim_acknowledged()
+
+    async def drain(self) -> None:
+        """After SIGTERM: finish in-flight work within the grace period, then hand back the rest."""
+        try:
+            await asyncio.wait_for(self.finish_in_flight(), self.settings.grace_period_s)
+        except TimeoutError:
+            log.info("grace period over; handing back what is left")
+        with contextlib.suppress(RedisError, OSError):
+            left = await self.source.pending_ids()
+            await self.source.hand_back(left, HANDOFF_CONSUMER)
+            if left:
+                log.info("handed %d entries back to the group", len(left))
 
     async def close(self) -> None:
         await self.heartbeat.stop()
         await self.redis.aclose()
 
     def request_stop(self) -> None:
+        if self.stopping.is_set():
+            self.forced.set()
         self.stopping.set()
 
 
@@ -126,7 +160,8 @@ def run_stage(settings: StageSettings, build: Callable[[str, str], Awaitable[Sta
 
 
 async def serve(build: Callable[[], Awaitable[StageWorker]]) -> None:
-    """Build a worker, report it ready, run its loop until SIGTERM/SIGINT, then close it."""
+    """Build a worker, report it ready, run its loop until SIGTERM/SIGINT, drain it, then close it.
+    A second signal cuts the drain short."""
     worker = await build()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,6 +169,7 @@ async def serve(build: Callable[[], Awaitable[StageWorker]]) -> None:
     try:
         await worker.start()
         await worker.loop()
+        await worker.drain()
     finally:
         with contextlib.suppress(Exception):
             await worker.close()

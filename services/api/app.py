@@ -31,8 +31,9 @@ M = TypeVar("M", bound=BaseModel)
 class Guard:
     """Pure ASGI middleware (it does not buffer streams): bearer-key check and body size limit."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app: FastAPI, api_key: str | None):
         self.app, self.api_key = app, api_key
+        self.service: ApiService = app.state.service
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -127,7 +128,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         flight = await svc.gateway.attach(_bare(uid), n, deadline)
         last = request.headers.get("last-event-id")
         return OwnedEventSource(svc.stream_chunks(flight, fmt, record.get("model", ""), skip_until=last),
-                                on_close=flight.close)
+                                on_close=lambda _: flight.close(),
+                                send_timeout=settings.slow_client_timeout_s)
 
     @app.get("/health")
     async def health():

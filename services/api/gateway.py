@@ -76,22 +76,21 @@ class Gateway:
         return time.time() + (min(timeout, limit) if timeout else limit)
 
     async def open(self, job: TokenizeJob, record: dict) -> Inflight:
-        """Subscribe to the reply stream, then write record and job; the caller must close() it."""
-        sub = await self.hub.subscribe(job.uid)
-        flight = Inflight(self, job.uid, sub, job.params.n, job.deadline)
-        self.inflight[job.uid] = flight
+        """Subscribe to the reply stream, write the record and the job and wake the reply reader, all in
+        one round trip; the caller must close() the result. Nothing is left behind if Redis fails."""
+        sub = self.hub.register(job.uid)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 records.set_status(pipe, self.keys, job.uid, self.settings.request_ttl_s, "queued",
                                    model=job.model, pod=self.pod, created_at=f"{job.created_at:.3f}",
                                    deadline=f"{job.deadline:.3f}", **record)
                 streams.add(pipe, self.keys.tokenize(job.model), job)
+                sub.shard.wake_in(pipe)
                 await pipe.execute()
         except BaseException:
-            flight.end_reason = "submit_failed"
-            flight.order.finished = dict.fromkeys(range(job.params.n), "error")  # nothing to abort
-            await flight.close()
+            self.hub.unsubscribe(sub)
             raise
+        flight = self.inflight[job.uid] = Inflight(self, job.uid, sub, job.params.n, job.deadline)
         log.info("uid=%s queued for %s", job.uid, job.model)
         return flight
 

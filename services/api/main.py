@@ -1,15 +1,54 @@
-"""`rsinfer api`: the HTTP API process."""
+"""`rsinfer api`: the HTTP API process, with a graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from services.api.app import create_app
 from shared.settings import ApiSettings
 
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: stop taking requests (503, /ready false), let open streams finish
+    within the grace period, then stop. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, settings: ApiSettings, service):
+        super().__init__(config)
+        self.settings, self.service = settings, service
+        self.draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining or not self.started:
+            AppStatus.should_exit = True
+            return super().handle_exit(sig, frame)
+        self.draining = True
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        svc = self.service
+        svc.draining = True
+        deadline = time.monotonic() + self.settings.grace_period_s
+        log.info("draining: %d requests in flight, up to %.0fs", len(svc.gateway.inflight),
+                 self.settings.grace_period_s)
+        while svc.gateway.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        AppStatus.should_exit = True  # ends streams still open (their requests are aborted)
+        self.should_exit = True
+
 
 def run(settings: ApiSettings) -> int:
+    # We end SSE streams ourselves after the grace period, not the moment uvicorn starts shutting down.
+    AppStatus.disable_automatic_graceful_drain()
     # Long keep-alive: load generators and proxies reuse connections; 5 s broke reused ones (notes).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_keep_alive=120, timeout_graceful_shutdown=int(settings.grace_period_s) or None)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_keep_alive=120, timeout_graceful_shutdown=5)
+    DrainingServer(config, settings, app.service).run()
     return 0

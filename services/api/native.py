@@ -36,7 +36,8 @@ async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: 
         yield DONE
 
     if stream:
-        return OwnedEventSource(chunks(), on_close=lambda: svc.finish(flight, job.model, "generate"))
+        return OwnedEventSource(chunks(), on_close=lambda reason: svc.finish(flight, job.model, "generate", reason),
+                                send_timeout=svc.settings.slow_client_timeout_s)
 
     async def collect() -> dict:
         async for _ in events():

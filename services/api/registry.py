@@ -36,9 +36,11 @@ class Snapshot:
         return self.redis_ok and bool(self.models) and all(complete(c) for c in self.models.values())
 
     def queued(self, model: str) -> int:
-        """Requests of a model waiting for a tokenizer or for room in a scheduler."""
+        """Requests of a model not yet running: at or waiting for a tokenizer, or waiting for room in a
+        scheduler (schedule entries stay pending while they run, so only their lag counts)."""
         b = self.backlog.get(model, {})
-        return sum(b[s].lag for s in ("tokenizer", "scheduler") if s in b)
+        tok, sched = b.get("tokenizer", StageBacklog()), b.get("scheduler", StageBacklog())
+        return tok.lag + tok.pending + sched.lag
 
 
 class StageRegistry:

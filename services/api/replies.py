@@ -70,10 +70,14 @@ class _Shard:
         self.subs: dict[str, Subscription] = {}
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
 
+    def wake_in(self, pipe) -> None:
+        """Queue the XADD that wakes this shard's blocked read (so it re-reads its key set)."""
+        streams.add_fields(pipe, self.control, {"op": "wake"}, maxlen=64)
+        pipe.expire(self.control, CONTROL_TTL_S)
+
     async def wake(self) -> None:
         async with self.hub.redis.pipeline(transaction=False) as pipe:
-            streams.add_fields(pipe, self.control, {"op": "wake"}, maxlen=64)
-            pipe.expire(self.control, CONTROL_TTL_S)
+            self.wake_in(pipe)
             await pipe.execute()
 
     async def _loop(self) -> None:
@@ -142,16 +146,25 @@ class ReplyHub:
     def subscriptions(self) -> int:
         return sum(len(s.subs) for s in self.shards)
 
-    async def subscribe(self, uid: str, after: str = "0-0") -> Subscription:
-        """Start delivering rsinfer:reply:<uid> entries after `after` ("0-0": from the beginning, so
-        entries written before the read blocks are not missed)."""
+    def register(self, uid: str, after: str = "0-0") -> Subscription:
+        """Add rsinfer:reply:<uid> to a shard's key set, reading after `after` ("0-0": from the beginning,
+        so entries written before the read blocks are not missed). The caller queues `sub.shard.wake_in`
+        in its own pipeline, or calls `subscribe` instead."""
         shard = min(self.shards, key=lambda s: len(s.subs), default=None)
         if shard is None or len(shard.subs) >= self.shard_keys:
             shard = _Shard(self, len(self.shards))
             self.shards.append(shard)
         key = self.keys.reply(uid)
         sub = shard.subs[key] = Subscription(self, shard, uid, key, after)
-        await shard.wake()
+        return sub
+
+    async def subscribe(self, uid: str, after: str = "0-0") -> Subscription:
+        sub = self.register(uid, after)
+        try:
+            await sub.shard.wake()
+        except BaseException:
+            self.unsubscribe(sub)
+            raise
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:

@@ -18,6 +18,7 @@ import anyio
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 
 from services.api.errors import ApiError, redis_down
 from services.api.flow import DeadlineExceeded, StageFailed
@@ -46,19 +47,32 @@ DONE = sse_event(b"[DONE]")
 
 
 class OwnedEventSource(EventSourceResponse):
-    """An SSE response that runs `on_close` when it ends for any reason, even if its generator never
-    started (a client that left before the first byte)."""
+    """An SSE response that runs `on_close(reason)` when it ends for any reason, even if its generator
+    never started (a client that left before the first byte). A client that accepts nothing for
+    `send_timeout` seconds ends it with reason "slow_client"."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any):
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
+                 **kw: Any):
         super().__init__(content, sep="\n", ping=15, headers=SSE_HEADERS, **kw)
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
+        reason = None
         try:
             await super().__call__(scope, receive, send)
+        except Exception as e:
+            if not _has(e, SendTimeoutError):
+                raise
+            reason = "slow_client"
         finally:
             with anyio.CancelScope(shield=True):
-                await self._on_close()
+                await self._on_close(reason)
+
+
+def _has(e: BaseException, kind: type[BaseException]) -> bool:
+    if isinstance(e, kind):
+        return True
+    return isinstance(e, BaseExceptionGroup) and any(_has(x, kind) for x in e.exceptions)
 
 
 def stage_error(e: StageFailed) -> ApiError:
@@ -152,8 +166,8 @@ class ApiService:
         self.metrics.inflight.labels(job.model).inc()
         if stream:
             return OwnedEventSource(self.stream_chunks(flight, fmt, job.model),
-                                    on_close=lambda: self.finish(flight, job.model, "stream"),
-                                    send_timeout=30)
+                                    on_close=lambda reason: self.finish(flight, job.model, "stream", reason),
+                                    send_timeout=self.settings.slow_client_timeout_s)
         try:
             connected, result = await until_disconnect(request, self.collect(flight, fmt, job.model))
             if not connected:
@@ -206,9 +220,11 @@ class ApiService:
             flight.first_token_at = time.monotonic()
             self.metrics.ttft.labels(model).observe(flight.first_token_at - flight.started)
 
-    async def finish(self, flight: Inflight, model: str, endpoint: str) -> None:
+    async def finish(self, flight: Inflight, model: str, endpoint: str, reason: str | None = None) -> None:
         if flight.closed:
             return
+        if reason:
+            flight.end_reason = reason
         await flight.close()
         if not flight.owner:
             return

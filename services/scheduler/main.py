@@ -1,9 +1,10 @@
 """Scheduler worker: consumer group `scheduler` on rsinfer:schedule:<model>, the engine, and one
 rsinfer:detokenize:<model> entry per engine step.
 
-Its loop: take new requests only while the engine has room, drop aborted and expired ones (one round
-trip for all abort flags), run one engine step in a worker thread, publish what it produced, and
-acknowledge a schedule entry only when its request has ended, so a peer can resume it if we die.
+Its loop: take new requests only while the engine has room, drop requests that ended elsewhere (abort
+flags in one round trip per step; deadlines; owners and records gone, once a second), run one engine
+step in a worker thread, publish what it produced, and acknowledge a schedule entry only when its
+request has ended, so that a peer can resume it from its reply stream if this process dies.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from services.scheduler.engine.base import Engine, EngineRequest, RequestRejected, StepOutput
 from services.scheduler.engine.factory import build_engine
 from shared import records, streams
 from shared.keys import SCHEDULER_GROUP
-from shared.messages import DetokenizeBatch, ReplyError, ScheduleJob, TokenDelta
+from shared.messages import DetokenizeBatch, Reply, ReplyError, ReplyEvent, ScheduleJob, TokenDelta, decode
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
 from shared.worker import StageWorker, run_stage
@@ -25,6 +30,7 @@ from shared.worker import StageWorker, run_stage
 log = logging.getLogger(__name__)
 
 CONTEXT_TOKENS = 8  # completion tokens sent before each delta so detokenizing needs no state
+SWEEP_EVERY_S = 1.0  # how often owners' heartbeats and request records are checked
 
 
 @dataclass
@@ -49,6 +55,28 @@ class Running:
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
                           top_logprobs=out.top_logprobs)
 
+    def abort_deltas(self) -> list[TokenDelta]:
+        """A final "abort" for every choice still open, so the client's reply ends in order."""
+        return [TokenDelta(uid=self.job.uid, start=len(seq), ids=[], prompt_tokens=len(self.job.input_ids),
+                           index=i, n=self.job.params.n, finish="abort")
+                for i, seq in enumerate(self.outputs) if i not in self.done]
+
+
+def produced_so_far(entries: list[tuple[str, dict[bytes, bytes]]], n: int) -> tuple[list[list[int]], set[int], bool]:
+    """From a reply stream: the tokens each choice has, which choices finished, and whether it failed."""
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    done: set[int] = set()
+    for _, fields in entries:
+        msg = decode(streams.payload(fields), Reply)
+        if isinstance(msg, ReplyError):
+            return outputs, done, True
+        assert isinstance(msg, ReplyEvent)
+        if msg.index < n and msg.start <= len(outputs[msg.index]) < msg.end:
+            outputs[msg.index].extend(msg.ids[len(outputs[msg.index]) - msg.start:])
+        if msg.finish_reason is not None and msg.index < n:
+            done.add(msg.index)
+    return outputs, done, False
+
 
 class SchedulerWorker(StageWorker[ScheduleJob]):
     role = "scheduler"
@@ -60,111 +88,192 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.engine = engine
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
+        # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
+        self.outbox: list[Callable[[Pipeline], None]] = []
 
     def load(self) -> dict:
         return {**super().load(), **self.engine.stats(), "requests": len(self.running),
-                "busy": self.engine.has_work()}
+                "busy": self.engine.has_work(), "outbox": len(self.outbox)}
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())
 
+    def held_entries(self) -> list[str]:
+        return [r.entry_id for r in self.running.values()]
+
     async def iteration(self) -> None:
-        """Receive (only while there is room), drop aborted, step, send, acknowledge ended requests."""
+        """Receive (only while there is room), drop what ended elsewhere, step, send, acknowledge."""
+        await self.flush()
         batch, claimed = await self.receive(block_ms=None if self.engine.has_work() else 1000)
         if batch:
             await self.admit(batch, claimed)
-        await self.drop_aborted()
+        await self.work()
+        await self.housekeeping()
+
+    async def work(self) -> None:
+        await self.drop_ended()
         if self.engine.has_work():
             outputs = await asyncio.to_thread(self.engine.step)
             self.steps += 1
-            await self.publish(outputs)
+            self.queue_outputs(outputs)
+            await self.flush()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
-        await self.housekeeping()
 
+    async def finish_in_flight(self) -> None:
+        """Shutdown: no new requests; step the running ones to their end unless told to hurry."""
+        while (self.engine.has_work() or self.outbox) and not self.forced.is_set():
+            try:
+                await self.flush()
+                await self.work()
+            except (RedisError, OSError) as e:
+                log.warning("redis unavailable while draining (%s)", e)
+                await asyncio.sleep(0.5)
+
+    # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
-        aborted = await records.abort_reasons(self.redis, self.keys, (d.msg.uid for d in batch))
+        uids = [d.msg.uid for d in batch]
+        aborted = await records.abort_reasons(self.redis, self.keys, uids)
+        owners = await self._record_field(uids, "scheduler")
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
                 job = d.msg
-                if job.uid in self.running:  # a duplicate delivery of a request we already run
-                    continue
-                if job.uid in aborted:
+                if job.uid in self.running:
+                    continue  # delivered twice to us: already running
+                if not claimed and owners.get(job.uid):
+                    log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owners[job.uid])
+                elif job.uid in aborted:
                     records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
                                         self.maxlen, len(job.input_ids))
                 elif job.deadline <= now:
                     records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
-                else:
-                    try:
-                        self.engine.add(EngineRequest(job.uid, job.input_ids, job.params))
-                    except RequestRejected as e:
-                        log.info("uid=%s rejected by the engine: %s", job.uid, e)
-                        records.end_failed(pipe, self.keys, job.uid, ReplyError(
-                            message=str(e), status=400, type="invalid_request_error",
-                            code="context_length_exceeded"), self.ttl, self.maxlen)
-                    else:
-                        self.running[job.uid] = Running(d.entry_id, job, [[] for _ in range(job.params.n)])
-                        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id)
-                        continue
+                elif await self._start(pipe, d, claimed):
+                    continue
                 self.source.ack_in(pipe, [d.entry_id])
             await pipe.execute()
 
-    async def drop_aborted(self) -> None:
-        """One round trip reads every running request's abort flag; deadlines are checked locally."""
+    async def _start(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool) -> bool:
+        """Hand a request to the engine (resuming from its reply stream when claimed); False if it ended."""
+        job, n = d.msg, d.msg.params.n
+        outputs, done, failed = [[] for _ in range(n)], set(), False
+        if claimed:
+            outputs, done, failed = produced_so_far(await streams.read_range(self.redis, self.keys.reply(job.uid)), n)
+            if failed or len(done) == n:
+                return False
+            log.info("uid=%s resumed after %s tokens", job.uid, [len(o) for o in outputs])
+        try:
+            self.engine.add(EngineRequest(job.uid, job.input_ids, job.params, outputs if claimed else []))
+        except RequestRejected as e:
+            log.info("uid=%s rejected by the engine: %s", job.uid, e)
+            records.end_failed(pipe, self.keys, job.uid, ReplyError(
+                message=str(e), status=400, type="invalid_request_error", code="context_length_exceeded"),
+                self.ttl, self.maxlen)
+            return False
+        self.running[job.uid] = Running(d.entry_id, job, outputs, done)
+        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id)
+        return True
+
+    async def _record_field(self, uids: list[str], name: str) -> dict[str, str]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for uid in uids:
+                pipe.hget(self.keys.request(uid), name)
+            values = await pipe.execute()
+        return {u: v.decode() for u, v in zip(uids, values, strict=True) if v is not None}
+
+    # -- ending requests that ended elsewhere ---------------------------------------------------------------
+    async def drop_ended(self) -> None:
         if not self.running:
             return
-        reasons = await records.abort_reasons(self.redis, self.keys, self.running)
+        ended = await records.abort_reasons(self.redis, self.keys, self.running)
         now = time.time()
-        expired = [uid for uid, r in self.running.items() if r.job.deadline <= now and uid not in reasons]
-        if not reasons and not expired:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            items = []
-            for uid, reason in reasons.items():
-                run = self.running.pop(uid)
-                self.engine.abort(uid)
-                log.info("uid=%s aborted (%s)", uid, reason)
-                if reason != "stop":  # a stop string already ended the reply in the detokenizer
-                    records.set_status(pipe, self.keys, uid, self.ttl, error=f"aborted: {reason}")
-                    items += [TokenDelta(uid=uid, start=len(seq), ids=[], prompt_tokens=len(run.job.input_ids),
-                                         index=i, n=run.job.params.n, finish="abort")
-                              for i, seq in enumerate(run.outputs) if i not in run.done]
-                self.source.ack_in(pipe, [run.entry_id])
-            for uid in expired:
-                run = self.running.pop(uid)
-                self.engine.abort(uid)
-                log.info("uid=%s dropped: deadline passed", uid)
-                records.end_failed(pipe, self.keys, uid, records.deadline_error(), self.ttl, self.maxlen)
-                self.source.ack_in(pipe, [run.entry_id])
-            if items:
-                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, items))
-            await pipe.execute()
+        ended |= {uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now and uid not in ended}
+        if self.due("sweep", SWEEP_EVERY_S):
+            ended |= {uid: why for uid, why in (await self._orphans()).items() if uid not in ended}
+        for uid, reason in ended.items():
+            self._drop(uid, reason)
 
-    async def publish(self, outputs: list[StepOutput]) -> None:
-        items, ended, failed = [], [], []
+    async def _orphans(self) -> dict[str, str]:
+        """Requests whose API process died (unless they run in the background) or whose record is gone
+        (Redis lost its data): nobody can receive them any more. Refreshes the TTLs of the rest."""
+        runs = list(self.running.values())
+        pods = sorted({r.job.pod for r in runs})
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pod in pods:
+                pipe.exists(self.keys.worker("api", pod))
+            for r in runs:
+                pipe.expire(self.keys.request(r.job.uid), self.ttl)  # 0 when the record is gone
+            for r in runs:
+                pipe.expire(self.keys.reply(r.job.uid), self.ttl)
+            found = await pipe.execute()
+        alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
+        out = {}
+        for r, has_record in zip(runs, found[len(pods):len(pods) + len(runs)], strict=True):
+            if not has_record:
+                out[r.job.uid] = "record_lost"
+            elif r.job.pod not in alive and not r.job.background:
+                out[r.job.uid] = "owner_gone"
+        return out
+
+    def _drop(self, uid: str, reason: str) -> None:
+        run = self.running.pop(uid)
+        self.engine.abort(uid)
+        log.info("uid=%s dropped: %s", uid, reason)
+
+        def write(pipe: Pipeline) -> None:
+            if reason == "timeout":
+                records.end_failed(pipe, self.keys, uid, records.deadline_error(), self.ttl, self.maxlen)
+            elif reason != "stop":  # a stop string already ended the reply in the detokenizer
+                records.set_status(pipe, self.keys, uid, self.ttl, error=f"aborted: {reason}")
+                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, run.abort_deltas()))
+            self.source.ack_in(pipe, [run.entry_id])
+
+        self.outbox.append(write)
+
+    # -- publishing ---------------------------------------------------------------------------------------
+    def queue_outputs(self, outputs: list[StepOutput]) -> None:
+        items, ended = [], []
         for out in outputs:
             run = self.running.get(out.uid)
-            if run is None:
+            if run is None or out.index in run.done:
                 continue
             if out.error is not None:
-                failed.append((out.uid, out.error))
+                self._fail(out.uid, out.error)
                 continue
             items.append(run.delta(out))
             run.outputs[out.index].extend(out.ids)
             if out.finish_reason is not None:
                 run.done.add(out.index)
                 if len(run.done) == run.job.params.n:
-                    ended.append(out.uid)
+                    ended.append(self.running.pop(out.uid).entry_id)
+        batch = DetokenizeBatch(self.id, self.steps, items) if items else None
+
+        def write(pipe: Pipeline) -> None:
+            if batch:
+                streams.add(pipe, self.detokenize_key, batch)
+            self.source.ack_in(pipe, ended)
+
+        self.outbox.append(write)
+
+    def _fail(self, uid: str, error: str) -> None:
+        run = self.running.pop(uid)
+        self.engine.abort(uid)
+        log.error("uid=%s failed in the engine: %s", uid, error)
+
+        def write(pipe: Pipeline) -> None:
+            records.end_failed(pipe, self.keys, uid, ReplyError(message=error), self.ttl, self.maxlen)
+            self.source.ack_in(pipe, [run.entry_id])
+
+        self.outbox.append(write)
+
+    async def flush(self) -> None:
+        """Send every queued write in one pipeline; on failure they stay queued for the next try."""
+        if not self.outbox:
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
-            if items:
-                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, items))
-            for uid, error in failed:
-                log.error("uid=%s failed in the engine: %s", uid, error)
-                self.engine.abort(uid)
-                records.end_failed(pipe, self.keys, uid, ReplyError(message=error), self.ttl, self.maxlen)
-                ended.append(uid)
-            self.source.ack_in(pipe, [self.running.pop(uid).entry_id for uid in ended if uid in self.running])
+            for write in self.outbox:
+                write(pipe)
             await pipe.execute()
+        self.outbox.clear()
 
     async def close(self) -> None:
         self.engine.close()

@@ -33,6 +33,8 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
                                      context_length(model_path, settings.trust_remote_code))
 
     async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
+        if claimed:  # a dead peer may have forwarded some before it could acknowledge them
+            batch = await self._not_yet_forwarded(batch)
         jobs = [d.msg for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, (j.uid for j in jobs))
         now = time.time()
@@ -44,6 +46,15 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
                 self._route(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
             self.source.ack_in(pipe, [d.entry_id for d in batch])
             await pipe.execute()
+
+    async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in batch:
+                pipe.hget(self.keys.request(d.msg.uid), "status")
+            statuses = await pipe.execute()
+        done = [d.entry_id for d, s in zip(batch, statuses, strict=True) if s not in (None, b"queued")]
+        await self.source.ack(done)
+        return [d for d in batch if d.entry_id not in done]
 
     def _route(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None, aborted: str | None):
         uid, keys = job.uid, self.keys

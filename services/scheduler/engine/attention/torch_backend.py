@@ -26,6 +26,7 @@ class _Part:
     block_table: torch.Tensor  # [B, max_pages]
     max_kv: int
     mask: torch.Tensor  # [B, 1, Lq, max_kv] bool, True = attend
+    gather_index: torch.Tensor | None = None  # [B * Hkv * max_kv] rows of the pool viewed as [-1, D]
     max_q: int = 1
     batch_idx: torch.Tensor | None = None  # [T] row of each token (prefill part)
     pos_in_q: torch.Tensor | None = None  # [T] index of each token in its row
@@ -48,11 +49,22 @@ class TorchPagedAttention:
         table = [p + [SCRATCH_PAGE] * (width - len(p)) for p in meta.pages[lo:hi]]
         return torch.tensor(table, dtype=torch.int64, device=self.device)
 
+    def _gather_index(self, table: torch.Tensor, max_kv: int) -> torch.Tensor:
+        """Row (slot * Hkv + head) of every [head, key] of every row, so that one index_select of
+        the NHD pool yields K as [B, Hkv, kv, D] contiguous, the layout batched matmuls want without
+        another copy. Keys past a row's length read stale or scratch slots; the mask hides them."""
+        ps, heads = self.kv.page_size, self.kv.shape.num_kv_heads
+        offsets = torch.arange(ps, device=self.device)
+        slots = (table[:, :, None] * ps + offsets).view(table.shape[0], -1)[:, :max_kv]
+        head = torch.arange(heads, device=self.device)
+        return (slots[:, None, :] * heads + head[None, :, None]).view(-1)
+
     def _decode_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
         kv_lens = torch.tensor(meta.kv_lens[lo:hi], device=self.device)
         max_kv = max(meta.kv_lens[lo:hi])
         mask = torch.arange(max_kv, device=self.device)[None] < kv_lens[:, None]
-        return _Part(self._block_table(meta, lo, hi), max_kv, mask[:, None, None])
+        table = self._block_table(meta, lo, hi)
+        return _Part(table, max_kv, mask[:, None, None], self._gather_index(table, max_kv))
 
     def _prefill_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
         q_lens, kv_lens = meta.q_lens[lo:hi], meta.kv_lens[lo:hi]
@@ -66,7 +78,8 @@ class TorchPagedAttention:
         ki = torch.arange(max_kv, device=self.device)[None, None, :]
         # bottom-right causal; padded query rows (qi >= q_len) still see key 0, so no row is all -inf
         mask = (ki <= kl - ql + qi) & (ki < kl)
-        return _Part(self._block_table(meta, lo, hi), max_kv, mask[:, None], max_q,
+        table = self._block_table(meta, lo, hi)
+        return _Part(table, max_kv, mask[:, None], self._gather_index(table, max_kv), max_q,
                      batch_idx.to(self.device), pos_in_q.to(self.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
@@ -87,15 +100,17 @@ class TorchPagedAttention:
 
     @staticmethod
     def _gather(pool: torch.Tensor, part: _Part) -> torch.Tensor:
+        """[B, Hkv, max_kv, D], contiguous (index_select is ~3x faster than advanced indexing on CPU)."""
+        heads, dim = pool.shape[-2:]
         rows = part.block_table.shape[0]
-        # index_select on the flat page list is ~3x faster on CPU than advanced indexing
-        dense = pool.index_select(0, part.block_table.view(-1)).view(rows, -1, *pool.shape[-2:])
-        dense = dense[:, :part.max_kv]
-        return dense.transpose(1, 2)  # [B, Hkv, kv, D]
+        return pool.view(-1, dim).index_select(0, part.gather_index).view(rows, heads, part.max_kv, dim)
 
     def _decode(self, q, kp, vp, part: _Part, scaling: float) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), self._gather(kp, part), self._gather(vp, part),
-                                           attn_mask=part.mask, scale=scaling, enable_gqa=True)
+        k, v = self._gather(kp, part), self._gather(vp, part)
+        if q.dtype != torch.float32 and q.device.type == "cpu":
+            return _decode_grouped(q, k, v, part.mask, scaling)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=part.mask, scale=scaling,
+                                           enable_gqa=True)
         return o.squeeze(2)
 
     def _prefill(self, q, kp, vp, part: _Part, scaling: float) -> torch.Tensor:
@@ -110,3 +125,18 @@ class TorchPagedAttention:
                                            enable_gqa=True)
         o = o.transpose(1, 2)
         return o[0] if rows == 1 else o[part.batch_idx, part.pos_in_q]
+
+
+def _decode_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """One-token attention as two batched matmuls per KV head group, softmax in fp32.
+
+    On CPU, SDPA with a one-token query in bf16/fp16 takes a slow path (~5x slower than this for
+    Qwen3-0.6B's shapes); fp32 stays on SDPA, which is faster there.
+    """
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # q head h reads kv head h // group
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scaling
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(rows, heads, dim)
