@@ -109,9 +109,17 @@ def run_generate(model, prompts: list[list[int]], args: argparse.Namespace) -> i
 
 def run_generate_batch(model, prompts: list[list[int]], args: argparse.Namespace) -> int:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    outs = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    # Sized like the engine's run (its defaults size the cache from free memory and spend seconds
+    # clearing it; its async batching thread only costs time on CPU): ~4x faster than its defaults here.
+    per_seq = -(-(args.prompt_len + args.output_len) // args.page_size)
+    cb = ContinuousBatchingConfig(num_blocks=len(prompts) * per_seq + 8, page_size=args.page_size,
+                                  max_batch_tokens=args.chunk_size,
+                                  use_async_batching=None if args.device == "cuda" else False)
+    outs = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb,
+                                progress_bar=False)
     return sum(len(o.generated_tokens) for o in outs.values())
 
 

@@ -23,6 +23,8 @@ from services.scheduler.engine.sequence import Seq
 
 log = logging.getLogger(__name__)
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its prebuilt and JIT kernels are instantiated for
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,14 +43,18 @@ class EngineConfig:
 def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
     """flashinfer on CUDA (when installed), torch elsewhere."""
     device = kv.k[0].device
+    g = attention_geometry(model)
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
-        if device.type == "cuda" and name == "torch":
+        name = "torch"
+        if device.type == "cuda" and not _flashinfer_installed():
             log.warning("flashinfer is not installed (pip install rsinfer[gpu]); using torch attention on CUDA")
+        elif device.type == "cuda" and g.head_dim not in FLASHINFER_HEAD_DIMS:
+            log.warning("head_dim %d is not one flashinfer builds; using torch attention on CUDA", g.head_dim)
+        elif device.type == "cuda":
+            name = "flashinfer"
     if name == "flashinfer":
         from services.scheduler.engine.attention.flashinfer_backend import FlashInferPagedAttention
 
-        g = attention_geometry(model)
         return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype)
     from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 
