@@ -80,6 +80,13 @@ async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: flo
                          ) -> AsyncIterator[tuple[str, list[ReplyEvent]]]:
     """Yield (last entry id, events) for everything that arrives at once, until every choice finished.
     Raises StageFailed on an error reply, DeadlineExceeded at the deadline, HubError if Redis is gone."""
+    async for pairs in ordered_entries(sub, order, deadline):
+        yield pairs[-1][0], [ev for _, ev in pairs]
+
+
+async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: float
+                          ) -> AsyncIterator[list[tuple[str, ReplyEvent]]]:
+    """Like ordered_events, but each event with the id of the reply entry that carried it."""
     while not order.done:
         remaining = deadline - time.time()
         if remaining <= 0:
@@ -88,19 +95,17 @@ async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: flo
             first = await asyncio.wait_for(sub.get(), remaining)
         except TimeoutError:
             raise DeadlineExceeded() from None
-        events: list[ReplyEvent] = []
-        last_id = first[0]
+        pairs: list[tuple[str, ReplyEvent]] = []
         for entry_id, raw in [first, *sub.drain()]:
-            last_id = entry_id
             try:
                 msg = decode(raw, Reply)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.error("uid=%s unreadable reply entry %s: %s", sub.uid, entry_id, e)
                 continue
             if isinstance(msg, ReplyError):
-                if events:
-                    yield last_id, events
+                if pairs:
+                    yield pairs
                 raise StageFailed(msg)
-            events.extend(order.accept(msg))
-        if events:
-            yield last_id, events
+            pairs.extend((entry_id, ev) for ev in order.accept(msg))
+        if pairs:
+            yield pairs

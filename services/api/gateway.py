@@ -16,7 +16,7 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from services.api.flow import OrderedReplies, ordered_events
+from services.api.flow import OrderedReplies, ordered_entries, ordered_events
 from services.api.replies import ReplyHub, Subscription
 from shared import records, streams
 from shared.keys import Keys
@@ -43,6 +43,9 @@ class Inflight:
 
     def events(self):
         return ordered_events(self.sub, self.order, self.deadline)
+
+    def entries(self):
+        return ordered_entries(self.sub, self.order, self.deadline)
 
     @property
     def done(self) -> bool:

@@ -195,12 +195,15 @@ class ApiService:
                             skip_until: str | None = None) -> AsyncIterator[bytes]:
         """SSE events for one request; entries up to `skip_until` (Last-Event-ID) are not sent again."""
         try:
-            async for last_id, events in flight.events():
+            async for pairs in flight.entries():
                 self._first_token(flight, model)
-                chunks = fmt.chunks(events)
-                if skip_until and not _after(last_id, skip_until):
+                if skip_until:  # replay what the client already has into the formatter, unsent
+                    fmt.chunks([ev for eid, ev in pairs if not _after(eid, skip_until)])
+                    pairs = [(eid, ev) for eid, ev in pairs if _after(eid, skip_until)]
+                if not pairs:
                     continue
-                for chunk in chunks:
+                last_id = pairs[-1][0]
+                for chunk in fmt.chunks([ev for _, ev in pairs]):
                     yield sse_event(orjson.dumps(chunk), last_id)
             if fmt.include_usage:
                 yield sse_event(orjson.dumps(fmt.usage_chunk(flight.order.prompt_tokens,

@@ -46,10 +46,10 @@ class Stack:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
-        env.update(RSINFER_REDIS_URL=self.redis_url, RSINFER_NAMESPACE=self.namespace,
-                   RSINFER_MODEL=str(self.model_dir), RSINFER_SERVED_MODEL_NAME=MODEL,
-                   RSINFER_HEARTBEAT_TTL_S="3", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                   RSINFER_THREADS="1", **extra)
+        env.update({"RSINFER_REDIS_URL": self.redis_url, "RSINFER_NAMESPACE": self.namespace,
+                    "RSINFER_MODEL": str(self.model_dir), "RSINFER_SERVED_MODEL_NAME": MODEL,
+                    "RSINFER_HEARTBEAT_TTL_S": "3", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                    "RSINFER_THREADS": "1", **extra})
         return env
 
     def start(self, name: str, role: str, **extra: str) -> subprocess.Popen:
@@ -59,7 +59,7 @@ class Stack:
             self.port = free_port()
         if role != "up":
             extra.setdefault("RSINFER_WORKER_ID", name)
-        env = self.env(**({"RSINFER_PORT": str(self.port)} if serves_http else {}), **extra)
+        env = self.env(**{**({"RSINFER_PORT": str(self.port)} if serves_http else {}), **extra})
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (owned by the child)
         proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -121,5 +121,28 @@ def stack(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
         s.start("up", "up")
         s.wait_ready()
         yield s
+    finally:
+        s.stop()
+
+
+# Short timings so that crash and shutdown tests finish in seconds; each process can override them.
+LIFECYCLE_ENV = dict(RSINFER_CLAIM_IDLE_MS="1500", RSINFER_HEARTBEAT_INTERVAL_S="0.5", RSINFER_HEARTBEAT_TTL_S="2",
+                     RSINFER_GRACE_PERIOD_S="5", RSINFER_SLOW_CLIENT_TIMEOUT_S="2")
+
+
+def start_pipeline(s: Stack, suffix: str = "1", **env: str) -> Stack:
+    """One tokenizer, scheduler, detokenizer and API as separate processes, named e.g. `scheduler1`."""
+    for role in ("tokenizer", "scheduler", "detokenizer", "api"):
+        s.start(f"{role}{suffix}", role, **{**LIFECYCLE_ENV, **env})
+    s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="module")
+def pipeline(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
+    """Separate processes of each stage, for tests that kill, stop and restart them (module-scoped)."""
+    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "life")
+    try:
+        yield start_pipeline(s)
     finally:
         s.stop()

@@ -1,0 +1,56 @@
+"""Small helpers the end-to-end tests share: raw HTTP clients, polling, worker loads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shared.registry import WorkerInfo
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout}s")
+        time.sleep(every)
+
+
+def raw_post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    """Send a POST over a plain socket and return the socket unread (a client we fully control)."""
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def sse_payloads(raw: str) -> list[str]:
+    return [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+
+
+def workers(stack, role: str) -> list[WorkerInfo]:
+    r = stack.redis()
+    out = []
+    for member in r.zrange(stack.keys.workers(), 0, -1):
+        mrole, wid = member.split(":", 1)
+        fields = r.hgetall(stack.keys.worker(mrole, wid))
+        if mrole == role and fields:
+            out.append(WorkerInfo(role, wid, fields["model"], float(fields["updated_at"]), json.loads(fields["load"])))
+    return out
+
+
+def engines_idle(stack) -> bool:
+    """Every live scheduler has no request and every KV page back (cached prefix pages count as free)."""
+    loads = [w.load for w in workers(stack, "scheduler")]
+    return bool(loads) and all(ld["requests"] == 0 and ld["running"] == 0 and ld["waiting"] == 0
+                               and ld["free_pages"] == ld["total_pages"] for ld in loads)

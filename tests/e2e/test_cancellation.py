@@ -1,0 +1,97 @@
+"""Cancellation, stop strings, deadlines and stage errors, against `rsinfer up`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL
+from tests.e2e.helpers import engines_idle, raw_post, sse_payloads, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3500,
+        "ignore_eos": True, "temperature": 0}
+
+
+def _uid_from_stream(sock) -> str:
+    buf = b""
+    while b"chatcmpl-" not in buf or b'"object"' not in buf:
+        buf += sock.recv(4096)
+    return buf.split(b"chatcmpl-")[1][:32].decode()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_within_100ms(stack, stream):
+    r = stack.redis()
+    sock = raw_post(stack.port, "/v1/chat/completions", {**LONG, "stream": stream})
+    if stream:
+        uid = _uid_from_stream(sock)
+    else:  # no bytes come back before the end: find the request by its record
+        def running_uid():
+            for key in r.scan_iter(match=stack.keys.request_pattern()):
+                rec = r.hgetall(key)
+                if rec.get("status") == "running" and rec.get("kind") == "chat" and not r.exists(
+                        stack.keys.abort(stack.keys.uid_of_request_key(key))):
+                    return stack.keys.uid_of_request_key(key)
+            return None
+        uid = wait_for(running_uid)
+    closed = time.monotonic()
+    sock.close()
+    wait_for(lambda: r.exists(stack.keys.abort(uid)), timeout=2, every=0.002)
+    took = time.monotonic() - closed
+    assert took < 0.1, f"abort flag after {took * 1000:.0f} ms"
+    assert r.get(stack.keys.abort(uid)) == "client_disconnected"
+    wait_for(lambda: r.hget(stack.keys.request(uid), "status") == "aborted", timeout=5)
+    wait_for(lambda: engines_idle(stack), timeout=5)  # the scheduler dropped it and freed its pages
+
+
+def test_stop_string_truncates_and_stops_the_engine(stack):
+    client = stack.client()
+    base = dict(model=MODEL, messages=[{"role": "user", "content": "stop test"}], temperature=0,
+                max_tokens=80, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**base).choices[0].message.content
+    start = next(i for i in range(15, len(full) - 3) if "\ufffd" not in full[i:i + 3] and full[i:i + 3].strip())
+    stop = full[start:start + 3]
+    expected = full[:full.find(stop)]
+    r = client.chat.completions.create(**base, stop=[stop])
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 80
+    uid = r.id.removeprefix("chatcmpl-")
+    assert stack.redis().get(stack.keys.abort(uid)) == "stop"  # the scheduler was told to stop
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **base, stop=[stop], stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_deadline_stream_gets_error_then_done(stack):
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json={**LONG, "stream": True, "timeout": 1},
+                      timeout=30) as resp:
+        body = "".join(resp.iter_text())
+    assert 0.9 < time.monotonic() - t0 < 4
+    data = sse_payloads(body)
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "timeout"
+    uid = json.loads(data[0])["id"].removeprefix("chatcmpl-")
+    assert stack.redis().get(stack.keys.abort(uid)) == "timeout"
+    wait_for(lambda: engines_idle(stack), timeout=5)
+
+
+def test_deadline_non_stream_is_504(stack):
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**LONG, "timeout": 1}, timeout=30)
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "request_timeout"
+    wait_for(lambda: engines_idle(stack), timeout=5)
+
+
+def test_stage_error_in_a_stream_is_an_error_event(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30) as resp:
+        data = sse_payloads("".join(resp.iter_text()))
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "context_length_exceeded"

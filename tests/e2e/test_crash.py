@@ -1,0 +1,181 @@
+"""Crashes: kill -9 of a tokenizer, scheduler, detokenizer or API process with requests in flight.
+
+A process is first frozen (SIGSTOP) so that it holds entries it will never finish, a peer is started,
+then the frozen one is killed with SIGKILL. Every request must complete with exactly the text an
+uninterrupted run gives (greedy), with no gap and no duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from shared.redis_server import free_port
+from tests.e2e.conftest import LIFECYCLE_ENV, MODEL
+from tests.e2e.helpers import engines_idle, sse_payloads, wait_for, workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def body(i: int, max_tokens: int = 100, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"crash test {i}"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+def reference(stack, bodies: list[dict]) -> list[str]:
+    """What each request gives when nothing goes wrong (greedy text does not depend on the batch)."""
+    out: list[str] = [""] * len(bodies)
+
+    def one(i: int) -> None:
+        out[i] = httpx.post(f"{stack.base_url}/v1/chat/completions", json=bodies[i], timeout=60).json()[
+            "choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class Streamer(threading.Thread):
+    """Streams one request and records its text, event ids and finish reason."""
+
+    def __init__(self, base_url: str, payload: dict):
+        super().__init__(daemon=True)
+        self.url, self.payload = base_url, {**payload, "stream": True}
+        self.text, self.finish, self.ids, self.uid, self.error = "", None, [], None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.payload, timeout=90) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("id: "):
+                        self.ids.append(line[4:])
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        continue
+                    self.uid = chunk["id"].removeprefix("chatcmpl-")
+                    for c in chunk["choices"]:
+                        self.text += c["delta"].get("content") or ""
+                        self.finish = c["finish_reason"] or self.finish
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+
+    def result(self, timeout: float = 60) -> str:
+        self.join(timeout)
+        assert not self.is_alive(), "stream did not end"
+        assert self.error is None, self.error
+        assert self.finish == "length"
+        return self.text
+
+
+def live(stack, role: str) -> list[str]:
+    return [w.id for w in workers(stack, role)]
+
+
+def test_scheduler_killed_mid_generation_is_resumed_by_a_peer(pipeline):
+    s = pipeline
+    bodies = [body(i) for i in range(6)]
+    expected = reference(s, bodies)
+    assert len(set(expected)) > 1
+    [old] = live(s, "scheduler")
+    runs = [Streamer(s.base_url, b) for b in bodies]
+    wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=30)
+    s.procs[old].send_signal(signal.SIGSTOP)  # it holds every request and will never finish them
+    s.start("scheduler2", "scheduler", **LIFECYCLE_ENV)
+    wait_for(lambda: "scheduler2" in live(s, "scheduler"), timeout=60)
+    s.kill(old)
+    assert [r.result() for r in runs] == expected
+    records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
+    assert all(rec["scheduler"] == "scheduler2" and rec["status"] == "finished" for rec in records)
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def test_tokenizer_killed_with_pending_entries(pipeline):
+    s = pipeline
+    bodies = [body(i, 20) for i in range(10, 18)]
+    expected = reference(s, bodies)
+    [old] = live(s, "tokenizer")
+    s.procs[old].send_signal(signal.SIGSTOP)
+    runs = [Streamer(s.base_url, b) for b in bodies]
+    wait_for(lambda: s.redis().xpending(s.keys.tokenize(MODEL), "tokenizer")["pending"] > 0, timeout=10)
+    s.start("tokenizer2", "tokenizer", **LIFECYCLE_ENV)
+    wait_for(lambda: "tokenizer2" in live(s, "tokenizer"), timeout=60)
+    s.kill(old)
+    assert [r.result() for r in runs] == expected
+
+
+def test_detokenizer_killed_with_pending_entries(pipeline):
+    s = pipeline
+    bodies = [body(i, 80) for i in range(20, 24)]
+    expected = reference(s, bodies)
+    [old] = live(s, "detokenizer")
+    runs = [Streamer(s.base_url, b) for b in bodies]
+    wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
+    s.procs[old].send_signal(signal.SIGSTOP)
+    s.start("detokenizer2", "detokenizer", **LIFECYCLE_ENV)
+    wait_for(lambda: "detokenizer2" in live(s, "detokenizer"), timeout=60)
+    s.kill(old)
+    assert [r.result() for r in runs] == expected
+
+
+def test_duplicate_deliveries_never_duplicate_text(pipeline):
+    s = pipeline
+    r = s.redis()
+    b = body(30, 150)
+    [expected] = reference(s, [b])
+    run = Streamer(s.base_url, b)
+    wait_for(lambda: len(run.text) > 20, timeout=30)
+    entries = r.xrange(s.keys.detokenize(MODEL), count=2000)
+    mine = [f for _, f in entries if run.uid in f["data"]][:10]
+    assert mine
+    for fields in mine:  # as if a claimed entry was redone by a peer
+        r.xadd(s.keys.detokenize(MODEL), fields)
+    sched = [f for _, f in r.xrange(s.keys.schedule(MODEL), count=2000) if run.uid in f["data"]]
+    r.xadd(s.keys.schedule(MODEL), sched[0])  # a tokenizer that forwarded it twice
+    assert run.result() == expected
+    assert r.hget(s.keys.request(run.uid), "completion_tokens") == "150"
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def test_api_death_aborts_its_requests_but_not_background_ones(pipeline):
+    s = pipeline
+    background = body(40, 200, background=True)
+    [expected] = reference(s, [background])
+    port2 = free_port()
+    s.start("api2", "api", RSINFER_PORT=str(port2), **LIFECYCLE_ENV)
+    url2 = f"http://127.0.0.1:{port2}"
+    wait_for(lambda: _ready(url2), timeout=60)
+    fg = Streamer(url2, body(41, 3000))
+    bg = Streamer(url2, background)
+    wait_for(lambda: len(fg.text) > 5 and len(bg.text) > 5 and bg.ids, timeout=30)
+    s.kill("api2")
+    r = s.redis()
+    wait_for(lambda: r.hget(s.keys.request(fg.uid), "status") == "aborted", timeout=10)
+    assert r.hget(s.keys.request(fg.uid), "error") == "aborted: owner_gone"
+    # the background request goes on; reattach from the other API process where the stream broke
+    last = bg.ids[-1]
+    with httpx.stream("GET", f"{s.base_url}/v1/requests/{bg.uid}/stream", headers={"Last-Event-ID": last},
+                      timeout=60) as resp:
+        rest = sse_payloads("".join(resp.iter_text()))
+    tail = "".join(c["delta"].get("content") or "" for d in rest if d.startswith("{")
+                   for c in json.loads(d)["choices"])
+    assert bg.text + tail == expected
+    assert r.hget(s.keys.request(bg.uid), "status") == "finished"
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
