@@ -58,6 +58,11 @@ class OrderedReplies:
         if ev.start > self.next[i]:
             self.held[i][ev.start] = ev  # a gap before it: wait for the range a peer will redo
             return []
+        if ev.start < self.next[i]:
+            # Overlaps what was delivered; its text cannot be split by token. Whoever wrote the part we
+            # have also writes the rest in step-sized ranges, which do fit.
+            log.warning("dropping reply range [%d, %d) overlapping delivered %d", ev.start, ev.end, self.next[i])
+            return []
         out = [ev]
         self._advance(ev)
         while i not in self.finished and (nxt := self.held[i].pop(self.next[i], None)) is not None:

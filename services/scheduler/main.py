@@ -133,15 +133,19 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
         uids = [d.msg.uid for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, uids)
-        owners = await self._record_field(uids, "scheduler")
+        owners = await self._record_fields(uids, "scheduler", "entry")
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
                 job = d.msg
+                owner, owner_entry = owners[job.uid]
                 if job.uid in self.running:
                     continue  # delivered twice to us: already running
-                if not claimed and owners.get(job.uid):
-                    log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owners[job.uid])
+                if not claimed and owner:
+                    if owner_entry == d.entry_id:  # we were hung; a peer claimed this very entry: it is theirs
+                        log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
+                        continue
+                    log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
                 elif job.uid in aborted:
                     records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
                                         self.maxlen, len(job.input_ids))
@@ -170,15 +174,15 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 self.ttl, self.maxlen)
             return False
         self.running[job.uid] = Running(d.entry_id, job, outputs, done)
-        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id)
+        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id)
         return True
 
-    async def _record_field(self, uids: list[str], name: str) -> dict[str, str]:
+    async def _record_fields(self, uids: list[str], *names: str) -> dict[str, list[str | None]]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for uid in uids:
-                pipe.hget(self.keys.request(uid), name)
-            values = await pipe.execute()
-        return {u: v.decode() for u, v in zip(uids, values, strict=True) if v is not None}
+                pipe.hmget(self.keys.request(uid), names)
+            rows = await pipe.execute()
+        return {u: [v.decode() if v is not None else None for v in row] for u, row in zip(uids, rows, strict=True)}
 
     # -- ending requests that ended elsewhere ---------------------------------------------------------------
     async def drop_ended(self) -> None:
@@ -193,23 +197,27 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             self._drop(uid, reason)
 
     async def _orphans(self) -> dict[str, str]:
-        """Requests whose API process died (unless they run in the background) or whose record is gone
-        (Redis lost its data): nobody can receive them any more. Refreshes the TTLs of the rest."""
+        """Requests nobody can receive or that are no longer ours: the API process died (unless they run
+        in the background), the record is gone (Redis lost its data), or a peer took them over while we
+        were stalled. Refreshes the TTLs of the rest."""
         runs = list(self.running.values())
         pods = sorted({r.job.pod for r in runs})
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
             for r in runs:
-                pipe.expire(self.keys.request(r.job.uid), self.ttl)  # 0 when the record is gone
-            for r in runs:
+                pipe.hget(self.keys.request(r.job.uid), "scheduler")
+                pipe.expire(self.keys.request(r.job.uid), self.ttl)
                 pipe.expire(self.keys.reply(r.job.uid), self.ttl)
             found = await pipe.execute()
         alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
+        owners = found[len(pods)::3]
         out = {}
-        for r, has_record in zip(runs, found[len(pods):len(pods) + len(runs)], strict=True):
-            if not has_record:
+        for r, owner in zip(runs, owners, strict=True):
+            if owner is None:
                 out[r.job.uid] = "record_lost"
+            elif owner.decode() != self.id:
+                out[r.job.uid] = "taken_over"
             elif r.job.pod not in alive and not r.job.background:
                 out[r.job.uid] = "owner_gone"
         return out
@@ -220,6 +228,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         log.info("uid=%s dropped: %s", uid, reason)
 
         def write(pipe: Pipeline) -> None:
+            if reason == "taken_over":  # the entry and the reply are the peer's now
+                return
             if reason == "timeout":
                 records.end_failed(pipe, self.keys, uid, records.deadline_error(), self.ttl, self.maxlen)
             elif reason != "stop":  # a stop string already ended the reply in the detokenizer

@@ -1,0 +1,117 @@
+"""Graceful shutdown for rolling updates: SIGTERM hands in-flight work to a peer at once; an API process
+drains its open streams; a rolling restart of every stage under load loses no request."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.redis_server import free_port
+
+from tests.e2e.conftest import LIFECYCLE_ENV
+from tests.e2e.helpers import engines_idle, wait_for
+from tests.e2e.test_crash import Streamer, body, live, reference
+
+pytestmark = pytest.mark.timeout(180)
+NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-back can move work
+
+
+def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
+    s = pipeline
+    [current] = live(s, "scheduler")
+    s.start("scheduler-old", "scheduler", **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "0.5"})
+    bodies = [body(i, 1200) for i in range(50, 52)]
+    expected = reference(s, bodies)
+    wait_for(lambda: "scheduler-old" in live(s, "scheduler"), timeout=60)
+    s.procs[current].send_signal(signal.SIGTERM)
+    assert s.procs.pop(current).wait(30) == 0
+    runs = [Streamer(s.base_url, b) for b in bodies]  # the old scheduler is the only one: it takes both
+    wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
+    s.start("scheduler-peer", "scheduler", **NO_CLAIMS)
+    wait_for(lambda: "scheduler-peer" in live(s, "scheduler"), timeout=60)
+    assert all(r.is_alive() for r in runs), "generation must outlast the peer's start for this test to mean much"
+    t0 = time.monotonic()
+    s.procs["scheduler-old"].send_signal(signal.SIGTERM)  # 0.5 s of grace, then hand back
+    assert s.procs.pop("scheduler-old").wait(30) == 0
+    assert [r.result() for r in runs] == expected
+    assert time.monotonic() - t0 < 20  # the peer never claims idle entries: only the hand-back moved them
+    assert all(s.redis().hget(s.keys.request(r.uid), "scheduler") == "scheduler-peer" for r in runs)
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def test_sigterm_api_lets_open_streams_finish(pipeline):
+    s = pipeline
+    port = free_port()
+    s.start("api-drain", "api", RSINFER_PORT=str(port), **LIFECYCLE_ENV)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _ready(url), timeout=60)
+    b = body(60, 120)
+    [expected] = reference(s, [b])
+    run = Streamer(url, b)
+    wait_for(lambda: len(run.text) > 5, timeout=30)
+    s.procs["api-drain"].send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = httpx.post(f"{url}/v1/chat/completions", json=body(61, 5), timeout=5)
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert httpx.get(f"{url}/ready", timeout=5).status_code == 503
+    assert run.result() == expected  # the open stream finished within the grace period
+    assert s.procs.pop("api-drain").wait(30) == 0
+
+
+def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
+    s = pipeline
+    prompts = [body(i, 40) for i in range(70, 76)]
+    expected = dict(zip(range(len(prompts)), reference(s, prompts), strict=True))
+    results: list[tuple[int, str | None, str]] = []
+    target = {"url": s.base_url}
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        while not stop.is_set():
+            i = k % len(prompts)
+            run = Streamer(target["url"], prompts[i])
+            run.join(60)
+            results.append((i, run.error, run.text if run.finish == "length" else f"finish={run.finish}"))
+            k += 3
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for c in clients:
+        c.start()
+    time.sleep(2)
+    new_port = free_port()
+    old = {role: live(s, role) for role in ("tokenizer", "scheduler", "detokenizer")}
+    for role in old:
+        s.start(f"{role}-new", role, **LIFECYCLE_ENV)
+    s.start("api-new", "api", RSINFER_PORT=str(new_port), **LIFECYCLE_ENV)
+    new_url = f"http://127.0.0.1:{new_port}"
+    wait_for(lambda: _ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
+    for role, names in old.items():  # one stage at a time, as a Deployment's rolling update does
+        for name in names:
+            s.procs[name].send_signal(signal.SIGTERM)
+            assert s.procs.pop(name).wait(30) == 0
+        time.sleep(1)
+    old_api = next(n for n in s.procs if n.startswith("api") and n != "api-new")
+    target["url"] = new_url  # the Service now points at the new API; the old one drains
+    time.sleep(1)  # as a preStop hook waits for endpoints to update
+    s.procs[old_api].send_signal(signal.SIGTERM)
+    assert s.procs.pop(old_api).wait(30) == 0
+    time.sleep(2)
+    stop.set()
+    for c in clients:
+        c.join(90)
+    s.port = new_port
+    assert len(results) > 20
+    failures = [(i, err, text) for i, err, text in results if err is not None or text != expected[i]]
+    assert not failures, failures[:3]
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
