@@ -4,6 +4,9 @@
     .venv/bin/python bench/engine_bench.py --shape tiny                       # the demo model, fp32
     .venv/bin/python bench/engine_bench.py --shape qwen3-0.6b --dtype bfloat16 --requests 32 --output-len 64
 
+Each system can also run alone (`--systems a`, then `b`, then `c`): results of the same workload
+accumulate in the results file and the ratios are printed from it.
+
 Every request is greedy with EOS ignored, so each produces exactly --output-len tokens; the figure is
 output tokens per second of wall time (prefill included), median over --runs after one warm-up. It
 prints one line per system and the ratios, and writes them to bench/results/<name>.json. Not a test:
@@ -164,6 +167,21 @@ def decode_latency(path: Path, args: argparse.Namespace, vocab: int, steps: int 
     return {"median_ms": 1000 * statistics.median(times), "min_ms": 1000 * min(times)}
 
 
+def workload_config(args: argparse.Namespace) -> dict:
+    skip = {"out", "systems", "runs", "decode_latency"}
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def previous_results(out: Path, args: argparse.Namespace) -> dict:
+    """Results of the other systems from an earlier invocation on the same workload (so that each
+    system can be run as its own command), else nothing."""
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return {}
+    return old.get("results", {}) if old.get("config") == workload_config(args) else {}
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -176,14 +194,17 @@ def main() -> None:
                "c": ("generate_batch", run_generate_batch)}
     print(f"{path.name}: {args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
           f"{args.dtype} on {args.device}, {torch.get_num_threads()} threads", flush=True)
-    results = {}
+    out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
+                                           f"{args.shape}-{args.dtype}-{args.device}.json")
+    report = {"model": path.name, "config": workload_config(args),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
+              "results": previous_results(out, args)}
+    results = report["results"]
     for key in args.systems:
         name, fn = systems[key]
         results[name] = measure(name, fn, path, args, vocab)
-    report = {"model": path.name, "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
-              "results": results}
+        results[name]["runs_requested"] = args.runs
     if args.decode_latency:
         report["decode_batch1"] = decode_latency(path, args, vocab)
         print(f"engine decode step at batch 1: {report['decode_batch1']['median_ms']:.3f} ms (median)")
@@ -195,8 +216,6 @@ def main() -> None:
                 ratio = results["engine"]["tok_per_s"] / results[other]["tok_per_s"]
                 report[f"engine_vs_{other}"] = ratio
                 print(f"engine / {other}: {ratio:.2f}x")
-    out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
-                                           f"{args.shape}-{args.dtype}-{args.device}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
