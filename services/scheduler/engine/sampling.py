@@ -137,7 +137,7 @@ class Sampler:
             return lps, tops
         lp = torch.log_softmax(raw[want], -1)
         chosen = lp.gather(-1, torch.tensor([ids[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
-        k = max(rows[i].params.top_logprobs for i in want)
+        k = min(max(rows[i].params.top_logprobs for i in want), lp.shape[-1])
         top_v, top_i = lp.topk(k, -1) if k > 0 else (None, None)
         for j, i in enumerate(want):
             lps[i] = chosen[j]
