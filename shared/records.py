@@ -77,6 +77,7 @@ def end_aborted(pipe: Pipeline, keys: Keys, uid: str, n: int, reason: str, ttl: 
         reply(pipe, keys, uid, ReplyEvent(start=end, end=end, text="", prompt_tokens=prompt_tokens, index=i,
                                           finish_reason="abort"), ttl, maxlen)
     set_status(pipe, keys, uid, ttl, "aborted", finish_reason="abort", error=f"aborted: {reason}")
+    pipe.expire(keys.abort(uid), ttl)  # an operator's `SET ... EX 300` need not outlive the request
 
 
 def end_failed(pipe: Pipeline, keys: Keys, uid: str, error: Any, ttl: int, maxlen: int) -> None:

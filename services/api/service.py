@@ -154,6 +154,8 @@ class ApiService:
             raise redis_down()
         if model not in snap.models:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if snap.queued(model) >= self.settings.max_queued and time.time() - snap.at > 0.25:
+            snap = await self.stages.refresh()  # don't turn work away on a stale backlog figure
         if snap.queued(model) >= self.settings.max_queued:
             raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued; retry shortly",
                            code="overloaded", retry_after=1)

@@ -234,6 +234,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 records.end_failed(pipe, self.keys, uid, records.deadline_error(), self.ttl, self.maxlen)
             elif reason != "stop":  # a stop string already ended the reply in the detokenizer
                 records.set_status(pipe, self.keys, uid, self.ttl, error=f"aborted: {reason}")
+                pipe.expire(self.keys.abort(uid), self.ttl)  # an operator's flag need not outlive the request
                 streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, run.abort_deltas()))
             self.source.ack_in(pipe, [run.entry_id])
 

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from shared.redis_server import free_port
-
 from tests.e2e.conftest import LIFECYCLE_ENV
 from tests.e2e.helpers import engines_idle, wait_for
 from tests.e2e.test_crash import Streamer, body, live, reference
@@ -89,7 +88,7 @@ def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
     s.start("api-new", "api", RSINFER_PORT=str(new_port), **LIFECYCLE_ENV)
     new_url = f"http://127.0.0.1:{new_port}"
     wait_for(lambda: _ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
-    for role, names in old.items():  # one stage at a time, as a Deployment's rolling update does
+    for names in old.values():  # one stage at a time, as a Deployment's rolling update does
         for name in names:
             s.procs[name].send_signal(signal.SIGTERM)
             assert s.procs.pop(name).wait(30) == 0
