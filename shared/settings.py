@@ -32,7 +32,6 @@ class CommonSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
     request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
     reply_maxlen: int = Field(8192, ge=16, description="approximate cap on entries in one reply stream")
-    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight work may finish")
 
     def redis_options(self) -> dict:
         opts: dict = {}
@@ -54,6 +53,8 @@ class StageSettings(CommonSettings):
     batch_size: int = Field(64, ge=1, description="most stream entries taken in one read")
     claim_idle_ms: int = Field(10_000, ge=100, description="claim a dead peer's entries after this idle")
     trust_remote_code: bool = Field(False, description="allow model code from the checkpoint")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight work may finish "
+                                  "before the rest is handed to a peer")
 
 
 class TokenizerSettings(StageSettings):
@@ -86,6 +87,7 @@ class ApiSettings(CommonSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of every request")
     max_queued: int = Field(1024, ge=1, description="backlog of a model past which requests get 429")
     reply_shard_keys: int = Field(256, ge=8, description="reply streams per XREAD connection")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")
 
