@@ -8,7 +8,8 @@ Each system can also run alone (`--systems a`, then `b`, then `c`): results of t
 accumulate in the results file and the ratios are printed from it.
 
 Every request is greedy with EOS ignored, so each produces exactly --output-len tokens; the figure is
-output tokens per second of wall time (prefill included), median over --runs after one warm-up. It
+output tokens per second of wall time (prefill included), median over --runs after one warm-up;
+the systems' runs are interleaved so that load from other processes falls on all of them. It
 prints one line per system and the ratios, and writes them to bench/results/<name>.json. Not a test:
 timings depend on the machine and on whatever else runs on it.
 """
@@ -134,17 +135,25 @@ def timed(fn, model, prompts, args) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def measure(name: str, fn, path: Path, args: argparse.Namespace, vocab: int) -> dict:
-    model = load(path, args)  # a fresh model per system: the engine re-routes its attention
+def measure(chosen: dict, path: Path, args: argparse.Namespace, vocab: int) -> dict:
+    """Time every chosen system, interleaved run by run (a, b, c, a, b, c, ...), so that load from
+    other processes falls on all of them alike; each system has its own model copy (the engine
+    re-routes its model's attention) and one small warm-up first."""
+    models = {name: load(path, args) for name in chosen}
     small = argparse.Namespace(**{**vars(args), "requests": 4, "output_len": 8})
-    fn(model, workload(vocab, small, seed=1), small)  # warm-up
-    rates, tokens = [], 0
+    for name, fn in chosen.items():
+        fn(models[name], workload(vocab, small, seed=1), small)
+    rates: dict[str, list[float]] = {name: [] for name in chosen}
+    tokens: dict[str, int] = {}
     for run in range(args.runs):
-        secs, tokens = timed(fn, model, workload(vocab, args, seed=100 + run), args)
-        rates.append(tokens / secs)
-        print(f"  {name} run {run + 1}: {tokens} tokens in {secs:.2f} s = {tokens / secs:,.1f} tok/s", flush=True)
-    del model
-    return {"tok_per_s": statistics.median(rates), "runs": rates, "tokens": tokens}
+        prompts = workload(vocab, args, seed=100 + run)
+        for name, fn in chosen.items():
+            secs, tokens[name] = timed(fn, models[name], prompts, args)
+            rates[name].append(tokens[name] / secs)
+            print(f"  run {run + 1} {name}: {tokens[name]} tokens in {secs:.2f} s = "
+                  f"{tokens[name] / secs:,.1f} tok/s", flush=True)
+    return {name: {"tok_per_s": statistics.median(r), "runs": r, "tokens": tokens[name],
+                   "runs_requested": args.runs} for name, r in rates.items()}
 
 
 def decode_latency(path: Path, args: argparse.Namespace, vocab: int, steps: int = 64) -> dict:
@@ -201,10 +210,7 @@ def main() -> None:
                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
               "results": previous_results(out, args)}
     results = report["results"]
-    for key in args.systems:
-        name, fn = systems[key]
-        results[name] = measure(name, fn, path, args, vocab)
-        results[name]["runs_requested"] = args.runs
+    results.update(measure(dict(systems[key] for key in args.systems), path, args, vocab))
     if args.decode_latency:
         report["decode_batch1"] = decode_latency(path, args, vocab)
         print(f"engine decode step at batch 1: {report['decode_batch1']['median_ms']:.3f} ms (median)")

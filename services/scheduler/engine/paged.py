@@ -126,7 +126,10 @@ class PagedEngine:
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - len(prompt)
-        if max_tokens < 1 or len(prompt) + max_tokens > self.max_context:
+        if max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1 (the prompt has {len(prompt)} of the "
+                                  f"model's {self.max_context} context tokens)")
+        if len(prompt) + max_tokens > self.max_context:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                   f"model's context of {self.max_context} tokens")
         need = pages_for(len(prompt) + max_tokens, self.config.page_size)
