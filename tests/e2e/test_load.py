@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.conftest import new_stack, start_pipeline
+from tests.e2e.conftest import MODEL, new_stack, start_pipeline
 from tests.e2e.helpers import engines_idle, raw_post, wait_for, workers
 from tests.e2e.test_crash import Streamer, body, reference
 
@@ -76,6 +76,30 @@ def test_backlog_past_max_queued_gets_429(loaded):
         s.procs[tok].send_signal(signal.SIGCONT)
     assert all(len(r.result()) > 0 for r in runs)  # the queued ones are served once there is room
     wait_for(lambda: httpx.post(f"{s.base_url}/v1/chat/completions", json=body(201, 1)).status_code == 200)
+
+
+def test_tokenizer_skips_requests_aborted_while_queued(loaded):
+    s = loaded
+    r = s.redis()
+    [tok] = [w.id for w in workers(s, "tokenizer")]
+    s.procs[tok].send_signal(signal.SIGSTOP)
+    try:
+        run = Streamer(s.base_url, body(300, 50))
+
+        def queued_uid() -> str | None:
+            for key in r.scan_iter(match=s.keys.request_pattern(), count=1000):
+                if r.hget(key, "status") == "queued":
+                    return s.keys.uid_of_request_key(key)
+            return None
+
+        uid = wait_for(queued_uid, timeout=10)
+        r.set(s.keys.abort(uid), "admin", ex=60)
+    finally:
+        s.procs[tok].send_signal(signal.SIGCONT)
+    run.join(30)
+    assert run.finish == "abort" and run.text == "" and run.uid == uid
+    assert r.hget(s.keys.request(uid), "status") == "aborted"
+    assert not [f for _, f in r.xrange(s.keys.schedule(MODEL), count=5000) if uid in f["data"]]
 
 
 def _disconnect(s, i: int) -> str:
