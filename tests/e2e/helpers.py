@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
+
 from shared.registry import WorkerInfo
 
 
@@ -54,3 +56,10 @@ def engines_idle(stack) -> bool:
     loads = [w.load for w in workers(stack, "scheduler")]
     return bool(loads) and all(ld["requests"] == 0 and ld["running"] == 0 and ld["waiting"] == 0
                                and ld["free_pages"] == ld["total_pages"] for ld in loads)
+
+
+def api_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

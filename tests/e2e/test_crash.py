@@ -16,7 +16,7 @@ import pytest
 
 from shared.redis_server import free_port
 from tests.e2e.conftest import LIFECYCLE_ENV, MODEL
-from tests.e2e.helpers import engines_idle, sse_payloads, wait_for, workers
+from tests.e2e.helpers import api_ready, engines_idle, sse_payloads, wait_for, workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,7 +154,7 @@ def test_api_death_aborts_its_requests_but_not_background_ones(pipeline):
     port2 = free_port()
     s.start("api2", "api", RSINFER_PORT=str(port2), **LIFECYCLE_ENV)
     url2 = f"http://127.0.0.1:{port2}"
-    wait_for(lambda: _ready(url2), timeout=60)
+    wait_for(lambda: api_ready(url2), timeout=60)
     fg = Streamer(url2, body(41, 3000))
     bg = Streamer(url2, background)
     wait_for(lambda: len(fg.text) > 5 and len(bg.text) > 5 and bg.ids, timeout=30)
@@ -172,10 +172,3 @@ def test_api_death_aborts_its_requests_but_not_background_ones(pipeline):
     assert bg.text + tail == expected
     assert r.hget(s.keys.request(bg.uid), "status") == "finished"
     wait_for(lambda: engines_idle(s), timeout=10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -12,7 +12,7 @@ import pytest
 
 from shared.redis_server import free_port
 from tests.e2e.conftest import LIFECYCLE_ENV
-from tests.e2e.helpers import engines_idle, wait_for
+from tests.e2e.helpers import api_ready, engines_idle, wait_for
 from tests.e2e.test_crash import Streamer, body, live, reference
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,7 +48,7 @@ def test_sigterm_api_lets_open_streams_finish(pipeline):
     port = free_port()
     s.start("api-drain", "api", RSINFER_PORT=str(port), **LIFECYCLE_ENV)
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _ready(url), timeout=60)
+    wait_for(lambda: api_ready(url), timeout=60)
     b = body(60, 120)
     [expected] = reference(s, [b])
     run = Streamer(url, b)
@@ -88,7 +88,7 @@ def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
         s.start(f"{role}-new", role, **LIFECYCLE_ENV)
     s.start("api-new", "api", RSINFER_PORT=str(new_port), **LIFECYCLE_ENV)
     new_url = f"http://127.0.0.1:{new_port}"
-    wait_for(lambda: _ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
+    wait_for(lambda: api_ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
     for names in old.values():  # one stage at a time, as a Deployment's rolling update does
         for name in names:
             s.procs[name].send_signal(signal.SIGTERM)
@@ -108,10 +108,3 @@ def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
     failures = [(i, err, text) for i, err, text in results if err is not None or text != expected[i]]
     assert not failures, failures[:3]
     wait_for(lambda: engines_idle(s), timeout=10)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
