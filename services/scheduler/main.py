@@ -170,7 +170,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         except RequestRejected as e:
             log.info("uid=%s rejected by the engine: %s", job.uid, e)
             records.end_failed(pipe, self.keys, job.uid, ReplyError(
-                message=str(e), status=400, type="invalid_request_error", code="context_length_exceeded"),
+                message=str(e), status=400, type="invalid_request_error", code=e.code),
                 self.ttl, self.maxlen)
             return False
         self.running[job.uid] = Running(d.entry_id, job, outputs, done)

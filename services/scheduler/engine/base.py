@@ -13,7 +13,12 @@ from shared.messages import SamplingParams
 
 
 class RequestRejected(Exception):
-    """The engine cannot serve this request (e.g. prompt plus max_tokens past the context)."""
+    """The engine cannot serve this request (e.g. prompt plus max_tokens past the context). `code` is
+    what the client's error says: "context_length_exceeded" for requests too long, else "invalid_request"."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass

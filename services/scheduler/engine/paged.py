@@ -131,11 +131,12 @@ class PagedEngine:
                                   f"model's {self.max_context} context tokens)")
         if len(prompt) + max_tokens > self.max_context:
             raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens")
+                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
         need = pages_for(len(prompt) + max_tokens, self.config.page_size)
         if need > self.pool.usable:
             raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + max_tokens} tokens) exceeds the KV "
-                                  f"cache of {self.pool.usable * self.config.page_size} tokens")
+                                  f"cache of {self.pool.usable * self.config.page_size} tokens",
+                                  code="context_length_exceeded")
 
     def abort(self, uid: str) -> bool:
         before = len(self._pending)

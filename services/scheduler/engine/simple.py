@@ -38,7 +38,7 @@ class SimpleEngine:
         max_tokens = req.params.max_tokens or 0
         if len(req.input_ids) + max_tokens > self.max_context:
             raise RequestRejected(f"prompt ({len(req.input_ids)} tokens) plus max_tokens ({max_tokens}) "
-                                  f"exceeds the context of {self.max_context} tokens")
+                                  f"exceeds the context of {self.max_context} tokens", code="context_length_exceeded")
         for i in range(req.params.n):
             prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
             self.seqs.append(_Seq(req, i, prior))
