@@ -22,8 +22,10 @@ NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-
 def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
     s = pipeline
     [current] = live(s, "scheduler")
-    s.start("scheduler-old", "scheduler", **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "0.5"})
-    bodies = [body(i, 300) for i in range(50, 52)]
+    # No grace at all: with two requests the tiny model makes hundreds of tokens a second, and any grace
+    # would let the old scheduler finish them itself.
+    s.start("scheduler-old", "scheduler", **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "0"})
+    bodies = [body(i, 600) for i in range(50, 52)]
     expected = reference(s, bodies)
     wait_for(lambda: "scheduler-old" in live(s, "scheduler"), timeout=60)
     s.procs[current].send_signal(signal.SIGTERM)
@@ -35,7 +37,7 @@ def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
     wait_for(lambda: "scheduler-peer" in live(s, "scheduler"), timeout=60)
     t0 = time.monotonic()
     s.procs["scheduler-old"].send_signal(signal.SIGCONT)
-    s.procs["scheduler-old"].send_signal(signal.SIGTERM)  # 0.5 s of grace, then hand back
+    s.procs["scheduler-old"].send_signal(signal.SIGTERM)  # no grace: hand back at once
     assert s.procs.pop("scheduler-old").wait(30) == 0
     assert [r.result() for r in runs] == expected
     assert time.monotonic() - t0 < 15  # the peer never claims idle entries: only the hand-back moved them
@@ -46,10 +48,10 @@ def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
 def test_sigterm_api_lets_open_streams_finish(pipeline):
     s = pipeline
     port = free_port()
-    s.start("api-drain", "api", RSINFER_PORT=str(port), **LIFECYCLE_ENV)
+    s.start("api-drain", "api", RSINFER_PORT=str(port), **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "60"})
     url = f"http://127.0.0.1:{port}"
     wait_for(lambda: api_ready(url), timeout=60)
-    b = body(60, 120)
+    b = body(60, 1000)  # long enough to be open when the drain starts and when the refused request comes
     [expected] = reference(s, [b])
     run = Streamer(url, b)
     wait_for(lambda: len(run.text) > 5, timeout=30)
