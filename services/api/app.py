@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -39,8 +40,9 @@ class Guard:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             error = None
-            auth = headers.get(b"authorization", b"").decode()
-            if self.api_key and scope["path"] not in OPEN_PATHS and auth != f"Bearer {self.api_key}":
+            auth = headers.get(b"authorization", b"")
+            expected = f"Bearer {self.api_key}".encode()
+            if self.api_key and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(auth, expected):
                 error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
             length = headers.get(b"content-length")
             if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -51,7 +53,7 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: ApiSettings) -> FastAPI:
+def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
 
     @asynccontextmanager
@@ -71,7 +73,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         body = await parse_body(request, ChatCompletionRequest)
         await svc.admit(body.model)
         job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
-                   messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+                          messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
         fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
                          job.params.logprobs, body.include_usage)
         return await svc.respond(request, job, fmt, bool(body.stream), "chat")
@@ -82,7 +84,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         await svc.admit(body.model)
         prompt, ids = body.single_prompt()
         job = svc.new_job(body.model, body.timeout, body.background, params=body.params(), prompt=prompt,
-                   input_ids=ids)
+                          input_ids=ids)
         fmt = CompletionFormat(f"cmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
                                job.params.logprobs, body.include_usage)
         return await svc.respond(request, job, fmt, bool(body.stream), "completion")
@@ -153,7 +155,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         await asyncio.sleep(max(0.0, min(wait, 120.0)))
         return {"draining": True, "inflight": len(svc.gateway.inflight)}
 
-    return Guard(app, settings.api_key)  # type: ignore[return-value]
+    return Guard(app, settings.api_key)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
