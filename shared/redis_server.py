@@ -36,6 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_up(client: redis.Redis, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Wait until a just-started redis-server answers PING; RuntimeError if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+
+
 class RedisServer:
     """Starts redis-server on 127.0.0.1 (no persistence) and stops it; its files go to a temp dir."""
 
@@ -55,16 +68,12 @@ class RedisServer:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--protected-mode", "no"], stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {self.dir}/redis.log") from None
-                time.sleep(0.05)
-        client.close()
+        try:
+            wait_until_up(client, self.proc, timeout)
+        except RuntimeError:
+            raise RuntimeError(f"redis-server did not start; see {self.dir}/redis.log") from None
+        finally:
+            client.close()
         return self
 
     def stop(self) -> None:

@@ -7,7 +7,6 @@ import shlex
 import shutil
 import socket
 import subprocess
-import time
 from urllib.parse import urlparse
 
 import pytest
@@ -15,6 +14,7 @@ import redis
 import yaml
 
 from rsinfer.cli import build_parser
+from shared.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
 
@@ -392,14 +392,7 @@ def test_in_chart_redis_command_runs(render, tmp_path):
     proc = subprocess.Popen([binary, *args, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
     client = redis.Redis(port=port, password=env["REDIS_PASSWORD"], socket_connect_timeout=0.5)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        wait_until_up(client, proc)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         with pytest.raises(redis.AuthenticationError):

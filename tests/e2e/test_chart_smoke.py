@@ -28,6 +28,7 @@ import openai
 import pytest
 import redis
 
+from shared.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
 
@@ -72,15 +73,7 @@ def local_redis(manifests, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port, password=password, socket_connect_timeout=0.5)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        wait_until_up(client, proc)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         client.close()
