@@ -16,6 +16,7 @@ from redis.asyncio.client import Pipeline
 
 from shared import streams
 from shared.keys import Keys
+from shared.messages import ReplyError, ReplyEvent
 
 STATUSES = ("queued", "tokenized", "running", "finished", "aborted", "failed")
 
@@ -60,9 +61,7 @@ async def abort_reasons(redis: Redis, keys: Keys, uids: Iterable[str]) -> dict[s
     return {uid: v.decode() for uid, v in zip(uids, values, strict=True) if v is not None}
 
 
-def deadline_error():
-    from shared.messages import ReplyError
-
+def deadline_error() -> ReplyError:
     return ReplyError(message="the request passed its deadline", status=504, type="timeout",
                       code="request_timeout")
 
@@ -70,8 +69,6 @@ def deadline_error():
 def end_aborted(pipe: Pipeline, keys: Keys, uid: str, n: int, reason: str, ttl: int, maxlen: int,
                 prompt_tokens: int = 0, completed: dict[int, int] | None = None) -> None:
     """Finish every choice of a request with finish_reason "abort" (the reason goes to the record)."""
-    from shared.messages import ReplyEvent
-
     for i in range(n):
         end = (completed or {}).get(i, 0)
         reply(pipe, keys, uid, ReplyEvent(start=end, end=end, text="", prompt_tokens=prompt_tokens, index=i,

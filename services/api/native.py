@@ -5,15 +5,21 @@ from __future__ import annotations
 import orjson
 from fastapi import Request
 
-from services.api.flow import DeadlineExceeded, StageFailed
 from services.api.formats import Choice, generate_body
-from services.api.replies import HubError
-from services.api.service import DONE, ApiService, OwnedEventSource, sse_event, until_disconnect
+from services.api.service import (
+    DONE,
+    ENDED_EARLY,
+    ApiService,
+    OwnedEventSource,
+    ended_early,
+    sse_event,
+    until_disconnect,
+)
 from shared.messages import TokenizeJob
 
 
 async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: bool):
-    flight = await svc.gateway.open(job, {"kind": "generate", "n": 1})
+    flight = await svc.open(job, {"kind": "generate", "n": 1})
     choice, ids = Choice(), []
 
     def body() -> dict:
@@ -31,8 +37,8 @@ async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: 
         try:
             async for _ in events():
                 yield sse_event(orjson.dumps(body()))
-        except (StageFailed, DeadlineExceeded, HubError) as e:
-            yield sse_event(orjson.dumps({"error": {"message": str(e) or type(e).__name__}}))
+        except ENDED_EARLY as e:
+            yield sse_event(orjson.dumps(ended_early(flight, e).body()))
         yield DONE
 
     if stream:
@@ -40,19 +46,15 @@ async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: 
                                 send_timeout=svc.settings.slow_client_timeout_s)
 
     async def collect() -> dict:
-        async for _ in events():
-            pass
+        try:
+            async for _ in events():
+                pass
+        except ENDED_EARLY as e:
+            raise ended_early(flight, e) from None
         return body()
 
     try:
-        from services.api.service import stage_error, timeout_error
-
-        try:
-            _, result = await until_disconnect(request, collect())
-        except StageFailed as e:
-            raise stage_error(e) from None
-        except DeadlineExceeded:
-            raise timeout_error() from None
+        _, result = await until_disconnect(request, collect())
         return result
     finally:
         await svc.finish(flight, job.model, "generate")

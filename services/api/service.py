@@ -84,6 +84,20 @@ def timeout_error() -> ApiError:
     return ApiError(504, "the request did not finish before its deadline", code="request_timeout")
 
 
+ENDED_EARLY = (StageFailed, DeadlineExceeded, HubError)
+
+
+def ended_early(flight: Inflight, e: Exception) -> ApiError:
+    """The HTTP error for a reply that ended before it finished; notes on the flight why it is aborted."""
+    if isinstance(e, StageFailed):
+        return stage_error(e)
+    if isinstance(e, DeadlineExceeded):
+        flight.end_reason = "timeout"
+        return timeout_error()
+    flight.end_reason = "broker_unavailable"
+    return redis_down()
+
+
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
     """Run `work` unless the client goes away first: (True, result) or (False, None)."""
 
@@ -148,7 +162,7 @@ class ApiService:
         if self.draining:
             raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
         snap = self.stages.snapshot
-        if model not in snap.models:
+        if model not in snap.models and time.time() - snap.at > 0.25:
             snap = await self.stages.refresh()  # a worker may have come up since the last refresh
         if not snap.redis_ok:
             raise redis_down()
@@ -161,11 +175,16 @@ class ApiService:
                            code="overloaded", retry_after=1)
 
     # -- answering --------------------------------------------------------------------------------------
+    async def open(self, job: TokenizeJob, record: dict) -> Inflight:
+        """Submit a request; the caller must end it with `finish`."""
+        flight = await self.gateway.open(job, record)
+        self.metrics.inflight.labels(job.model).inc()
+        return flight
+
     async def respond(self, request: Request, job: TokenizeJob, fmt: Format, stream: bool, kind: str):
         record = {"kind": kind, "n": job.params.n, "rid": fmt.rid, "created": fmt.created,
                   "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs)}
-        flight = await self.gateway.open(job, record)
-        self.metrics.inflight.labels(job.model).inc()
+        flight = await self.open(job, record)
         if stream:
             return OwnedEventSource(self.stream_chunks(flight, fmt, job.model),
                                     on_close=lambda reason: self.finish(flight, job.model, "stream", reason),
@@ -183,14 +202,8 @@ class ApiService:
             async for _, events in flight.events():
                 self._first_token(flight, model)
                 fmt.add(events)
-        except StageFailed as e:
-            raise stage_error(e) from None
-        except DeadlineExceeded:
-            flight.end_reason = "timeout"
-            raise timeout_error() from None
-        except HubError:
-            flight.end_reason = "broker_unavailable"
-            raise redis_down() from None
+        except ENDED_EARLY as e:
+            raise ended_early(flight, e) from None
         return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens)
 
     async def stream_chunks(self, flight: Inflight, fmt: Format, model: str,
@@ -210,14 +223,8 @@ class ApiService:
             if fmt.include_usage:
                 yield sse_event(orjson.dumps(fmt.usage_chunk(flight.order.prompt_tokens,
                                                              flight.order.completion_tokens)))
-        except StageFailed as e:
-            yield sse_event(orjson.dumps(stage_error(e).body()))
-        except DeadlineExceeded:
-            flight.end_reason = "timeout"
-            yield sse_event(orjson.dumps(timeout_error().body()))
-        except HubError:
-            flight.end_reason = "broker_unavailable"
-            yield sse_event(orjson.dumps(redis_down().body()))
+        except ENDED_EARLY as e:
+            yield sse_event(orjson.dumps(ended_early(flight, e).body()))
         yield DONE
 
     def _first_token(self, flight: Inflight, model: str) -> None:

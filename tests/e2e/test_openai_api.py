@@ -96,6 +96,8 @@ def test_native_generate(stack):
     r = httpx.post(f"{stack.base_url}/generate", json={"text": "Hello", "sampling_params": {
         "max_new_tokens": 5, "temperature": 0}}, timeout=30).json()
     assert len(r["output_ids"]) == 5 and r["meta_info"]["finish_reason"] == {"type": "length"}
+    metrics = httpx.get(f"{stack.base_url}/metrics").text  # /generate is counted in and out like the rest
+    assert f'rsinfer_inflight_requests{{model="{MODEL}"}} 0.0' in metrics
 
 
 def test_health_and_ready(stack):
