@@ -65,6 +65,8 @@ class Heartbeat:
                 await self.beat()
             except (RedisError, OSError) as e:
                 log.warning("heartbeat failed: %s", e)
+            except Exception:  # a heartbeat that dies makes a live worker look dead: never let it
+                log.exception("heartbeat failed")
             await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:

@@ -90,10 +90,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.detokenize_key = self.keys.detokenize(model_name)
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
         self.outbox: list[Callable[[Pipeline], None]] = []
+        # Read between steps only: the heartbeat runs while a step mutates the engine in its thread.
+        self.engine_stats = engine.stats()
 
     def load(self) -> dict:
-        return {**super().load(), **self.engine.stats(), "requests": len(self.running),
-                "busy": self.engine.has_work(), "outbox": len(self.outbox)}
+        return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox)}
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())
@@ -116,7 +117,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             outputs = await asyncio.to_thread(self.engine.step)
             self.steps += 1
             self.queue_outputs(outputs)
-            await self.flush()
+        self.engine_stats = self.engine.stats()
+        await self.flush()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
 
     async def finish_in_flight(self) -> None:
