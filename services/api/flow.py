@@ -96,8 +96,11 @@ async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: fl
         remaining = deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceeded()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
+        # as an entry arrives, and a request whose client left would then never be aborted.
         try:
-            first = await asyncio.wait_for(sub.get(), remaining)
+            async with asyncio.timeout(remaining):
+                first = await sub.get()
         except TimeoutError:
             raise DeadlineExceeded() from None
         pairs: list[tuple[str, ReplyEvent]] = []

@@ -169,6 +169,7 @@ class ReplyHub:
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.shard.subs.pop(sub.key, None)
+        sub.queue.put_nowait(HubError("unsubscribed"))  # whoever still waits on it ends, not hangs
 
     async def close(self) -> None:
         for shard in reversed(self.shards):

@@ -36,3 +36,41 @@ def test_choices_are_independent_and_abort_ends_where_it_stands():
     assert o.finished == {0: "abort"}
     o.accept(ev(0, 0, index=1, finish="abort"))  # an abort marker that lags behind still ends the choice
     assert o.done and o.finished[1] == "abort"
+
+
+async def test_cancelling_a_reader_is_never_swallowed_by_an_arriving_entry():
+    """A request whose client left is cancelled while entries stream in; the cancellation must win
+    (asyncio.wait_for on Python 3.11 returns the entry instead and the reader runs on)."""
+    import asyncio
+    import contextlib
+    import time
+
+    from services.api.flow import ordered_events
+    from shared.messages import encode
+
+    class Sub:  # the Subscription surface ordered_events uses
+        uid = "u"
+
+        def __init__(self):
+            self.queue: asyncio.Queue = asyncio.Queue()
+
+        async def get(self):
+            return await self.queue.get()
+
+        def drain(self):
+            return []
+
+    for _ in range(200):
+        sub = Sub()
+
+        async def read(sub: Sub) -> None:
+            async for _ in ordered_events(sub, OrderedReplies(1), time.time() + 60):
+                pass
+
+        task = asyncio.ensure_future(read(sub))
+        await asyncio.sleep(0)  # the reader now waits for an entry
+        sub.queue.put_nowait(("1-0", encode(ev(0, 1))))  # the entry lands in the same tick as the cancel
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), 1)
+        assert task.cancelled(), "the cancellation was swallowed"
