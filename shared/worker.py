@@ -131,7 +131,8 @@ class StageWorker(Generic[M]):
     async def drain(self) -> None:
         """After SIGTERM: finish in-flight work within the grace period, then hand back the rest."""
         try:
-            await asyncio.wait_for(self.finish_in_flight(), self.settings.grace_period_s)
+            async with asyncio.timeout(self.settings.grace_period_s):
+                await self.finish_in_flight()
         except TimeoutError:
             log.info("grace period over; handing back what is left")
         with contextlib.suppress(RedisError, OSError):
