@@ -70,8 +70,9 @@ class StageWorker(Generic[M]):
         """Entries this worker holds on purpose across iterations (kept alive against claims)."""
         return []
 
-    async def finish_in_flight(self) -> None:
-        """On shutdown, within the grace period: finish what can be finished (default: nothing held)."""
+    async def finish_in_flight(self, deadline: float) -> None:
+        """On shutdown, until `deadline` (time.monotonic()): finish what can be finished. Default: nothing
+        is held across iterations, so nothing to finish."""
 
     # -- the shape every worker has -------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,12 +130,10 @@ class StageWorker(Generic[M]):
             await self.source.trim_acknowledged()
 
     async def drain(self) -> None:
-        """After SIGTERM: finish in-flight work within the grace period, then hand back the rest."""
-        try:
-            async with asyncio.timeout(self.settings.grace_period_s):
-                await self.finish_in_flight()
-        except TimeoutError:
-            log.info("grace period over; handing back what is left")
+        """After SIGTERM: finish in-flight work within the grace period, then hand back the rest.
+        The deadline is checked between steps, never by cancelling one: a step runs in a thread that a
+        cancellation would not stop."""
+        await self.finish_in_flight(time.monotonic() + self.settings.grace_period_s)
         with contextlib.suppress(RedisError, OSError):
             left = await self.source.pending_ids()
             await self.source.hand_back(left, HANDOFF_CONSUMER)

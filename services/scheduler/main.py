@@ -121,15 +121,21 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         await self.flush()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
 
-    async def finish_in_flight(self) -> None:
-        """Shutdown: no new requests; step the running ones to their end unless told to hurry."""
-        while (self.engine.has_work() or self.outbox) and not self.forced.is_set():
+    async def finish_in_flight(self, deadline: float) -> None:
+        """Shutdown: no new requests; step the running ones toward their end until the deadline (or a
+        second signal), and send everything already produced before the rest is handed back."""
+        while self.engine.has_work() and not self.forced.is_set() and time.monotonic() < deadline:
             try:
-                await self.flush()
                 await self.work()
             except (RedisError, OSError) as e:
                 log.warning("redis unavailable while draining (%s)", e)
                 await asyncio.sleep(0.5)
+        if self.running:
+            log.info("grace period over with %d requests running; handing them back", len(self.running))
+        try:
+            await self.flush()
+        except (RedisError, OSError) as e:
+            log.warning("could not send the last steps before handing back (%s)", e)
 
     # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
