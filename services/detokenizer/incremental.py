@@ -1,11 +1,11 @@
 """Incremental detokenization with no per-request state.
 
 The text of a completion through token k is defined as the decoded text of tokens [0, k) with two
-things held back: trailing incomplete UTF-8 (decoded as U+FFFD, as SGLang's DecodeStatus holds it) and a
-trailing piece that could still grow into a stop string. The text sent for tokens [start, end) is the
-difference between that text at `end` and at `start`, computed from a window of the tokens just before
-`start` (`TokenDelta.context`, sent by the scheduler). So any replica turns the same range into the same
-text, and a replica that takes over a dead peer's entries needs nothing from it.
+things held back: a trailing unfinished UTF-8 character (decoded as at most three U+FFFD, as SGLang's
+DecodeStatus holds it) and a trailing piece that could still grow into a stop string. The text sent for
+tokens [start, end) is the difference between that text at `end` and at `start`, computed from a window
+of the tokens just before `start` (`TokenDelta.context`, sent by the scheduler). So any replica turns the
+same range into the same text, and a replica that takes over a dead peer's entries needs nothing from it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from shared.messages import TokenDelta, TokenLogprob, TopLogprob
 
 REPLACEMENT = "\ufffd"
+# An unfinished UTF-8 character is at most 3 bytes, shown as one U+FFFD (byte-level BPE) or one per byte
+# (byte-fallback); any replacement character before those is final and may be shown.
+HELD_REPLACEMENTS = 3
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,15 @@ def visible(text: str, stops: list[str], final: bool) -> str:
     """What may be shown of `text` now: all of it when final, else minus held-back parts."""
     if final:
         return text
-    text = text.rstrip(REPLACEMENT)
+    text = _without_unfinished_character(text)
     return text[: len(text) - stop_hold(text, stops)] if stops else text
+
+
+def _without_unfinished_character(text: str) -> str:
+    # Holding back only what may still change (not a whole run of garbage bytes) keeps the held part
+    # inside the context window, so every split of a token range renders the same text.
+    held = len(text) - len(text.rstrip(REPLACEMENT))
+    return text[: len(text) - min(held, HELD_REPLACEMENTS)]
 
 
 def render_delta(before: str, after: str, stops: list[str], final: bool) -> Rendered:
