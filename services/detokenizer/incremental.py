@@ -49,8 +49,10 @@ def visible(text: str, stops: list[str], final: bool) -> str:
 def _without_unfinished_character(text: str) -> str:
     # Holding back only what may still change (not a whole run of garbage bytes) keeps the held part
     # inside the context window, so every split of a token range renders the same text.
-    held = len(text) - len(text.rstrip(REPLACEMENT))
-    return text[: len(text) - min(held, HELD_REPLACEMENTS)]
+    end = len(text)
+    while end > 0 and len(text) - end < HELD_REPLACEMENTS and text[end - 1] == REPLACEMENT:
+        end -= 1
+    return text[:end]
 
 
 def render_delta(before: str, after: str, stops: list[str], final: bool) -> Rendered:
