@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from services.api import errors
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, CompletionFormat, Format
+from services.api.native import generate as native_generate
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService, OwnedEventSource
 from shared.registry import complete
@@ -92,8 +93,6 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
-        from services.api.native import generate as native_generate
-
         model = body.model or _only_model(svc)
         await svc.admit(model)
         job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids)

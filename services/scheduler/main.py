@@ -29,7 +29,9 @@ from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
 
-CONTEXT_TOKENS = 8  # completion tokens sent before each delta so detokenizing needs no state
+# Completion tokens sent before each delta so detokenizing needs no state. They must span the
+# detokenizer's held-back tail (up to 3 U+FFFD) plus a character cut at the window's start: 8 do.
+CONTEXT_TOKENS = 8
 SWEEP_EVERY_S = 1.0  # how often owners' heartbeats and request records are checked
 
 

@@ -77,13 +77,17 @@ def test_stop_hold_and_visible():
     assert render_delta("ab ST", "ab STOP rest", ["STOP"], False).stopped
 
 
+@pytest.fixture(scope="module")
+def lone_byte_ids(demo_tok):
+    return [i for i in range(len(demo_tok)) if demo_tok.decode([i]) == "\ufffd"]
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_random_token_streams_are_replica_independent(demo_tok, seed):
+def test_random_token_streams_are_replica_independent(demo_tok, lone_byte_ids, seed):
     """Random ids heavy in lone UTF-8 bytes (as a random model emits, in runs longer than the context
     window): any step split renders exactly the decoded text, as a peer resuming mid-way must."""
     rng = random.Random(seed)
-    bytes_only = [i for i in range(len(demo_tok)) if demo_tok.decode([i]) == "\ufffd"]
-    ids = [rng.choice(bytes_only) if rng.random() < 0.6 else rng.randrange(len(demo_tok)) for _ in range(120)]
+    ids = [rng.choice(lone_byte_ids) if rng.random() < 0.6 else rng.randrange(len(demo_tok)) for _ in range(120)]
     expected = demo_tok.decode(ids, skip_special_tokens=True)
     for steps in ([1], [3, 1, 4, 1, 5], [16]):
         assert stream_text(demo_tok, ids, steps)[0] == expected
