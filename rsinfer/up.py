@@ -13,6 +13,7 @@ import urllib.request
 
 from pydantic_settings import BaseSettings
 
+from shared import children
 from shared.logs import setup_logging
 from shared.models import resolve_model
 from shared.redis_server import RedisServer
@@ -49,7 +50,7 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def spawn(self, role: str, env: dict[str, str]) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env)
+        proc = children.spawn([sys.executable, "-m", "rsinfer.cli", role], env=env)
         self.procs.append((role, proc))
         return proc
 

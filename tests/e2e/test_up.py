@@ -3,12 +3,14 @@ stops every child and the redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -50,3 +52,47 @@ def test_up_with_embedded_redis(demo_model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_children_do_not_outlive_a_killed_up(demo_model_dir):
+    """kill -9 of `rsinfer up` (a test runner's timeout, an OOM kill) leaves no worker or redis-server behind."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+    env.update(OMP_NUM_THREADS="1", RSINFER_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
+                             str(demo_model_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    try:
+        while "ready on" not in (line := proc.stdout.readline()):
+            assert line, "rsinfer up exited early"
+        children = _children(proc.pid)
+        assert len(children) == 5  # redis-server, tokenizer, scheduler, detokenizer, api
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
