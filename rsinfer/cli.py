@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--max-stall-s", type=float, default=60.0,
                         help="fail when the loop has had work but not moved for this long")
 
+    drain = sub.add_parser("drain", help="take this pod's API out of service (its preStop hook)",
+                           allow_abbrev=False)
+    flag_parser(ApiSettings, drain)
+    drain.add_argument("--wait", type=float, default=0.0, help="seconds to keep the hook running after it")
+
     bench = sub.add_parser("bench", help="load generator against a running API", allow_abbrev=False)
     from rsinfer.bench import add_bench_args
 
@@ -71,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from rsinfer.bench import run_bench
 
         return asyncio.run(run_bench(args))
+    if cmd == "drain":
+        from rsinfer import tools
+
+        return tools.drain(settings_from_args(ApiSettings, args), args.wait)
     if cmd in ("inspect", "healthcheck"):
         from rsinfer import tools
 

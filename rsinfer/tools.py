@@ -1,15 +1,18 @@
-"""`rsinfer inspect` (requests and backlogs, read from Redis) and `rsinfer healthcheck` (liveness)."""
+"""`rsinfer inspect` (requests and backlogs, read from Redis), `rsinfer healthcheck` (liveness) and
+`rsinfer drain` (an API pod's preStop hook)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+import urllib.error
+import urllib.request
 
 from shared.keys import STAGES, Keys
 from shared.redis_conn import connect
 from shared.registry import live_workers
-from shared.settings import CommonSettings
+from shared.settings import ApiSettings, CommonSettings
 
 
 async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
@@ -75,3 +78,19 @@ async def healthcheck(settings: CommonSettings, args: argparse.Namespace) -> int
         return 1
     print("ok")
     return 0
+
+
+def drain(settings: ApiSettings, wait: float) -> int:
+    """Ask the API process on this host's port to drain: it turns unready and refuses new requests, and the
+    call returns after `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). The API
+    accepts this from loopback, so the hook works whether or not an API key is configured."""
+    req = urllib.request.Request(f"http://127.0.0.1:{settings.port}/drain?wait={wait}")
+    if settings.api_key:
+        req.add_header("Authorization", f"Bearer {settings.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=wait + 30) as resp:
+            print(resp.read().decode())
+            return 0
+    except (urllib.error.URLError, OSError) as e:
+        print(f"drain failed: {e}")
+        return 1

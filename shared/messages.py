@@ -35,13 +35,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature <= 0.0 or self.top_k == 1 or self.top_p <= 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str
     content: str
     name: str | None = None
+    tool_call_id: str | None = None
 
 
 class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
@@ -57,6 +58,7 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
     prompt: str | None = None
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
     background: bool = False
     v: int = VERSION
 

@@ -44,6 +44,15 @@ def reply(pipe: Pipeline, keys: Keys, uid: str, msg: msgspec.Struct, ttl: int, m
         pipe.expire(keys.reply(uid), ttl)
 
 
+def attach(pipe: Pipeline | Redis, keys: Keys, uid: str, delta: int) -> Any:
+    """Count a client stream joining (+1) or leaving (-1) the request (record field `attached`), so that
+    any API process can tell whether someone still follows it."""
+    return pipe.hincrby(keys.request(uid), "attached", delta)
+
+
+TERMINAL = ("finished", "aborted", "failed")
+
+
 def abort(pipe: Pipeline | Redis, keys: Keys, uid: str, reason: str, ttl: int) -> Any:
     """Set the abort flag: every stage drops the request at its next look. The value is the reason."""
     return pipe.set(keys.abort(uid), reason, ex=ttl)

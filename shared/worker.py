@@ -55,13 +55,14 @@ class StageWorker(Generic[M]):
         self.steps = 0
         self.last_step_at = time.time()
         self._last: dict[str, float] = {}
+        self.model_info: dict = {}  # in the heartbeat: `root` (checkpoint) and `max_model_len`, for /v1/models
 
     # -- hooks for subclasses -------------------------------------------------------------------------
     async def handle(self, batch: list[Delivery[M]], claimed: bool) -> None:
         raise NotImplementedError
 
     def load(self) -> dict:
-        return {"steps": self.steps, "last_step_at": round(self.last_step_at, 3)}
+        return {"steps": self.steps, "last_step_at": round(self.last_step_at, 3), "model_info": self.model_info}
 
     def read_count(self) -> int:
         return self.settings.batch_size

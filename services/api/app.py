@@ -20,11 +20,11 @@ from services.api.errors import ApiError
 from services.api.formats import ChatFormat, CompletionFormat, Format
 from services.api.native import generate as native_generate
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from services.api.service import ApiService, OwnedEventSource
-from shared.registry import complete
+from services.api.service import ApiService
 from shared.settings import ApiSettings
 
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/drain")
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 UID_PREFIXES = ("chatcmpl-", "cmpl-")
 MAX_BODY_BYTES = 16 << 20
 M = TypeVar("M", bound=BaseModel)
@@ -43,7 +43,10 @@ class Guard:
             error = None
             auth = headers.get(b"authorization", b"")
             expected = f"Bearer {self.api_key}".encode()
-            if self.api_key and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(auth, expected):
+            keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
+            if scope["path"] == "/drain":
+                error = self._drain_refusal(scope, keyed)
+            elif self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
                 error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
             length = headers.get(b"content-length")
             if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -52,6 +55,16 @@ class Guard:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _drain_refusal(self, scope, keyed: bool) -> ApiError | None:
+        """Draining takes the process out of service for good: only the pod itself (its preStop hook runs
+        `rsinfer drain` inside the pod) or a caller with the API key may do it."""
+        client = scope.get("client") or ("", 0)
+        if keyed or client[0] in LOOPBACK:
+            return None
+        if self.api_key:
+            return ApiError(401, "draining needs the API key", code="invalid_api_key")
+        return ApiError(403, "only the pod itself may drain it (no API key is configured)", code="forbidden")
 
 
 def create_app(settings: ApiSettings) -> Guard:
@@ -74,10 +87,11 @@ def create_app(settings: ApiSettings) -> Guard:
         body = await parse_body(request, ChatCompletionRequest)
         await svc.admit(body.model)
         job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
-                          messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt)
+                          messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
+                          continue_final_message=body.continue_final_message)
         fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
                          job.params.logprobs, body.include_usage)
-        return await svc.respond(request, job, fmt, bool(body.stream), "chat")
+        return await svc.respond(request, job, fmt, bool(body.stream), "chat", body.annotations())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -88,7 +102,7 @@ def create_app(settings: ApiSettings) -> Guard:
                           input_ids=ids)
         fmt = CompletionFormat(f"cmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
                                job.params.logprobs, body.include_usage)
-        return await svc.respond(request, job, fmt, bool(body.stream), "completion")
+        return await svc.respond(request, job, fmt, bool(body.stream), "completion", body.annotations())
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -101,9 +115,16 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/models")
     async def models():
         snap = svc.stages.snapshot
-        data = [{"id": m, "object": "model", "created": int(snap.at), "owned_by": "rsinfer"}
-                for m, counts in sorted(snap.models.items()) if complete(counts)]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [snap.model_card(m) for m in snap.servable()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        snap = svc.stages.snapshot
+        if model not in snap.servable() and time.time() - snap.at > 0.25:
+            snap = await svc.stages.refresh()  # a worker may have come up since the last refresh
+        if model not in snap.servable():
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return snap.model_card(model)
 
     @app.get("/v1/requests/{uid}")
     async def get_request(uid: str):
@@ -126,11 +147,12 @@ def create_app(settings: ApiSettings) -> Guard:
         fmt: Format = fmt_cls(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)),
                               n, bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
-        flight = await svc.gateway.attach(_bare(uid), n, deadline)
+        model = record.get("model", "")
+        flight = await svc.gateway.attach(_bare(uid), n, deadline, bool(int(record.get("background", 0))))
         last = request.headers.get("last-event-id")
-        return OwnedEventSource(svc.stream_chunks(flight, fmt, record.get("model", ""), skip_until=last),
-                                on_close=lambda _: flight.close(),
-                                send_timeout=settings.slow_client_timeout_s)
+        return await svc.start_stream(
+            request, flight, lambda first, rest: svc.stream_chunks(flight, fmt, model, first, rest, skip_until=last),
+            lambda reason: svc.finish(flight, model, "reattach", reason))
 
     @app.get("/health")
     async def health():
@@ -173,7 +195,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def _only_model(svc: ApiService) -> str:
-    models = [m for m, c in svc.stages.snapshot.models.items() if complete(c)]
+    models = svc.stages.snapshot.servable()
     if len(models) != 1:
         raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"), param="model")
     return models[0]

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas import BadRequest
+from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "extra_forbidden":
+        name = ".".join(loc)
+        why = UNSUPPORTED_EXTENSIONS.get(loc[-1] if loc else "")
+        return (f"`{name}` is not supported: {why}" if why else
+                f"Unrecognized request argument supplied: {name}"), (loc[0] if loc else None)
     ctx_error = (first.get("ctx") or {}).get("error")
     if isinstance(ctx_error, BadRequest):
         return str(ctx_error), ctx_error.param

@@ -89,19 +89,24 @@ async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: flo
         yield pairs[-1][0], [ev for _, ev in pairs]
 
 
-async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: float
+async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: float, idle_s: float | None = None
                           ) -> AsyncIterator[list[tuple[str, ReplyEvent]]]:
-    """Like ordered_events, but each event with the id of the reply entry that carried it."""
+    """Like ordered_events, but each event with the id of the reply entry that carried it. With `idle_s`,
+    an empty list is yielded whenever nothing arrived for that long (the caller may start its response)."""
     while not order.done:
         remaining = deadline - time.time()
         if remaining <= 0:
             raise DeadlineExceeded()
+        wait = remaining if idle_s is None else min(remaining, idle_s)
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
         # as an entry arrives, and a request whose client left would then never be aborted.
         try:
-            async with asyncio.timeout(remaining):
+            async with asyncio.timeout(wait):
                 first = await sub.get()
         except TimeoutError:
+            if wait < remaining:
+                yield []
+                continue
             raise DeadlineExceeded() from None
         pairs: list[tuple[str, ReplyEvent]] = []
         for entry_id, raw in [first, *sub.drain()]:

@@ -3,11 +3,20 @@
 `Gateway.open` writes the request record and the tokenize job in one round trip and subscribes to the
 reply stream first (so no entry is missed). The returned `Inflight` is closed exactly once whatever
 happens (finish, client gone, deadline, error, server shutdown): it leaves the hub, and unless the
-request ended it sets the abort flag so every stage drops it.
+request ended it decides whether to abort it everywhere (`Gateway.left`):
+
+- a stage already ended it (an error reply): nothing to do;
+- a `background` request is never aborted by its client going away, only by DELETE, an operator's abort
+  key, its deadline (which every stage enforces) or an error;
+- a stream whose client disconnected is aborted only if no client has reattached (from any API process,
+  counted in the record's `attached` field) within `resume_window_s`; 0 aborts at once;
+- anything else (a non-stream client gone, a deadline, a slow client, shutdown) is aborted at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -25,6 +34,10 @@ from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 
+CLIENT_GONE = "client_disconnected"
+STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
+LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
+
 
 def new_uid() -> str:
     return uuid.uuid4().hex
@@ -32,20 +45,22 @@ def new_uid() -> str:
 
 class Inflight:
     def __init__(self, gateway: Gateway, uid: str, sub: Subscription, n: int, deadline: float,
-                 owner: bool = True):
+                 owner: bool = True, resume_window: float = 0.0, background: bool = False):
         self.gateway, self.uid, self.sub, self.deadline = gateway, uid, sub, deadline
-        self.owner = owner  # a reattached follower never aborts the request it follows
+        self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
+        self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
+        self.background = background
         self.order = OrderedReplies(n)
         self.closed = False
-        self.end_reason = "client_disconnected"  # why we abort if closed before the reply finished
+        self.end_reason = CLIENT_GONE  # why it ended early, if it ends before the reply finished
         self.started = time.monotonic()
         self.first_token_at: float | None = None
 
     def events(self):
         return ordered_events(self.sub, self.order, self.deadline)
 
-    def entries(self):
-        return ordered_entries(self.sub, self.order, self.deadline)
+    def entries(self, idle_s: float | None = None):
+        return ordered_entries(self.sub, self.order, self.deadline, idle_s)
 
     @property
     def done(self) -> bool:
@@ -60,11 +75,9 @@ class Inflight:
             self.gateway.hub.unsubscribe(self.sub)
             if self.owner:
                 self.gateway.inflight.pop(self.uid, None)
-            if self.owner and not self.done:
-                log.info("uid=%s ended early: %s", self.uid, self.end_reason)
+            if not self.done:
                 try:
-                    await records.abort(self.gateway.redis, self.gateway.keys, self.uid, self.end_reason,
-                                        self.gateway.settings.request_ttl_s)
+                    await self.gateway.left(self)
                 except (RedisError, OSError) as e:
                     log.warning("uid=%s could not set abort flag: %s", self.uid, e)
 
@@ -73,12 +86,13 @@ class Gateway:
     def __init__(self, settings: ApiSettings, redis: Redis, hub: ReplyHub, keys: Keys, pod: str):
         self.settings, self.redis, self.hub, self.keys, self.pod = settings, redis, hub, keys, pod
         self.inflight: dict[str, Inflight] = {}
+        self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
 
     def deadline(self, timeout: float | None) -> float:
         limit = self.settings.request_timeout_s
         return time.time() + (min(timeout, limit) if timeout else limit)
 
-    async def open(self, job: TokenizeJob, record: dict) -> Inflight:
+    async def open(self, job: TokenizeJob, record: dict, stream: bool) -> Inflight:
         """Subscribe to the reply stream, write the record and the job and wake the reply reader, all in
         one round trip; the caller must close() the result. Nothing is left behind if Redis fails."""
         sub = self.hub.register(job.uid)
@@ -86,17 +100,70 @@ class Gateway:
             async with self.redis.pipeline(transaction=False) as pipe:
                 records.set_status(pipe, self.keys, job.uid, self.settings.request_ttl_s, "queued",
                                    model=job.model, pod=self.pod, created_at=f"{job.created_at:.3f}",
-                                   deadline=f"{job.deadline:.3f}", **record)
+                                   deadline=f"{job.deadline:.3f}", background=int(job.background),
+                                   attached=1, **record)
                 streams.add(pipe, self.keys.tokenize(job.model), job)
                 sub.shard.wake_in(pipe)
                 await pipe.execute()
         except BaseException:
             self.hub.unsubscribe(sub)
             raise
-        flight = self.inflight[job.uid] = Inflight(self, job.uid, sub, job.params.n, job.deadline)
+        window = self.settings.resume_window_s if stream else 0.0
+        flight = self.inflight[job.uid] = Inflight(self, job.uid, sub, job.params.n, job.deadline,
+                                                   resume_window=window, background=job.background)
         log.info("uid=%s queued for %s", job.uid, job.model)
         return flight
 
-    async def attach(self, uid: str, n: int, deadline: float) -> Inflight:
-        """Follow an existing request's reply stream (resumable streams); closing never aborts it."""
-        return Inflight(self, uid, await self.hub.subscribe(uid), n, deadline, owner=False)
+    async def attach(self, uid: str, n: int, deadline: float, background: bool) -> Inflight:
+        """Follow an existing request's reply stream (resumable streams). It counts as a client of the
+        request: one that leaves is treated like the submitter's stream leaving (resume window)."""
+        sub = self.hub.register(uid)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                records.attach(pipe, self.keys, uid, +1)
+                sub.shard.wake_in(pipe)
+                await pipe.execute()
+        except BaseException:
+            self.hub.unsubscribe(sub)
+            raise
+        return Inflight(self, uid, sub, n, deadline, owner=False, resume_window=self.settings.resume_window_s,
+                        background=background)
+
+    async def left(self, flight: Inflight) -> None:
+        """A client stopped following an unfinished request: abort it now, later, or never (module doc)."""
+        uid, reason = flight.uid, flight.end_reason
+        if reason in STAGE_ENDED:
+            return
+        if flight.background and reason in LEFT_RUNNING:
+            log.info("uid=%s left running in the background (%s)", uid, reason)
+            return
+        if reason == CLIENT_GONE and flight.resume_window > 0:
+            await records.attach(self.redis, self.keys, uid, -1)
+            task = asyncio.create_task(self._abort_unless_reattached(uid, flight.resume_window))
+            self.awaiting_reattach[task] = uid
+            task.add_done_callback(self.awaiting_reattach.pop)
+            log.info("uid=%s client left; aborting unless a client reattaches within %.1fs", uid,
+                     flight.resume_window)
+            return
+        if not flight.owner:
+            return  # a follower's deadline or shutdown: the submitter's process or the stages decide
+        log.info("uid=%s ended early: %s", uid, reason)
+        await records.abort(self.redis, self.keys, uid, reason, self.settings.request_ttl_s)
+
+    async def _abort_unless_reattached(self, uid: str, delay: float) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(delay)
+        attached, status = await self.redis.hmget(self.keys.request(uid), ["attached", "status"])
+        if int(attached or 0) > 0 or status is None or status.decode() in records.TERMINAL:
+            return
+        log.info("uid=%s ended early: %s (no client reattached)", uid, CLIENT_GONE)
+        await records.abort(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s)
+
+    async def close(self) -> None:
+        """Shutdown: requests waiting for a reattach are decided now (nobody here will wait any longer)."""
+        tasks = list(self.awaiting_reattach)
+        for task in tasks:
+            task.cancel()  # ends the wait, not the check
+        for task in tasks:
+            with contextlib.suppress(RedisError, OSError, asyncio.CancelledError):
+                await task

@@ -10,45 +10,46 @@ from services.api.service import (
     DONE,
     ENDED_EARLY,
     ApiService,
-    OwnedEventSource,
+    Replies,
+    chain_replies,
     ended_early,
     sse_event,
     until_disconnect,
 )
-from shared.messages import TokenizeJob
+from shared.messages import ReplyEvent, TokenizeJob
 
 
 async def generate(svc: ApiService, request: Request, job: TokenizeJob, stream: bool):
-    flight = await svc.open(job, {"kind": "generate", "n": 1})
+    flight = await svc.open(job, {"kind": "generate", "n": 1}, stream)
     choice, ids = Choice(), []
 
     def body() -> dict:
         return generate_body(job.uid, choice, ids, flight.order.prompt_tokens)
 
-    async def events():
-        async for _, evs in flight.events():
-            for ev in evs:
-                choice.text.append(ev.text)
-                ids.extend(ev.ids)
-                choice.finish_reason = ev.finish_reason or choice.finish_reason
-            yield
+    def add(events: list[ReplyEvent]) -> None:
+        for ev in events:
+            choice.text.append(ev.text)
+            ids.extend(ev.ids)
+            choice.finish_reason = ev.finish_reason or choice.finish_reason
 
-    async def chunks():
+    async def chunks(first: list[tuple[str, ReplyEvent]], rest: Replies):
         try:
-            async for _ in events():
-                yield sse_event(orjson.dumps(body()))
+            async for pairs in chain_replies(first, rest):
+                if pairs:
+                    add([ev for _, ev in pairs])
+                    yield sse_event(orjson.dumps(body()))
         except ENDED_EARLY as e:
             yield sse_event(orjson.dumps(ended_early(flight, e).body()))
         yield DONE
 
     if stream:
-        return OwnedEventSource(chunks(), on_close=lambda reason: svc.finish(flight, job.model, "generate", reason),
-                                send_timeout=svc.settings.slow_client_timeout_s)
+        return await svc.start_stream(request, flight, chunks,
+                                      lambda reason: svc.finish(flight, job.model, "generate", reason))
 
     async def collect() -> dict:
         try:
-            async for _ in events():
-                pass
+            async for _, evs in flight.events():
+                add(evs)
         except ENDED_EARLY as e:
             raise ended_early(flight, e) from None
         return body()

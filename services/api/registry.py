@@ -35,6 +35,20 @@ class Snapshot:
     def ready(self) -> bool:
         return self.redis_ok and bool(self.models) and all(complete(c) for c in self.models.values())
 
+    def servable(self) -> list[str]:
+        """Models with a live worker in every stage, sorted."""
+        return sorted(m for m, counts in self.models.items() if complete(counts))
+
+    def model_card(self, model: str) -> dict:
+        """OpenAI's Model object, plus what vLLM and SGLang clients read: `max_model_len`, `root`, `parent`.
+        Workers report the model's context and checkpoint in their heartbeats (schedulers first)."""
+        info: dict = {}
+        for w in sorted(self.workers, key=lambda w: w.role != "scheduler"):
+            if w.model == model:
+                info = {**w.load.get("model_info", {}), **info}
+        return {"id": model, "object": "model", "created": int(self.at), "owned_by": "rsinfer",
+                "root": info.get("root", model), "parent": None, "max_model_len": info.get("max_model_len")}
+
     def queued(self, model: str) -> int:
         """Requests of a model not yet running: at or waiting for a tokenizer, or waiting for room in a
         scheduler (schedule entries stay pending while they run, so only their lag counts)."""

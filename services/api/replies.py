@@ -41,12 +41,14 @@ class Subscription:
         self.failed = False
 
     async def get(self) -> tuple[str, bytes]:
-        item = await self.queue.get()
-        if isinstance(item, HubError):
-            raise item
+        # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
+        # subscription that is left out of reads.
         if self.paused and self.queue.qsize() <= self.hub.high_water // 2:
             self.paused = False
             await self.shard.wake()
+        item = await self.queue.get()
+        if isinstance(item, HubError):
+            raise item
         return item
 
     def drain(self) -> list[tuple[str, bytes]]:

@@ -2,12 +2,15 @@
 
 Fields follow OpenAI's CreateChatCompletionRequest / CreateCompletionRequest, plus the extensions vLLM
 and SGLang accept (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, stop_token_ids,
-skip_special_tokens) and `timeout` (seconds, capped by the server's --request-timeout-s). Unknown fields
-are ignored, as OpenAI does; fields we cannot honour are refused with a 400 rather than ignored.
+skip_special_tokens, add_generation_prompt, continue_final_message), `timeout` (seconds, capped by the
+server's --request-timeout-s) and `background`. Every field is honoured or refused with a 400 naming it:
+an unknown field is refused as OpenAI refuses it ("Unrecognized request argument supplied"), and a known
+field we cannot honour is refused when set to anything but its no-op value.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,6 +19,28 @@ from shared.messages import ChatMessage, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
+FORBID = ConfigDict(extra="forbid")
+
+# Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
+UNSUPPORTED_EXTENSIONS = {
+    **dict.fromkeys(("regex", "json", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "structural_tag", "json_schema"),
+                    "structured outputs (regex, JSON schema, grammar) are not supported"),
+    **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs"),
+                    "custom chat templates and template arguments are not supported"),
+    **dict.fromkeys(("lora_path", "lora_request"), "LoRA adapters are not supported"),
+    **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
+                    "output"),
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
+    "return_hidden_states": "hidden states are not returned",
+    "prompt_logprobs": "prompt logprobs are not supported",
+}
+
+
+def refuse_unless(value: Any, allowed: tuple, field: str, why: str) -> None:
+    """A known field we cannot honour is accepted only at a value that asks for nothing."""
+    if value not in allowed:
+        raise BadRequest(f"`{field}` is not supported: {why}", field)
 
 
 class BadRequest(ValueError):
@@ -27,20 +52,40 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = FORBID
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> StreamOptions:
+        refuse_unless(self.include_obfuscation, (None, False), "stream_options.include_obfuscation",
+                      "streams are not padded")
+        return self
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # other part types carry other fields; they are refused by type
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = FORBID
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> Message:
+        refuse_unless(self.tool_calls or None, (None,), "messages.tool_calls", "tools are not supported")
+        refuse_unless(self.function_call, (None,), "messages.function_call", "functions are not supported")
+        refuse_unless(self.audio, (None,), "messages.audio", "audio is not supported")
+        return self
 
     def flat(self) -> ChatMessage:
         content = self.content
@@ -49,25 +94,26 @@ class Message(BaseModel):
                 raise BadRequest("only text content parts are supported", "messages")
             content = "".join(p.text or "" for p in content)
         role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=content or "", name=self.name)
+        return ChatMessage(role=role, content=content or self.refusal or "", name=self.name,
+                           tool_call_id=self.tool_call_id)
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = FORBID
 
     model: str = Field(min_length=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None  # 0 is greedy
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # kept in the request record, as OpenAI keeps it for abuse monitoring
     # Extensions (vLLM / SGLang).
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -102,6 +148,10 @@ class SamplingFields(BaseModel):
             top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
+    def annotations(self) -> dict[str, str]:
+        """What the client tells about itself, kept in the request record."""
+        return {"user": self.user} if self.user else {}
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -114,22 +164,62 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # no effect without tools, as with OpenAI
     response_format: dict[str, Any] | None = None
+    safety_identifier: str | None = None  # kept in the request record, like `user`
+    metadata: dict[str, str] | None = None  # kept in the request record
+    prompt_cache_key: str | None = None  # a hint; the prefix cache needs none
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    moderation: Any = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools:
             raise BadRequest("tools are not supported", "tools")
+        refuse_unless(self.tool_choice, (None, "none"), "tool_choice", "tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise BadRequest("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        refuse_unless(self.store, (None, False), "store", "requests are kept only for the server's record TTL")
+        refuse_unless(self.service_tier, (None, "auto", "default"), "service_tier", "there is one tier")
+        refuse_unless(self.modalities, (None, ["text"]), "modalities", "only text output is supported")
+        refuse_unless(self.prompt_cache_retention, (None, "in_memory"), "prompt_cache_retention",
+                      "cached prefixes live in the KV cache's memory only")
+        refuse_unless(self.prompt_cache_options, (None, {}), "prompt_cache_options",
+                      "cached prefixes live in the KV cache's memory only")
+        for name in ("reasoning_effort", "verbosity", "audio", "prediction", "web_search_options", "functions",
+                     "function_call", "moderation"):
+            refuse_unless(getattr(self, name), (None,), name, "this server does not offer it")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise BadRequest("continue_final_message needs add_generation_prompt false and an assistant message "
+                             "last", "continue_final_message")
         return self
 
     def params(self) -> SamplingParams:
         return self.sampling(self.max_completion_tokens or self.max_tokens, bool(self.logprobs),
                              self.top_logprobs or 0)
+
+    def annotations(self) -> dict[str, str]:
+        out = super().annotations()
+        if self.safety_identifier:
+            out["safety_identifier"] = self.safety_identifier
+        if self.metadata:
+            out["metadata"] = json.dumps(self.metadata, separators=(",", ":"))
+        return out
 
     def chat_messages(self) -> list[ChatMessage]:
         return [m.flat() for m in self.messages]
@@ -175,7 +265,7 @@ class CompletionRequest(SamplingFields):
 class GenerateRequest(BaseModel):
     """SGLang-style native request: text or input_ids, sampling_params, stream."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = FORBID
     model: str | None = None
     text: str | None = None
     input_ids: list[int] | None = None
@@ -190,8 +280,9 @@ class GenerateRequest(BaseModel):
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)
-        if "max_new_tokens" in sp:
-            sp["max_tokens"] = sp.pop("max_new_tokens")
+        for sglang, ours in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+            if sglang in sp:
+                sp[ours] = sp.pop(sglang)
         sp.setdefault("max_tokens", 128)
         try:
             fields = SamplingFields(model="native", **sp)

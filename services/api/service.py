@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import orjson
 from fastapi import Request
+from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 
@@ -28,7 +29,7 @@ from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
 from shared.keys import Keys
-from shared.messages import TokenizeJob
+from shared.messages import ReplyEvent, TokenizeJob
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
 from shared.settings import ApiSettings
@@ -36,6 +37,8 @@ from shared.settings import ApiSettings
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Replies = AsyncIterator[list[tuple[str, ReplyEvent]]]
+ChunkSource = Callable[[list[tuple[str, ReplyEvent]], Replies], AsyncIterator[bytes]]
 
 
 def sse_event(data: bytes, event_id: str | None = None) -> bytes:
@@ -46,14 +49,21 @@ def sse_event(data: bytes, event_id: str | None = None) -> bytes:
 DONE = sse_event(b"[DONE]")
 
 
+# A keep-alive is one comment line with no blank line after it. A blank line would end an "event" with no
+# data, and the openai SDK decodes such an event (once any event had an `id:`) as JSON and raises; a comment
+# line alone is ignored by every SSE parser and still keeps proxies from closing an idle connection.
+PING = b": ping\n"
+
+
 class OwnedEventSource(EventSourceResponse):
     """An SSE response that runs `on_close(reason)` when it ends for any reason, even if its generator
     never started (a client that left before the first byte). A client that accepts nothing for
     `send_timeout` seconds ends it with reason "slow_client"."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
-                 **kw: Any):
-        super().__init__(content, sep="\n", ping=15, headers=SSE_HEADERS, **kw)
+                 ping_s: float, **kw: Any):
+        super().__init__(content, sep="\n", ping=ping_s, ping_message_factory=lambda: PING, headers=SSE_HEADERS,
+                         **kw)
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -88,8 +98,9 @@ ENDED_EARLY = (StageFailed, DeadlineExceeded, HubError)
 
 
 def ended_early(flight: Inflight, e: Exception) -> ApiError:
-    """The HTTP error for a reply that ended before it finished; notes on the flight why it is aborted."""
+    """The HTTP error for a reply that ended before it finished; notes on the flight why it ended."""
     if isinstance(e, StageFailed):
+        flight.end_reason = "rejected" if 400 <= e.error.status < 500 else "failed"
         return stage_error(e)
     if isinstance(e, DeadlineExceeded):
         flight.end_reason = "timeout"
@@ -148,6 +159,7 @@ class ApiService:
         for flight in list(self.gateway.inflight.values()):
             flight.end_reason = "server_shutdown"
             await flight.close()
+        await self.gateway.close()
         await self.heartbeat.stop()
         await self.stages.stop()
         await self.hub.close()
@@ -175,27 +187,49 @@ class ApiService:
                            code="overloaded", retry_after=1)
 
     # -- answering --------------------------------------------------------------------------------------
-    async def open(self, job: TokenizeJob, record: dict) -> Inflight:
+    async def open(self, job: TokenizeJob, record: dict, stream: bool) -> Inflight:
         """Submit a request; the caller must end it with `finish`."""
-        flight = await self.gateway.open(job, record)
+        flight = await self.gateway.open(job, record, stream)
         self.metrics.inflight.labels(job.model).inc()
         return flight
 
-    async def respond(self, request: Request, job: TokenizeJob, fmt: Format, stream: bool, kind: str):
+    async def respond(self, request: Request, job: TokenizeJob, fmt: Format, stream: bool, kind: str,
+                      annotations: dict[str, str]):
         record = {"kind": kind, "n": job.params.n, "rid": fmt.rid, "created": fmt.created,
-                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs)}
-        flight = await self.open(job, record)
+                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs), **annotations}
+        flight = await self.open(job, record, stream)
         if stream:
-            return OwnedEventSource(self.stream_chunks(flight, fmt, job.model),
-                                    on_close=lambda reason: self.finish(flight, job.model, "stream", reason),
-                                    send_timeout=self.settings.slow_client_timeout_s)
+            return await self.start_stream(request, flight, lambda first, rest: self.stream_chunks(
+                flight, fmt, job.model, first, rest), lambda reason: self.finish(flight, job.model, "stream", reason))
         try:
             connected, result = await until_disconnect(request, self.collect(flight, fmt, job.model))
-            if not connected:
-                return None
-            return result
+            return result if connected else None
         finally:
             await self.finish(flight, job.model, "full")
+
+    async def start_stream(self, request: Request, flight: Inflight, chunks: ChunkSource,
+                           on_close: Callable[[str | None], Awaitable[None]]) -> Response | None:
+        """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
+        so that an error known before generation gets its HTTP status rather than a 200 and an error event.
+        The stream then starts with those entries at once: waiting costs the first token nothing."""
+        replies = flight.entries(idle_s=self.settings.sse_ping_s)
+        started = False
+        try:
+            connected, first = await until_disconnect(request, self._first_replies(flight, replies))
+            if not connected:
+                return None
+            started = True
+            return OwnedEventSource(chunks(first, replies), on_close=on_close, ping_s=self.settings.sse_ping_s,
+                                    send_timeout=self.settings.slow_client_timeout_s)
+        finally:
+            if not started:
+                await on_close(None)
+
+    async def _first_replies(self, flight: Inflight, replies: Replies) -> list[tuple[str, ReplyEvent]]:
+        try:
+            return await anext(replies, [])
+        except ENDED_EARLY as e:
+            raise ended_early(flight, e) from None
 
     async def collect(self, flight: Inflight, fmt: Format, model: str) -> dict:
         try:
@@ -206,11 +240,13 @@ class ApiService:
             raise ended_early(flight, e) from None
         return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens)
 
-    async def stream_chunks(self, flight: Inflight, fmt: Format, model: str,
-                            skip_until: str | None = None) -> AsyncIterator[bytes]:
+    async def stream_chunks(self, flight: Inflight, fmt: Format, model: str, first: list[tuple[str, ReplyEvent]],
+                            rest: Replies, skip_until: str | None = None) -> AsyncIterator[bytes]:
         """SSE events for one request; entries up to `skip_until` (Last-Event-ID) are not sent again."""
         try:
-            async for pairs in flight.entries():
+            async for pairs in chain_replies(first, rest):
+                if not pairs:
+                    continue  # nothing arrived for a while (pings keep the connection)
                 self._first_token(flight, model)
                 if skip_until:  # replay what the client already has into the formatter, unsent
                     fmt.chunks([ev for eid, ev in pairs if not _after(eid, skip_until)])
@@ -246,6 +282,12 @@ class ApiService:
         self.metrics.duration.labels(model).observe(time.monotonic() - flight.started)
         self.metrics.prompt_tokens.labels(model).inc(flight.order.prompt_tokens)
         self.metrics.generated_tokens.labels(model).inc(flight.order.completion_tokens)
+
+
+async def chain_replies(first: list[tuple[str, ReplyEvent]], rest: Replies) -> Replies:
+    yield first
+    async for pairs in rest:
+        yield pairs
 
 
 def _after(entry_id: str, other: str) -> bool:

@@ -85,9 +85,10 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     group = SCHEDULER_GROUP
     message_type = ScheduleJob
 
-    def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine):
+    def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine, model_path: str = ""):
         super().__init__(settings, model_name)
         self.engine = engine
+        self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
@@ -304,6 +305,6 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 def run(settings: SchedulerSettings) -> int:
     async def build(model_path: str, model_name: str) -> SchedulerWorker:
         engine = await asyncio.to_thread(build_engine, settings, model_path)
-        return SchedulerWorker(settings, model_name, engine)
+        return SchedulerWorker(settings, model_name, engine, model_path)
 
     return run_stage(settings, build)

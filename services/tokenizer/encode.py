@@ -45,13 +45,11 @@ class PromptEncoder:
         return results  # type: ignore[return-value]
 
     def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
-        messages = [msgspec.structs.asdict(m) for m in job.messages or []]
-        for m in messages:
-            if m.get("name") is None:
-                m.pop("name", None)
+        messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None} for m in job.messages or []]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=job.add_generation_prompt, tokenize=False)
+                messages, add_generation_prompt=job.add_generation_prompt,
+                continue_final_message=job.continue_final_message, tokenize=False)
         except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
             return invalid(f"the chat template rejected the messages: {e}", param="messages")
 

@@ -31,6 +31,7 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
         super().__init__(settings, model_name)
         self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
                                      context_length(model_path, settings.trust_remote_code))
+        self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context}
 
     async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
         if claimed:  # a dead peer may have forwarded some before it could acknowledge them

@@ -171,9 +171,9 @@ def test_api_service_probes_and_graceful_shutdown(render):
     (c,) = spec["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    pre_stop = c["lifecycle"]["preStop"]["httpGet"]["path"]
-    assert pre_stop.startswith("/drain?wait=")
-    drain = float(pre_stop.split("=")[1])
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]  # inside the pod: /drain takes loopback callers only
+    assert pre_stop[:3] == ["rsinfer", "drain", "--wait"]
+    drain = float(pre_stop[3])
     grace = float(config(docs)["api.RSINFER_GRACE_PERIOD_S"])
     assert spec["terminationGracePeriodSeconds"] > drain + grace
     assert c["ports"][0]["containerPort"] == int(config(docs)["api.RSINFER_PORT"]) == 8000

@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import MODEL
@@ -89,9 +90,29 @@ def test_deadline_non_stream_is_504(stack):
     wait_for(lambda: engines_idle(stack), timeout=5)
 
 
-def test_stage_error_in_a_stream_is_an_error_event(stack):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "stream": True}
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),  # empty after tokenization
+    ("/v1/completions", {"prompt": [10**6]}, "prompt"),  # a token id outside the vocabulary
+])
+def test_errors_known_before_generation_get_their_status_when_streamed(stack, path, body, param):
+    """The tokenizer refuses these before any token exists: a streaming client gets the 400 itself, as a
+    non-streaming one does, not a 200 followed by an error event."""
+    for stream in (True, False):
+        resp = httpx.post(f"{stack.base_url}{path}", json={"model": MODEL, "stream": stream, **body}, timeout=30)
+        assert resp.status_code == 400, (stream, resp.text)
+        assert resp.headers["content-type"].startswith("application/json")
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        stack.client().completions.create(model=MODEL, prompt=[10**6], stream=True)
+
+
+def test_stage_error_after_the_stream_started_is_an_error_event(stack):
+    """An error that comes after tokens were sent can only be an event: the status line is long gone."""
+    body = {**LONG, "stream": True, "timeout": 1}
     with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
         data = sse_payloads("".join(resp.iter_text()))
     assert data[-1] == "[DONE]"
-    assert json.loads(data[-2])["error"]["code"] == "context_length_exceeded"
+    assert json.loads(data[-2])["error"]["code"] == "request_timeout"

@@ -132,9 +132,14 @@ class Pod:
         self.proc = subprocess.Popen(argv, env=self.process_env(), stdout=log, stderr=subprocess.STDOUT)
 
     def exec_probe(self, probe: str) -> subprocess.CompletedProcess:
-        argv = _rsinfer_argv(self.container[probe]["exec"]["command"])
-        return subprocess.run(argv, env=self.process_env(), capture_output=True, text=True,
-                              timeout=self.container[probe].get("timeoutSeconds", 10) + 20)
+        return self.exec(self.container[probe]["exec"]["command"], self.container[probe].get("timeoutSeconds", 10))
+
+    def exec_hook(self, hook: str) -> subprocess.CompletedProcess:
+        return self.exec(self.container["lifecycle"][hook]["exec"]["command"], 10)
+
+    def exec(self, command: list[str], timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(_rsinfer_argv(command), env=self.process_env(), capture_output=True, text=True,
+                              timeout=timeout + 20)
 
     def log_tail(self, lines: int = 25) -> str:
         if not self.log_path.exists():
@@ -197,7 +202,8 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
             assert probe.returncode == 0, f"{w.name} liveness: {probe.stdout}{probe.stderr}"
 
         # the preStop hook: the API stops being ready before SIGTERM
-        assert _get(f"{base}{api.container['lifecycle']['preStop']['httpGet']['path']}", timeout=30) == 200
+        hook = api.exec_hook("preStop")
+        assert hook.returncode == 0, f"preStop: {hook.stdout}{hook.stderr}"
         assert _get_ready(base) == 503
     finally:
         for pod in pods:

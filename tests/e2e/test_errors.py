@@ -95,3 +95,67 @@ def test_malformed_stream_entry_goes_to_dead_letter(stack):
     assert any(f["entry_id"] == eid and "DecodeError" in f["error"] for f in entries)
     assert len(entries) >= 2
     assert stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), [
+    ({"regex": "[a-z]+"}, "regex", "structured outputs"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "not supported"),
+    ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
+    ({"stream_options": {"include_usage": True, "zzz": 1}}, "stream_options", "stream_options.zzz"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "x"}]}]}, "messages.tool_calls", "tools"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages", "messages.0.colour"),
+    ({"store": True}, "store", "not supported"),
+    ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "tools"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message", "assistant"),
+])
+def test_fields_we_cannot_honour_are_refused_by_name(stack, extra, param, says):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, **extra}
+    err = _assert_error(_post(stack, "/v1/chat/completions", json=body), 400, param)
+    assert says in err["message"]
+
+
+def test_completions_and_generate_refuse_unknown_fields_too(stack):
+    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "regex": "a+"}), 400, "regex")
+    resp = _post(stack, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "a+"}})
+    assert "regex" in _assert_error(resp, 400, "sampling_params")["message"]
+
+
+def test_fields_that_ask_for_nothing_are_accepted(stack):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 3, "temperature": 0, "store": False, "user": "u-1",
+            "service_tier": "auto", "modalities": ["text"], "tool_choice": "none", "parallel_tool_calls": True,
+            "metadata": {"team": "a"}, "prompt_cache_key": "k", "safety_identifier": "s"}
+    resp = _post(stack, "/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    uid = resp.json()["id"].removeprefix("chatcmpl-")
+    record = httpx.get(f"{stack.base_url}/v1/requests/{uid}").json()
+    assert record["user"] == "u-1" and record["safety_identifier"] == "s" and record["metadata"] == '{"team":"a"}'
+
+
+def test_top_p_zero_is_greedy(stack):
+    base = {"model": MODEL, "messages": HELLO, "max_tokens": 12, "seed": 5}
+    greedy = _post(stack, "/v1/chat/completions", json={**base, "temperature": 0}).json()
+    resp = _post(stack, "/v1/chat/completions", json={**base, "temperature": 1.5, "top_p": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+
+
+def test_chat_template_options_are_honoured(stack, demo_model_dir):
+    """continue_final_message and add_generation_prompt change the prompt exactly as the template says: the
+    chat answer equals a plain completion of the prompt the template renders."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    messages = [{"role": "user", "content": "Write a word"}, {"role": "assistant", "content": "The word is"}]
+    for options in ({"add_generation_prompt": False, "continue_final_message": True},
+                    {"add_generation_prompt": False}, {"add_generation_prompt": True}):
+        rendered = tok.apply_chat_template(messages, tokenize=False, **options)
+        chat = _post(stack, "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                          "temperature": 0, **options}).json()
+        plain = _post(stack, "/v1/completions", json={"model": MODEL, "prompt": tok(rendered, add_special_tokens=False)[
+            "input_ids"], "max_tokens": 8, "temperature": 0}).json()
+        assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"], options
+        assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"], options
+    assert rendered.endswith("<|im_start|>assistant\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import MODEL
@@ -16,6 +17,19 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 def test_models_lists_the_served_model(stack):
     models = stack.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == 4096  # what vLLM and SGLang clients read
+
+
+def test_retrieve_model(stack, demo_model_dir):
+    client = stack.client()
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "rsinfer"
+    assert model.max_model_len == 4096 and model.root == str(demo_model_dir) and model.parent is None
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    resp = httpx.get(f"{stack.base_url}/v1/models/org/no-such-model")  # names may hold a slash
+    assert resp.status_code == 404 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_chat_non_stream_has_usage_and_length_finish(stack):
@@ -112,3 +126,20 @@ def test_metrics_expose_pipeline_gauges(stack):
     text = httpx.get(f"{stack.base_url}/metrics").text
     assert f'rsinfer_stage_workers{{model="{MODEL}",stage="scheduler"}} 1.0' in text
     assert "rsinfer_generated_tokens_total" in text
+
+
+def test_an_end_decided_by_a_stage_is_counted_under_its_reason(stack):
+    """A 400 from the tokenizer is a `rejected` request in the metrics, not a client that went away."""
+    def count(status: str) -> float:
+        for line in httpx.get(f"{stack.base_url}/metrics").text.splitlines():
+            if line.startswith("rsinfer_http_requests_total{") and f'status="{status}"' in line and \
+                    'endpoint="stream"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count("rejected"), count("client_disconnected")
+    for stream in (True, False):
+        resp = httpx.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": [10**6],
+                                                                     "stream": stream}, timeout=30)
+        assert resp.status_code == 400
+    assert (count("rejected"), count("client_disconnected")) == (before[0] + 1, before[1])

@@ -61,3 +61,17 @@ async def test_slow_reader_is_paused_not_buffered(hub_env):
     assert sub.paused and sub.queue.qsize() < 2 * 16  # the rest waits in Redis, not in this process
     got = [decode((await asyncio.wait_for(sub.get(), 5))[1], ReplyEvent).start for _ in range(100)]
     assert got == list(range(100))
+
+
+async def test_a_reader_that_drains_a_full_queue_is_resumed(hub_env):
+    """A reattach to a long finished stream fills the queue past high water in one read; the reader takes it
+    all with get() + drain(), and its next get() must resume reading rather than wait forever."""
+    hub, redis, keys = hub_env
+    for i in range(100):
+        await streams.add(redis, keys.reply("long"), event(i))
+    sub = await hub.subscribe("long")
+    got: list[int] = []
+    while len(got) < 100:
+        first = await asyncio.wait_for(sub.get(), 5)
+        got += [decode(raw, ReplyEvent).start for _, raw in [first, *sub.drain()]]
+    assert got == list(range(100))

@@ -1,0 +1,139 @@
+"""Streams that outlive a network blip: keep-alive pings the official SDK reads, reattaching with
+Last-Event-ID within the resume window, and background requests that run with nobody attached.
+
+An extra API process joins the session stack's namespace with a short ping interval and a resume window;
+the session's own API (window 0) is the "other API process" a client reattaches through.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from shared.redis_server import free_port
+from tests.e2e.conftest import MODEL, Stack
+from tests.e2e.helpers import api_ready, engines_idle, sse_payloads, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+PING_S, WINDOW_S = 0.2, 1.5
+
+
+@pytest.fixture(scope="module")
+def blip_api(stack) -> Iterator[Stack]:
+    s = Stack(stack.redis_url, stack.model_dir, stack.namespace, stack.log_dir)
+    s.port = free_port()
+    try:
+        s.start("api-blip", "api", RSINFER_SSE_PING_S=str(PING_S), RSINFER_RESUME_WINDOW_S=str(WINDOW_S))
+        wait_for(lambda: api_ready(s.base_url), timeout=60)
+        yield s
+    finally:
+        s.stop()
+
+
+def chat(i: int, max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"resume {i}"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+def greedy_text(stack, payload: dict) -> str:
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=payload, timeout=60)
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def read_some(base_url: str, payload: dict, events: int) -> tuple[str, str, str]:
+    """Stream `payload`, read `events` content events, then drop the connection: (uid, text, last event id)."""
+    text, last, uid = "", "", ""
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**payload, "stream": True},
+                      timeout=30) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                last = line[4:]
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                uid = chunk["id"].removeprefix("chatcmpl-")
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                seen += 1
+                if seen >= events:
+                    break
+    return uid, text, last
+
+
+def reattach(base_url: str, uid: str, last: str | None = None) -> str:
+    headers = {"Last-Event-ID": last} if last else {}
+    with httpx.stream("GET", f"{base_url}/v1/requests/{uid}/stream", headers=headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        data = sse_payloads("".join(resp.iter_text()))
+    assert data[-1] == "[DONE]"
+    return "".join(c["delta"].get("content") or "" for d in data[:-1] for c in json.loads(d)["choices"])
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_official_sdk_reads_streams_longer_than_the_ping_interval(stack, blip_api, endpoint):
+    client = blip_api.client()
+    if endpoint == "chat":
+        create, fields = client.chat.completions.create, {"messages": [{"role": "user", "content": "ping test"}]}
+        full_text, delta_text = (lambda r: r.choices[0].message.content), (lambda c: c.choices[0].delta.content)
+    else:
+        create, fields = client.completions.create, {"prompt": "ping test"}
+        full_text, delta_text = (lambda r: r.choices[0].text), (lambda c: c.choices[0].text)
+    fields.update(model=MODEL, max_tokens=1500, temperature=0)
+    expected = full_text(create(**fields, extra_body={"ignore_eos": True}))
+    stream = create(**fields, extra_body={"ignore_eos": True}, stream=True)
+    chunks = [next(stream)]
+    time.sleep(3 * PING_S)  # the server pings while we do not read
+    chunks += list(stream)
+    assert "".join(delta_text(c) or "" for c in chunks if c.choices) == expected
+    # the pings really were in such a stream, after events that carry ids
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    with httpx.stream("POST", f"{blip_api.base_url}/v1/{path}", json={**fields, "ignore_eos": True, "stream": True},
+                      timeout=60) as resp:
+        lines = []
+        for line in resp.iter_lines():
+            lines.append(line)
+            if len(lines) == 4:
+                time.sleep(3 * PING_S)
+    first_ping = lines.index(": ping")
+    assert any(line.startswith("id: ") for line in lines[:first_ping])
+
+
+def test_reattach_within_the_window_gets_exactly_the_rest(stack, blip_api):
+    payload = chat(1, 400)
+    expected = greedy_text(stack, payload)
+    uid, head, last = read_some(blip_api.base_url, payload, events=5)
+    assert head and last
+    time.sleep(WINDOW_S / 3)  # a network blip, shorter than the window
+    tail = reattach(stack.base_url, uid, last)  # through the other API process
+    assert head + tail == expected
+    r = stack.redis()
+    assert r.hget(stack.keys.request(uid), "status") == "finished"
+    assert r.get(stack.keys.abort(uid)) is None
+
+
+def test_without_a_reattach_the_request_is_aborted_right_after_the_window(stack, blip_api):
+    uid, _, _ = read_some(blip_api.base_url, chat(2, 3500), events=3)
+    left = time.monotonic()
+    r = stack.redis()
+    wait_for(lambda: r.get(stack.keys.abort(uid)), timeout=WINDOW_S + 5, every=0.05)
+    waited = time.monotonic() - left
+    assert WINDOW_S - 0.2 < waited < WINDOW_S + 1.5, waited
+    assert r.get(stack.keys.abort(uid)) == "client_disconnected"
+    wait_for(lambda: r.hget(stack.keys.request(uid), "status") == "aborted", timeout=5)
+    wait_for(lambda: engines_idle(stack), timeout=10)
+
+
+@pytest.mark.parametrize("api", ["blip", "session"])
+def test_background_request_runs_to_the_end_unattended_then_reads_in_full(stack, blip_api, api):
+    payload = chat(3, 300, background=True)
+    expected = greedy_text(stack, payload)
+    base = blip_api.base_url if api == "blip" else stack.base_url  # with and without a resume window
+    uid, _, _ = read_some(base, payload, events=2)
+    r = stack.redis()
+    wait_for(lambda: r.hget(stack.keys.request(uid), "status") in ("finished", "aborted"), timeout=30)
+    assert r.hget(stack.keys.request(uid), "status") == "finished"
+    assert r.get(stack.keys.abort(uid)) is None
+    assert reattach(stack.base_url, uid) == expected
