@@ -1,4 +1,4 @@
-"""Every Redis key rsinfer uses, built in one place (DESIGN.md, "Redis keys").
+"""Every Redis key rsinfer uses, built in one place (docs/design.md, "Redis keys").
 
 No other module spells a key. A namespace prefix lets several releases share one Redis.
 """

@@ -2,9 +2,10 @@
 XAUTOCLAIM and XCLAIM.
 
 We use redis-py directly rather than FastStream's stream subscriber, because rsinfer needs what FastStream
-lacks (see shared/notes): its groups are created at `$` (a backlog written before the first worker is
-never read), it never re-reads its pending list and has no XAUTOCLAIM before Redis 8.4 (a dead
-replica's entries would stay stranded), and its binary wire headers make `XRANGE` illegible to operators.
+lacks (docs/design.md, "Measured facts behind the design"): its groups are created at `$` (a backlog
+written before the first worker is never read), its subscriber never re-reads its pending list (a dead
+replica's entries stay stranded unless a second, claim-only subscriber runs XAUTOCLAIM), and its binary
+wire headers make `XRANGE` illegible to operators.
 Here every entry is one field, `data`, holding JSON.
 """
 

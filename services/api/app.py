@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI): endpoints of DESIGN.md, "HTTP API"."""
+"""The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API"."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ class DrainingServer(uvicorn.Server):
 def run(settings: ApiSettings) -> int:
     # We end SSE streams ourselves after the grace period, not the moment uvicorn starts shutting down.
     AppStatus.disable_automatic_graceful_drain()
-    # Long keep-alive: load generators and proxies reuse connections; 5 s broke reused ones (notes).
+    # Long keep-alive: load generators and proxies reuse connections; 5 s broke reused ones
+    # (docs/design.md, "Measured facts behind the design").
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_keep_alive=120, timeout_graceful_shutdown=5)

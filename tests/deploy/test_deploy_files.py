@@ -25,7 +25,7 @@ DEPLOY = ROOT / "deploy"
 SETTINGS = {"api": ApiSettings, "tokenizer": TokenizerSettings, "scheduler": SchedulerSettings,
             "detokenizer": DetokenizerSettings}
 NON_SETTINGS_ENV = {"RSINFER_CACHE"}
-# The metrics the API's /metrics exposes (DESIGN contract): the dashboard may use only these.
+# The metrics the API's /metrics exposes (docs/design.md, "HTTP API"): the dashboard may use only these.
 METRICS = {
     "rsinfer_http_requests_total", "rsinfer_request_duration_seconds", "rsinfer_time_to_first_token_seconds",
     "rsinfer_prompt_tokens_total", "rsinfer_generated_tokens_total", "rsinfer_inflight_requests",

@@ -1,5 +1,6 @@
-"""DESIGN.md's operator recipes work during a long generation: find the request, read its record and
-reply stream, see the stage backlogs, and cancel it; the client then sees finish_reason "abort"."""
+"""The operator recipes of docs/design.md ("Operator recipes") work during a long generation: find the
+request, read its record and reply stream, see the stage backlogs, and cancel it; the client then sees
+finish_reason "abort"."""
 
 from __future__ import annotations
 

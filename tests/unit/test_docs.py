@@ -1,0 +1,139 @@
+"""The design contract (docs/design.md) cannot silently drift from the code: every document a comment or
+docstring cites exists in the repository, and every Redis key builder and message tag is described."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import msgspec
+
+from shared import messages
+from shared.keys import Keys
+
+ROOT = Path(__file__).resolve().parents[2]
+DESIGN = ROOT / "docs" / "design.md"
+CODE_DIRS = ("services", "shared", "rsinfer", "tests", "bench")
+PRODUCT_DIRS = ("services", "shared", "rsinfer")
+DOC_PATH = re.compile(r"[\w/.-]+\.md\b")
+# Repository paths (`shared/keys.py`, `docs/`...) named in the product's prose; tests and tools also name
+# paths outside the repository (in archives, caches, templates), so only documents are checked there.
+REPO_PATH = re.compile(r"(?<![\w./-])(?:docs|shared|services|rsinfer|tests|bench|deploy|helm)/[\w/.-]*\w")
+# Keys methods that are not key builders: one parses a key, the other dispatches to the stage builders.
+NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream"}
+# The doc writes a worker's key as `<role>:<id>`, as the README and the operator recipes do.
+PLACEHOLDER = {"worker_id": "id"}
+
+
+def prose(path: Path) -> list[str]:
+    """The comments and docstrings of one Python file."""
+    source = path.read_text()
+    out = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append(doc)
+    return out
+
+
+def citations() -> list[tuple[str, str]]:
+    """(file, cited path) for every document or repository path named in comments and docstrings."""
+    found = []
+    for top in CODE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for text in prose(path):
+                paths = REPO_PATH.findall(text) if top in PRODUCT_DIRS else []
+                for cited in {*DOC_PATH.findall(text), *paths}:
+                    found.append((str(path.relative_to(ROOT)), cited.rstrip(".")))
+    return found
+
+
+def section(title: str) -> str:
+    text = DESIGN.read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"docs/design.md has no section '## {title}'"
+    return match.group(1)
+
+
+def test_every_cited_document_exists():
+    cites = citations()
+    missing = [(f, c) for f, c in cites if not (ROOT / c).exists() and not (ROOT / f).parent.joinpath(c).exists()]
+    assert not missing, f"comments cite paths that are not in the repository: {missing}"
+    assert ("shared/keys.py", "docs/design.md") in cites  # the scan sees the citations it must check
+
+
+def test_no_comment_cites_unnamed_notes():
+    vague = [str(p.relative_to(ROOT)) for top in CODE_DIRS for p in (ROOT / top).rglob("*.py")
+             if any("(notes)" in t for t in prose(p))]
+    assert not vague, f"'(notes)' names no document; cite docs/design.md and a section: {vague}"
+
+
+def key_patterns() -> dict[str, str]:
+    keys = Keys()
+    out = {}
+    for name, method in inspect.getmembers(keys, inspect.ismethod):
+        if name.startswith("_") or name in NOT_KEY_BUILDERS:
+            continue
+        params = inspect.signature(method).parameters
+        out[name] = method(*(f"<{PLACEHOLDER.get(p, p)}>" for p in params))
+    return out
+
+
+def test_every_key_builder_is_in_the_key_table():
+    patterns = key_patterns()
+    assert {"reply", "control", "workers", "worker"} <= set(patterns)
+    assert patterns["reply"] == "rsinfer:reply:<uid>"
+    rows = "\n".join(line for line in section("Redis keys").splitlines() if line.startswith("|"))
+    missing = {name: p for name, p in patterns.items() if f"`{p}`" not in rows}
+    assert not missing, f"docs/design.md's key table lacks: {missing}"
+
+
+def message_tags() -> set[str]:
+    tags = set()
+    for _, cls in inspect.getmembers(messages, inspect.isclass):
+        if issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__:
+            tag = cls.__struct_config__.tag
+            if tag is not None:
+                tags.add(tag)
+    return tags
+
+
+def test_every_message_tag_is_documented():
+    tags = message_tags()
+    assert {"tokenize", "schedule", "detokenize", "delta", "error"} <= tags
+    table = section("Messages")
+    missing = sorted(t for t in tags if f"| `{t}` |" not in table)
+    assert not missing, f"docs/design.md's message table lacks kinds: {missing}"
+
+
+def test_every_section_code_cites_exists():
+    cited = {m for top in CODE_DIRS for p in (ROOT / top).rglob("*.py") for t in prose(p)
+             for m in re.findall(r'docs/design\.md,? "([^"]+)"', t)}
+    assert cited, "no comment cites a section of docs/design.md"
+    for title in sorted(cited):
+        assert section(title).strip()
+
+
+def record_fields_written() -> set[str]:
+    """Keyword fields of every records.set_status call in the stages (the request record's fields)."""
+    fields = {"status", "updated_at"}
+    for top in ("services", "shared"):
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = getattr(node, "func", None)
+                if isinstance(node, ast.Call) and getattr(name, "attr", getattr(name, "id", "")) == "set_status":
+                    fields |= {k.arg for k in node.keywords if k.arg is not None}
+    return fields
+
+
+def test_every_record_field_is_documented():
+    fields = record_fields_written()
+    assert {"scheduler", "entry", "prompt_tokens", "completion_tokens", "finish_reason", "error"} <= fields
+    rows = "\n".join(line for line in section("Request record").splitlines() if line.startswith("|"))
+    missing = sorted(f for f in fields if f"`{f}`" not in rows)
+    assert not missing, f"docs/design.md's record table lacks fields: {missing}"
