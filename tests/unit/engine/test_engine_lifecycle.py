@@ -9,6 +9,7 @@ import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected
 from services.scheduler.engine.model_runner import UnsupportedModel
+from services.scheduler.engine.prefix_cache import extend_digests
 from shared.messages import SamplingParams
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tiny_model, tokens
 
@@ -185,3 +186,34 @@ def test_unsupported_architectures_are_refused_with_the_reason():
 def test_logits_dtype_and_device_follow_the_model(engine_model):
     eng = engine(engine_model)
     assert eng.kv.k[0].dtype == torch.float32 and eng.kv.k[0].device.type == "cpu"
+
+
+def test_prefix_tree_under_pressure_keeps_no_page_behind_a_gap(engine_model):
+    """Shared prefixes, n > 1, aborts and preemption in a small pool: at every step a sequence holds the
+    cache's own pages for its cached prefix, and no cached page ever outlives its parent."""
+    rng = random.Random(5)
+    eng = engine(engine_model, num_pages=24, page_size=4, max_running=6)
+    cache = eng.pool.cache
+    heads = prompts([8, 12, 5], 1000, seed=21)
+    sent: dict[str, list[int]] = {}
+    produced: dict[tuple[str, int], list[int]] = {}
+    for step in range(160):
+        if step < 110 and rng.random() < 0.4:
+            uid = f"q{step}"
+            sent[uid] = rng.choice(heads) + prompts([rng.randrange(0, 10)], 1000, seed=step)[0]
+            eng.add(EngineRequest(uid, sent[uid], greedy(rng.randrange(1, 16), n=rng.choice([1, 1, 2]))))
+        if sent and rng.random() < 0.05:
+            eng.abort(rng.choice(sorted(sent)))
+        for o in eng.step():
+            produced.setdefault((o.uid, o.index), []).extend(o.ids)
+        for seq in eng.scheduler.running:
+            k = seq.num_cached_pages
+            assert [cache.page_of.get(d) for d in seq.digests[:k]] == seq.pages[:k]
+    for uid in sent:
+        eng.abort(uid)
+    assert eng.stats()["preemptions"] > 0 and eng.pool.available() == eng.pool.usable
+    for (uid, _), out in produced.items():
+        digests: list[bytes] = []
+        extend_digests(digests, sent[uid] + out, 4, 1000)
+        cached = [d in cache.page_of for d in digests]
+        assert cached == sorted(cached, reverse=True), f"{uid}: a page cached behind a gap {cached}"
