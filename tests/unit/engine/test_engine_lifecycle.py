@@ -144,6 +144,51 @@ def test_refusals(engine_model):
     assert not eng.has_work()
 
 
+def test_omitted_max_tokens_runs_to_what_the_pool_holds(demo_model, engine_model):
+    """A KV pool far smaller than the context: no max_tokens means up to the context as far as the pool
+    can take the request, ending with "length", not a refusal."""
+    p = prompts([10], demo_model.config.vocab_size, seed=3)[0]
+    eng = engine(engine_model, num_pages=16, page_size=4)  # 15 pages, 60 tokens; the context is 4096
+    assert eng.max_context > 60
+    unbounded = SamplingParams(temperature=0.0, ignore_eos=True)
+    assert eng.add(EngineRequest("one", p, unbounded)) == 50
+    out = drain(eng)[("one", 0)]
+    assert tokens(out) == hf_greedy(demo_model, p, 50) and out[-1].finish_reason == "length"
+    # n choices share the prompt's 2 full pages and run side by side: (2 + 13 // 2) pages each
+    two = SamplingParams(temperature=0.0, ignore_eos=True, n=2)
+    assert eng.add(EngineRequest("two", p, two)) == 8 * 4 - 10
+    out = drain(eng)
+    assert [len(tokens(out[("two", i)])) for i in range(2)] == [22, 22]
+    assert eng.stats()["preemptions"] == 0 and eng.pool.available() == eng.pool.usable
+
+
+def test_omitted_max_tokens_with_more_choices_than_fit_side_by_side(demo_model, engine_model):
+    p = prompts([5], demo_model.config.vocab_size, seed=3)[0]
+    eng = engine(engine_model, num_pages=6, page_size=4)  # 5 pages: 5 choices cannot decode at once
+    assert eng.add(EngineRequest("five", p, SamplingParams(temperature=0.0, ignore_eos=True, n=5))) == 15
+    out = drain(eng)
+    ref = hf_greedy(demo_model, p, 15)
+    for i in range(5):  # they take turns (preempted and resumed), each to the pool's length
+        assert tokens(out[("five", i)]) == ref and out[("five", i)][-1].finish_reason == "length"
+    assert eng.stats()["preemptions"] > 0 and eng.pool.available() == eng.pool.usable
+
+
+def test_omitted_max_tokens_refusals_and_min_tokens(engine_model):
+    eng = engine(engine_model, num_pages=16, page_size=4)  # 60 tokens of KV
+    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) does not fit the KV cache of 60 tokens"):
+        eng.add(EngineRequest("big", [5] * 60, SamplingParams()))
+    with pytest.raises(RequestRejected, match="min_tokens") as e:
+        eng.add(EngineRequest("min", [5] * 10, SamplingParams(min_tokens=51)))
+    assert e.value.param == "min_tokens"
+    with pytest.raises(RequestRejected, match="min_tokens") as e:
+        eng.add(EngineRequest("min", [5] * 10, SamplingParams(max_tokens=5, min_tokens=6)))
+    assert e.value.param == "min_tokens"
+    # min_tokens above what n choices hold side by side, within what one holds: they take turns
+    assert eng.add(EngineRequest("turns", [5] * 10, SamplingParams(min_tokens=40, n=2))) == 40
+    assert eng.add(EngineRequest("fits", [5] * 10, SamplingParams(min_tokens=50))) == 50
+    eng.close()
+
+
 def test_room_and_stats(engine_model):
     eng = engine(engine_model, max_running=2)
     assert eng.room() == 2
