@@ -15,7 +15,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    max_tokens: int | None = None  # None until the tokenizer fills it from the context left
+    max_tokens: int | None = None  # None: up to the context, as far as the engine's KV cache can hold
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -64,7 +64,7 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
 
 
 class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True):
-    """tokenizer -> scheduler: a tokenized request whose max_tokens fits the context."""
+    """tokenizer -> scheduler: a tokenized request that fits the context (max_tokens may still be None)."""
 
     uid: str
     model: str

@@ -177,15 +177,17 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 return False
             log.info("uid=%s resumed after %s tokens", job.uid, [len(o) for o in outputs])
         try:
-            self.engine.add(EngineRequest(job.uid, job.input_ids, job.params, outputs if claimed else []))
+            max_tokens = self.engine.add(EngineRequest(job.uid, job.input_ids, job.params,
+                                                       outputs if claimed else []))
         except RequestRejected as e:
             log.info("uid=%s rejected by the engine: %s", job.uid, e)
             records.end_failed(pipe, self.keys, job.uid, ReplyError(
-                message=str(e), status=400, type="invalid_request_error", code=e.code),
+                message=str(e), status=400, type="invalid_request_error", code=e.code, param=e.param),
                 self.ttl, self.maxlen)
             return False
         self.running[job.uid] = Running(d.entry_id, job, outputs, done)
-        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id)
+        records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id,
+                           max_tokens=max_tokens)
         return True
 
     async def _record_fields(self, uids: list[str], *names: str) -> dict[str, list[str | None]]:

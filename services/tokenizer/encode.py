@@ -60,20 +60,23 @@ class PromptEncoder:
         return self.fit(job, ids)
 
     def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
-        """Fill max_tokens from the context left, or refuse a request that cannot fit."""
-        n, limit = len(ids), self.max_context
+        """Refuse a request that cannot fit the context. An omitted max_tokens stays None: it means up to
+        the context, and only the engine knows how much of that its KV cache can hold."""
+        n, limit, p = len(ids), self.max_context, job.params
         if n == 0:
             return invalid("the prompt is empty after tokenization", "prompt")
         if n >= limit:
             return invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
                            f"has {n} tokens.", "messages", "context_length_exceeded")
-        max_tokens = job.params.max_tokens
-        if max_tokens is None:
-            max_tokens = limit - n
-        elif n + max_tokens > limit:
+        if p.max_tokens is not None and n + p.max_tokens > limit:
             return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                           f"{n + p.max_tokens} tokens ({n} in the prompt, {p.max_tokens} for the completion). "
                            "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+            return invalid(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens")
+        if n + p.min_tokens > limit:
+            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested at "
+                           f"least {n + p.min_tokens} tokens ({n} in the prompt, min_tokens {p.min_tokens}).",
+                           "min_tokens", "context_length_exceeded")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
-                           deadline=job.deadline, params=msgspec.structs.replace(job.params, max_tokens=max_tokens),
-                           input_ids=ids, background=job.background)
+                           deadline=job.deadline, params=p, input_ids=ids, background=job.background)

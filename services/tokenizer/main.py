@@ -70,6 +70,7 @@ class TokenizerWorker(StageWorker[TokenizeJob]):
             records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
         else:
             streams.add(pipe, keys.schedule(self.model_name), result)
+            # an omitted max_tokens (None, not written) is resolved and recorded by the engine's scheduler
             records.set_status(pipe, keys, uid, self.ttl, "tokenized", prompt_tokens=len(result.input_ids),
                                max_tokens=result.params.max_tokens)
 

@@ -14,18 +14,20 @@ from shared.messages import SamplingParams
 
 class RequestRejected(Exception):
     """The engine cannot serve this request (e.g. prompt plus max_tokens past the context). `code` is
-    what the client's error says: "context_length_exceeded" for requests too long, else "invalid_request"."""
+    what the client's error says: "context_length_exceeded" for requests too long, else "invalid_request";
+    `param` names the request field at fault, if one is."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 @dataclass
 class EngineRequest:
     uid: str
     input_ids: list[int]
-    params: SamplingParams  # max_tokens is set (the tokenizer fills it)
+    params: SamplingParams  # max_tokens None: up to the context, as far as the engine's KV cache allows
     # Tokens already produced per choice, when a peer resumes a request after a crash.
     output_ids: list[list[int]] = field(default_factory=list)
 
@@ -47,8 +49,9 @@ class StepOutput:
 class Engine(Protocol):
     max_context: int  # model context length in tokens
 
-    def add(self, req: EngineRequest) -> None:
-        """Queue a request; raises RequestRejected if it can never be served."""
+    def add(self, req: EngineRequest) -> int:
+        """Queue a request and return its max_tokens (an omitted one resolved to what the context and the
+        engine's KV cache allow); raises RequestRejected if it can never be served."""
 
     def abort(self, uid: str) -> bool:
         """Drop a request (running or waiting) and free its KV pages; True if it was known."""

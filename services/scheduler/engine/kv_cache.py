@@ -61,7 +61,7 @@ class PagePool:
     """Free pages, reference counts and the prefix cache's evictable pages.
 
     `available()` counts pages that an allocation can get now: free ones plus cached pages nobody
-    references (evicted on demand, least recently used first).
+    references (evicted on demand, least recently used first, a prefix from its tail).
     """
 
     def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None, shuffle_seed: int | None = None,
@@ -107,7 +107,9 @@ class PagePool:
             self.refs[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        for page in pages:
+        """Drop one reader of each page. `pages` is in sequence order; they are released tail first so
+        that a cached page turns evictable before its parent (prefix_cache.py: eviction takes leaves)."""
+        for page in reversed(pages):
             self.refs[page] -= 1
             assert self.refs[page] >= 0, f"page {page} released twice"
             if self.refs[page] == 0:

@@ -20,6 +20,7 @@ from services.scheduler.engine.prefix_cache import PrefixCache
 from services.scheduler.engine.sampling import Sampler, SampleRow
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
 from services.scheduler.engine.sequence import Seq
+from shared.messages import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +97,17 @@ class PagedEngine:
 
     # ---- Engine interface
 
-    def add(self, req: EngineRequest) -> None:
-        """Queue a request; raise RequestRejected if it can never be served."""
+    def add(self, req: EngineRequest) -> int:
+        """Queue a request and return its max_tokens (an omitted one resolved); raise RequestRejected if
+        it can never be served."""
         p = req.params
         prompt = list(req.input_ids)
-        self._validate(req, prompt)
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - len(prompt)
+        max_tokens = self._validate(req, prompt)
         resumed = [list(o) for o in req.output_ids]
         if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
             seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1)
             self.scheduler.waiting.append(seq)
-            return
+            return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
             seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens)
@@ -115,8 +116,10 @@ class PagedEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
+        return max_tokens
 
-    def _validate(self, req: EngineRequest, prompt: list[int]) -> None:
+    def _validate(self, req: EngineRequest, prompt: list[int]) -> int:
+        """Refuse what can never be served; return max_tokens, resolving an omitted one."""
         p = req.params
         if not prompt:
             raise RequestRejected("the prompt is empty: at least one input token is needed")
@@ -125,18 +128,44 @@ class PagedEngine:
             raise RequestRejected(f"input token ids must be in [0, {vocab})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - len(prompt)
-        if max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1 (the prompt has {len(prompt)} of the "
-                                  f"model's {self.max_context} context tokens)")
-        if len(prompt) + max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+        if len(prompt) >= self.max_context:
+            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
                                   f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        need = pages_for(len(prompt) + max_tokens, self.config.page_size)
-        if need > self.pool.usable:
-            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + max_tokens} tokens) exceeds the KV "
-                                  f"cache of {self.pool.usable * self.config.page_size} tokens",
-                                  code="context_length_exceeded")
+        kv_tokens = self.pool.usable * self.config.page_size
+        if len(prompt) >= kv_tokens:
+            raise RequestRejected(f"the prompt ({len(prompt)} tokens) does not fit the KV cache of {kv_tokens} "
+                                  "tokens with room for a completion", code="context_length_exceeded")
+        if p.max_tokens is None:
+            return self._default_max_tokens(p, len(prompt))
+        if p.max_tokens < 1:
+            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
+        if len(prompt) + p.max_tokens > self.max_context:
+            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
+                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
+                                  param="max_tokens")
+        if len(prompt) + p.max_tokens > kv_tokens:
+            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + p.max_tokens} tokens) exceeds the KV "
+                                  f"cache of {kv_tokens} tokens", code="context_length_exceeded", param="max_tokens")
+        if p.min_tokens > p.max_tokens:
+            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
+                                  param="min_tokens")
+        return p.max_tokens
+
+    def _default_max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
+        """An omitted max_tokens: up to the context, as far as the KV pool can ever hold the request. That
+        is all n choices side by side (they share the prompt's full pages) where they fit, else one
+        choice alone (the others wait their turn, preempted); never less than min_tokens."""
+        ps, usable = self.config.page_size, self.pool.usable
+        context_left = self.max_context - prompt_len
+        alone = usable * ps - prompt_len
+        shared = prompt_len // ps
+        together = (shared + (usable - shared) // p.n) * ps - prompt_len
+        most = min(context_left, alone)
+        if p.min_tokens > most:
+            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {most} completion tokens that the "
+                                  f"model's context and the KV cache leave after the prompt ({prompt_len} tokens)",
+                                  code="context_length_exceeded", param="min_tokens")
+        return max(p.min_tokens, min(context_left, together if together >= 1 else alone))
 
     def abort(self, uid: str) -> bool:
         before = len(self._pending)

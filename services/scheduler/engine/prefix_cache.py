@@ -7,6 +7,14 @@ tokens after a preemption) reuses those pages instead of recomputing them.
 
 The cache never owns a page outright: it names pages the pool has handed out, and a page whose
 readers have all gone becomes evictable, least recently released first.
+
+Cached pages form a tree (a page's parent names the prefix before it), and eviction must take leaves
+only: a page cached without its parent can never match again. Two rules make the least recently
+released page always a leaf, so plain LRU order is enough (O(1) per page):
+- whoever holds a cached page holds its cached parent too (a sequence's full pages are exactly the
+  cache's pages for its digests: `insert` hands back the page that already holds a prefix, and the
+  scheduler switches to it);
+- a sequence releases its pages tail first (PagePool.release), so a child becomes idle before its parent.
 """
 
 from __future__ import annotations
@@ -47,11 +55,16 @@ class PrefixCache:
         self.hits += len(pages)
         return pages
 
-    def insert(self, digest: bytes, page: int) -> None:
-        """Name a page that just became full; the first page with a given prefix wins."""
-        if digest not in self.page_of and page not in self.digest_of:
-            self.page_of[digest] = page
-            self.digest_of[page] = digest
+    def insert(self, digest: bytes, page: int) -> int:
+        """Name a page that just became full and return it, or the page that already holds this prefix
+        (the first wins; the caller then reads that one instead of its duplicate)."""
+        held = self.page_of.get(digest)
+        if held is not None:
+            return held
+        assert page not in self.digest_of, f"page {page} is already named"
+        self.page_of[digest] = page
+        self.digest_of[page] = digest
+        return page
 
     def holds(self, page: int) -> bool:
         return page in self.digest_of
@@ -66,7 +79,8 @@ class PrefixCache:
         self.evictable.pop(page, None)
 
     def evict(self) -> int:
-        """Forget the least recently released unreferenced page and return it to the caller."""
+        """Forget the least recently released unreferenced page (a leaf: see the module docstring) and
+        return it to the caller."""
         page, _ = self.evictable.popitem(last=False)
         del self.page_of[self.digest_of.pop(page)]
         return page

@@ -166,8 +166,18 @@ class BatchScheduler:
             full = seq.num_computed // self.page_size
             extend_digests(seq.digests, seq.tokens, self.page_size, full)
             for i in range(seq.num_cached_pages, full):
-                self.cache.insert(seq.digests[i], seq.pages[i])
+                self._name_page(seq, i)
             seq.num_cached_pages = max(seq.num_cached_pages, full)
+
+    def _name_page(self, seq: Seq, i: int) -> None:
+        """Name the sequence's newly full page i; if another sequence computed the same prefix first,
+        read that page instead, so that whoever holds a cached page holds its whole cached prefix."""
+        assert self.cache is not None
+        page = self.cache.insert(seq.digests[i], seq.pages[i])
+        if page != seq.pages[i]:
+            self.pool.share([page])
+            self.pool.release([seq.pages[i]])
+            seq.pages[i] = page
 
     def fork(self, parent: Seq, count: int) -> list[Seq]:
         """Sibling choices of a just-prefilled sequence, sharing its prompt's full pages.

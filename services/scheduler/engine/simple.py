@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class _Seq:
     req: EngineRequest
     index: int
+    max_tokens: int
     out: list[int] = field(default_factory=list)
 
 
@@ -34,14 +35,20 @@ class SimpleEngine:
         self.seqs: list[_Seq] = []
         self.sampler = Sampler(eos_ids, next(model.parameters()).device)
 
-    def add(self, req: EngineRequest) -> None:
-        max_tokens = req.params.max_tokens or 0
-        if len(req.input_ids) + max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({len(req.input_ids)} tokens) plus max_tokens ({max_tokens}) "
-                                  f"exceeds the context of {self.max_context} tokens", code="context_length_exceeded")
-        for i in range(req.params.n):
+    def add(self, req: EngineRequest) -> int:
+        """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
+        p, prompt_len = req.params, len(req.input_ids)
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - prompt_len
+        if max_tokens < 1 or prompt_len + max_tokens > self.max_context:
+            raise RequestRejected(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                  f"context of {self.max_context} tokens", code="context_length_exceeded",
+                                  param="max_tokens")
+        if p.min_tokens > max_tokens:
+            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+        for i in range(p.n):
             prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
-            self.seqs.append(_Seq(req, i, prior))
+            self.seqs.append(_Seq(req, i, max_tokens, prior))
+        return max_tokens
 
     def abort(self, uid: str) -> bool:
         before = len(self.seqs)
@@ -85,7 +92,7 @@ class SimpleEngine:
             if len(s.out) >= p.min_tokens and (
                     (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
                 finish = "stop"
-            elif len(s.out) >= (p.max_tokens or 0):
+            elif len(s.out) >= s.max_tokens:
                 finish = "length"
             lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
             top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None

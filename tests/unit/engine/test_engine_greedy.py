@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.engine.base import EngineRequest
+from services.scheduler.engine.prefix_cache import extend_digests
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tokens
 
 LENGTHS = [5, 17, 33, 8, 50, 3, 12]
@@ -79,3 +80,38 @@ def test_other_architectures(arch_model):
     eng = engine(model, prefill_budget=8, page_size=4)
     arrivals = {2 * i: [EngineRequest(f"r{i}", p, greedy(16))] for i, p in enumerate(ps)}
     _check(eng, ps, refs, arrivals)
+
+
+def test_same_prefix_computed_twice_at_once_converges_on_one_chain(demo_model, engine_model):
+    """Two requests that miss the cache on the same prefix in one step compute it twice; the second
+    switches to the first's pages, so every cached page's prefix stays cached while it is in use
+    and eviction (tail first) never leaves a page cached behind a gap."""
+    vocab = demo_model.config.vocab_size
+    shared = prompts([8], vocab, seed=11)[0]  # 2 full pages
+    pa, pb = (shared + tail for tail in prompts([5, 6], vocab, seed=12))
+    pc = prompts([20], vocab, seed=13)[0]
+    refs = {"a": hf_greedy(demo_model, pa, 3), "b": hf_greedy(demo_model, pb, N), "c": hf_greedy(demo_model, pc, 16)}
+    eng = engine(engine_model, page_size=4, num_pages=16)  # 15 pages: 18 full pages in all
+    cache = eng.pool.cache
+    eng.add(EngineRequest("a", pa, greedy(3)))
+    eng.add(EngineRequest("b", pb, greedy(N)))
+    out: dict[str, list] = {}
+    for step in range(200):
+        if step == 6:
+            eng.add(EngineRequest("c", pc, greedy(16)))  # after "a" ended: evicts its idle pages
+        if not eng.has_work():
+            break
+        for o in eng.step():
+            out.setdefault(o.uid, []).append(o)
+        for seq in eng.scheduler.running:
+            held = [cache.page_of.get(d) for d in seq.digests[:seq.num_cached_pages]]
+            assert held == seq.pages[:seq.num_cached_pages], "a sequence holds pages the cache names otherwise"
+    assert {uid: tokens(o) for uid, o in out.items()} == refs
+    assert eng.pool.available() == eng.pool.usable
+    for p, uid in ((pa, "a"), (pb, "b"), (pc, "c")):
+        digests: list[bytes] = []
+        extend_digests(digests, p + refs[uid], 4, 100)
+        cached = [d in cache.page_of for d in digests]
+        assert cached == sorted(cached, reverse=True), f"{uid}: a page cached behind a gap {cached}"
+        if uid == "a":  # its own page was idle longest; the shared ones stayed (held by "b")
+            assert cached[:3] == [True, True, False]

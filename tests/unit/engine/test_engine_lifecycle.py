@@ -9,6 +9,7 @@ import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected
 from services.scheduler.engine.model_runner import UnsupportedModel
+from services.scheduler.engine.prefix_cache import extend_digests
 from shared.messages import SamplingParams
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tiny_model, tokens
 
@@ -143,6 +144,51 @@ def test_refusals(engine_model):
     assert not eng.has_work()
 
 
+def test_omitted_max_tokens_runs_to_what_the_pool_holds(demo_model, engine_model):
+    """A KV pool far smaller than the context: no max_tokens means up to the context as far as the pool
+    can take the request, ending with "length", not a refusal."""
+    p = prompts([10], demo_model.config.vocab_size, seed=3)[0]
+    eng = engine(engine_model, num_pages=16, page_size=4)  # 15 pages, 60 tokens; the context is 4096
+    assert eng.max_context > 60
+    unbounded = SamplingParams(temperature=0.0, ignore_eos=True)
+    assert eng.add(EngineRequest("one", p, unbounded)) == 50
+    out = drain(eng)[("one", 0)]
+    assert tokens(out) == hf_greedy(demo_model, p, 50) and out[-1].finish_reason == "length"
+    # n choices share the prompt's 2 full pages and run side by side: (2 + 13 // 2) pages each
+    two = SamplingParams(temperature=0.0, ignore_eos=True, n=2)
+    assert eng.add(EngineRequest("two", p, two)) == 8 * 4 - 10
+    out = drain(eng)
+    assert [len(tokens(out[("two", i)])) for i in range(2)] == [22, 22]
+    assert eng.stats()["preemptions"] == 0 and eng.pool.available() == eng.pool.usable
+
+
+def test_omitted_max_tokens_with_more_choices_than_fit_side_by_side(demo_model, engine_model):
+    p = prompts([5], demo_model.config.vocab_size, seed=3)[0]
+    eng = engine(engine_model, num_pages=6, page_size=4)  # 5 pages: 5 choices cannot decode at once
+    assert eng.add(EngineRequest("five", p, SamplingParams(temperature=0.0, ignore_eos=True, n=5))) == 15
+    out = drain(eng)
+    ref = hf_greedy(demo_model, p, 15)
+    for i in range(5):  # they take turns (preempted and resumed), each to the pool's length
+        assert tokens(out[("five", i)]) == ref and out[("five", i)][-1].finish_reason == "length"
+    assert eng.stats()["preemptions"] > 0 and eng.pool.available() == eng.pool.usable
+
+
+def test_omitted_max_tokens_refusals_and_min_tokens(engine_model):
+    eng = engine(engine_model, num_pages=16, page_size=4)  # 60 tokens of KV
+    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) does not fit the KV cache of 60 tokens"):
+        eng.add(EngineRequest("big", [5] * 60, SamplingParams()))
+    with pytest.raises(RequestRejected, match="min_tokens") as e:
+        eng.add(EngineRequest("min", [5] * 10, SamplingParams(min_tokens=51)))
+    assert e.value.param == "min_tokens"
+    with pytest.raises(RequestRejected, match="min_tokens") as e:
+        eng.add(EngineRequest("min", [5] * 10, SamplingParams(max_tokens=5, min_tokens=6)))
+    assert e.value.param == "min_tokens"
+    # min_tokens above what n choices hold side by side, within what one holds: they take turns
+    assert eng.add(EngineRequest("turns", [5] * 10, SamplingParams(min_tokens=40, n=2))) == 40
+    assert eng.add(EngineRequest("fits", [5] * 10, SamplingParams(min_tokens=50))) == 50
+    eng.close()
+
+
 def test_room_and_stats(engine_model):
     eng = engine(engine_model, max_running=2)
     assert eng.room() == 2
@@ -185,3 +231,34 @@ def test_unsupported_architectures_are_refused_with_the_reason():
 def test_logits_dtype_and_device_follow_the_model(engine_model):
     eng = engine(engine_model)
     assert eng.kv.k[0].dtype == torch.float32 and eng.kv.k[0].device.type == "cpu"
+
+
+def test_prefix_tree_under_pressure_keeps_no_page_behind_a_gap(engine_model):
+    """Shared prefixes, n > 1, aborts and preemption in a small pool: at every step a sequence holds the
+    cache's own pages for its cached prefix, and no cached page ever outlives its parent."""
+    rng = random.Random(5)
+    eng = engine(engine_model, num_pages=24, page_size=4, max_running=6)
+    cache = eng.pool.cache
+    heads = prompts([8, 12, 5], 1000, seed=21)
+    sent: dict[str, list[int]] = {}
+    produced: dict[tuple[str, int], list[int]] = {}
+    for step in range(160):
+        if step < 110 and rng.random() < 0.4:
+            uid = f"q{step}"
+            sent[uid] = rng.choice(heads) + prompts([rng.randrange(0, 10)], 1000, seed=step)[0]
+            eng.add(EngineRequest(uid, sent[uid], greedy(rng.randrange(1, 16), n=rng.choice([1, 1, 2]))))
+        if sent and rng.random() < 0.05:
+            eng.abort(rng.choice(sorted(sent)))
+        for o in eng.step():
+            produced.setdefault((o.uid, o.index), []).extend(o.ids)
+        for seq in eng.scheduler.running:
+            k = seq.num_cached_pages
+            assert [cache.page_of.get(d) for d in seq.digests[:k]] == seq.pages[:k]
+    for uid in sent:
+        eng.abort(uid)
+    assert eng.stats()["preemptions"] > 0 and eng.pool.available() == eng.pool.usable
+    for (uid, _), out in produced.items():
+        digests: list[bytes] = []
+        extend_digests(digests, sent[uid] + out, 4, 1000)
+        cached = [d in cache.page_of for d in digests]
+        assert cached == sorted(cached, reverse=True), f"{uid}: a page cached behind a gap {cached}"

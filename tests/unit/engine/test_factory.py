@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from services.scheduler.engine.base import EngineRequest
+from services.scheduler.engine.base import EngineRequest, RequestRejected
 from services.scheduler.engine.factory import build_engine, kv_num_pages, pick_dtype
 from services.scheduler.engine.paged import PagedEngine
 from services.scheduler.engine.simple import SimpleEngine
+from shared.messages import SamplingParams
 from shared.settings import SchedulerSettings
 from tests.unit.engine.util import drain, greedy, hf_greedy, prompts, tokens
 
@@ -35,6 +37,18 @@ def test_simple_engine_still_works(demo_model_dir, demo_model):
     while eng.has_work():
         ids += [t for o in eng.step() for t in o.ids]
     assert ids == hf_greedy(demo_model, p, 8)
+
+
+def test_simple_engine_omitted_max_tokens_means_the_context(demo_model_dir):
+    eng = build_engine(_settings(engine="simple"), str(demo_model_dir))
+    assert eng.add(EngineRequest("a", [5, 6, 7], SamplingParams(temperature=0.0, ignore_eos=True))) == \
+        eng.max_context - 3
+    for _ in range(3):
+        assert [o.finish_reason for o in eng.step()] == [None]
+    assert eng.abort("a") and not eng.has_work()
+    with pytest.raises(RequestRejected) as e:
+        eng.add(EngineRequest("b", [5, 6, 7], SamplingParams(max_tokens=2, min_tokens=3)))
+    assert e.value.param == "min_tokens"
 
 
 def test_kv_sizing_and_dtype_rules():

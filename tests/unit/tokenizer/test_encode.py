@@ -28,7 +28,8 @@ def test_batch_mixes_chat_text_and_ids(encoder):
     assert tok.decode(a.input_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(b.input_ids) == "hello"
     assert c.input_ids == [1, 2, 3] and c.params.max_tokens == 5
-    assert a.params.max_tokens == 64 - len(a.input_ids)  # unset max_tokens: what the context leaves
+    # unset max_tokens stays unset: the engine resolves it from the context and its KV pool
+    assert a.params.max_tokens is None and b.params.max_tokens is None
 
 
 def test_refusals(encoder):
@@ -40,3 +41,14 @@ def test_refusals(encoder):
     assert isinstance(too_many, ReplyError) and too_many.param == "max_tokens"
     assert isinstance(empty, ReplyError) and "empty" in empty.message
     assert isinstance(bad_id, ReplyError) and "outside the vocabulary" in bad_id.message
+
+
+def test_min_tokens_must_fit_max_tokens_and_the_context(encoder):
+    over_max, over_context, fine = encoder.encode([
+        job(prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=5)),
+        job(prompt="hi", params=SamplingParams(min_tokens=64)),
+        job(prompt="hi", params=SamplingParams(min_tokens=40))])
+    assert isinstance(over_max, ReplyError) and over_max.param == "min_tokens" and over_max.status == 400
+    assert isinstance(over_context, ReplyError) and over_context.param == "min_tokens"
+    assert over_context.code == "context_length_exceeded"
+    assert isinstance(fine, ScheduleJob) and fine.params.max_tokens is None and fine.params.min_tokens == 40
