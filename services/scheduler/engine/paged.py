@@ -83,7 +83,7 @@ class PagedEngine:
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
         self.runner = ModelRunner(model, backend, config.page_size)
-        if config.cuda_graphs and param.device.type == "cuda":
+        if config.cuda_graphs:  # on a device or backend that cannot, capture fails with a warning saying why
             from services.scheduler.engine.cuda_graph import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running,
