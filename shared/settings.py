@@ -73,7 +73,9 @@ class SchedulerSettings(StageSettings):
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = half the cores, at least 1")
     max_running: int = Field(64, ge=1, description="most requests in the running batch")
     max_kv_tokens: int = Field(0, ge=0, description="KV cache size in tokens; 0 = from memory fraction")
-    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of free GPU memory for KV")
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, description="share of the GPU memory left after "
+                                      "the warm-up (weights, workspace, CUDA graphs, peak activations) that "
+                                      "the KV cache takes; on CPU, of half the available RAM")
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     chunk_size: int = Field(512, ge=16, description="most prompt tokens prefilled in one step")
     prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes")

@@ -304,9 +304,12 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         await super().close()
 
 
-def run(settings: SchedulerSettings) -> int:
-    async def build(model_path: str, model_name: str) -> SchedulerWorker:
-        engine = await asyncio.to_thread(build_engine, settings, model_path)
-        return SchedulerWorker(settings, model_name, engine, model_path)
+async def build_worker(settings: SchedulerSettings, model_path: str, model_name: str) -> SchedulerWorker:
+    """Load the model and warm the engine up (kernels compiled, batch shapes run): all before the worker
+    exists, so its heartbeat, which probes and the API read as "ready", appears only when it can serve."""
+    engine = await asyncio.to_thread(build_engine, settings, model_path)
+    return SchedulerWorker(settings, model_name, engine, model_path)
 
-    return run_stage(settings, build)
+
+def run(settings: SchedulerSettings) -> int:
+    return run_stage(settings, lambda model_path, model_name: build_worker(settings, model_path, model_name))

@@ -276,6 +276,54 @@ def test_model_sources(render):
     assert env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"
 
 
+# ---------- scheduler: warm-up and the kernel cache ----------
+
+KERNELS = "/var/cache/rsinfer/kernels"
+KERNEL_ENV = ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH",
+              "XDG_CACHE_HOME")
+
+
+def test_scheduler_startup_probe_allows_loading_and_warm_up(render):
+    """The worker writes its heartbeat only after the engine's warm-up (kernels compile then), and the
+    liveness probe starts only once the startup probe saw it: the startup budget covers both."""
+    (c,) = kube.pod_spec(scheduler(render([])))["containers"]
+    probe = c["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 30 * 60
+    assert "initialDelaySeconds" not in c["livenessProbe"], "liveness waits for the startup probe, not a guess"
+
+
+def test_kernel_caches_sit_in_one_directory_of_the_pod_cache_by_default(render):
+    docs = render([])
+    for dep in kube.by_kind(docs, "Deployment").values():
+        (c,) = kube.pod_spec(dep)["containers"]
+        env = kube.resolve_env(c, docs, "p")
+        if component(dep) != "scheduler":
+            assert not set(KERNEL_ENV) & set(env), "only the scheduler compiles kernels"
+            continue
+        for name in KERNEL_ENV:
+            assert env[name].startswith(KERNELS), name
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/var/cache/rsinfer"] == "cache" and KERNELS not in mounts, "on the pod's emptyDir"
+    assert not kube.by_kind(docs, "PersistentVolumeClaim")
+
+
+def test_persistent_kernel_cache_made_by_the_chart_or_an_existing_claim(render):
+    docs = render(VALUES["two-pools"])
+    (pvc,) = kube.by_kind(docs, "PersistentVolumeClaim").values()
+    kube.validate(pvc)
+    assert pvc["metadata"]["name"] == "rs-rsinfer-big-kernel-cache"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert pvc["spec"]["storageClassName"] == "fast-ssd" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for pool, claim in (("big", "rs-rsinfer-big-kernel-cache"), ("small", "compiled-kernels")):
+        spec = kube.pod_spec(scheduler(docs, pool))
+        assert {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": claim}} in spec["volumes"]
+        (c,) = spec["containers"]
+        assert {"name": "kernel-cache", "mountPath": KERNELS} in c["volumeMounts"]
+        assert kube.resolve_env(c, docs, "p")["FLASHINFER_WORKSPACE_BASE"] == KERNELS
+        tokenizer = kube.by_kind(docs, "Deployment")[f"rs-rsinfer-{pool}-tokenizer"]
+        assert "kernel-cache" not in str(kube.pod_spec(tokenizer))
+
+
 # ---------- KEDA ----------
 
 @CASES

@@ -96,6 +96,17 @@ def test_dockerfile_variants_user_and_install_steps():
         assert f"!{top}/" in (DEPLOY / "Dockerfile.dockerignore").read_text()
 
 
+def test_cuda_image_carries_flashinfers_prebuilt_kernels_at_its_version():
+    """flashinfer refuses prebuilt kernels of another version, so they are installed after it, at its version."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^ARG FLASHINFER_PREBUILT=1$", text, re.M), "on by default for the cuda variant"
+    assert "FLASHINFER_PREBUILT=0" in text.split("AS torch-cpu")[1].split("FROM ")[0], "never for cpu"
+    project_install = text.index('pip install --no-cache-dir ".${RSINFER_EXTRAS}"')
+    version_read = text.index('m.version("flashinfer-python")')
+    for pkg in ("flashinfer-cubin", "flashinfer-jit-cache"):
+        assert project_install < version_read < text.index(f'"{pkg}==${{version}}"'), pkg
+
+
 def test_dockerfile_lints_clean():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if not hadolint:

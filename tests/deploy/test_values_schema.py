@@ -43,6 +43,11 @@ BAD_VALUES = [
     ("no-pools", {"modelPools": []}, "modelPools"),
     ("top-level-typo", {"modelPool": [POOL]}, "modelPool"),
     ("settings-env-in-extraEnv", {"extraEnv": [{"name": "RSINFER_MODEL", "value": "x"}]}, "extraEnv"),
+    ("kernel-cache-typo", {"stages": {"scheduler": {"kernelCache": {"persistant": True}}}}, "persistant"),
+    ("kernel-cache-not-bool", {"stages": {"scheduler": {"kernelCache": {"persistent": "yes"}}}}, "persistent"),
+    ("kernel-cache-access-mode", {"stages": {"scheduler": {"kernelCache": {"accessModes": ["ReadOnlyMany"]}}}},
+     "accessModes"),
+    ("kernel-cache-on-tokenizer", {"stages": {"tokenizer": {"kernelCache": {"persistent": True}}}}, "kernelCache"),
     # the chart's `fail` checks: what a schema cannot say
     ("duplicate-pool-name", {"modelPools": [POOL, {**POOL, "servedModelName": "other"}]}, "used twice"),
     ("duplicate-served-name", {"modelPools": [POOL, {**POOL, "name": "other"}]}, "used twice"),
@@ -50,6 +55,8 @@ BAD_VALUES = [
     ("ca-without-tls", {"redis": {"mode": "external", "external": {"url": "redis://r:6379/0",
                                                                     "tlsCaSecret": "ca"}}}, "rediss://"),
     ("grace-too-short", {"api": {"terminationGracePeriodSeconds": 5}}, "terminationGracePeriodSeconds"),
+    ("kernel-cache-without-size", {"stages": {"scheduler": {"kernelCache": {"persistent": True, "size": ""}}}},
+     "kernelCache"),
 ]
 
 

@@ -192,6 +192,32 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* ---------- the scheduler's compiled kernels ---------- */}}
+
+{{/* Where every compiler the scheduler may run keeps its kernels: flashinfer's JIT, Triton, TorchInductor,
+CUDA's PTX cache, and anything else under ~/.cache. One directory, so one volume can keep them all. */}}
+{{- define "rsinfer.kernelCacheEnv" -}}
+- name: FLASHINFER_WORKSPACE_BASE
+  value: /var/cache/rsinfer/kernels
+- name: TRITON_CACHE_DIR
+  value: /var/cache/rsinfer/kernels/triton
+- name: TORCHINDUCTOR_CACHE_DIR
+  value: /var/cache/rsinfer/kernels/inductor
+- name: CUDA_CACHE_PATH
+  value: /var/cache/rsinfer/kernels/cuda
+- name: XDG_CACHE_HOME
+  value: /var/cache/rsinfer/kernels/xdg
+{{- end }}
+
+{{/* The claim holding a pool's kernel cache, empty when it stays on the pod's emptyDir;
+call with (dict "root" $ "pool" $pool "cfg" <the pool's scheduler stage>) */}}
+{{- define "rsinfer.kernelCacheClaim" -}}
+{{- $kc := .cfg.kernelCache | default dict }}
+{{- if $kc.persistent }}
+{{- $kc.claimName | default (printf "%s-%s-kernel-cache" (include "rsinfer.fullname" .root) .pool.name | trunc 63 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
 {{/* Pod template annotations that roll pods when their configuration changes. */}}
 {{- define "rsinfer.checksums" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}

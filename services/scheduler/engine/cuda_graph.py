@@ -6,8 +6,10 @@ attention, the LM head) over static buffers, with flashinfer's CUDA-graph decode
 a batch is padded to the next captured size (pad rows read and write the scratch page), the wrapper
 is planned outside the graph, the inputs are copied into the buffers and the graph is replayed.
 
-Untested on a GPU in this repository (none was available); any failure to capture disables graphs
-with a warning and the engine runs decode eagerly.
+Capture runs under `torch.inference_mode()`, as every eager forward does: outside it the captured
+forward would record autograd state for the weights and keep its saved tensors alive in the graph's
+memory pool. Any failure to capture disables graphs with a warning that names the cause, and the
+engine decodes eagerly. Untested on a GPU in this repository's CI (none there).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ class DecodeGraphs:
         from services.scheduler.engine.attention.flashinfer_backend import FlashInferPagedAttention
 
         backend = runner.backend
-        if not isinstance(backend, FlashInferPagedAttention):
-            raise RuntimeError("CUDA graphs need the flashinfer backend")
-        self.runner, self.backend, self.kv = runner, backend, kv
         dev = kv.k[0].device
+        if dev.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device; the model is on {dev}")
+        if not isinstance(backend, FlashInferPagedAttention):
+            raise RuntimeError(f"CUDA graphs need the flashinfer attention backend, not {backend.name}")
+        self.runner, self.backend, self.kv = runner, backend, kv
         self.sizes = [b for b in BATCH_SIZES if b <= max_bs] or [1]
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
@@ -48,14 +52,16 @@ class DecodeGraphs:
 
     @classmethod
     def capture(cls, runner, kv: KVCache, max_bs: int, max_pages_per_seq: int) -> DecodeGraphs | None:
+        """Graphs for every batch size, or None (decode then runs eagerly) after a warning naming why."""
         try:
             graphs = cls(runner, kv, max_bs, max_pages_per_seq)
-            graphs._capture_all()
-            log.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
-            return graphs
-        except Exception:
-            log.warning("CUDA graph capture failed; decoding eagerly", exc_info=True)
+            with torch.inference_mode():
+                graphs._capture_all()
+        except Exception as exc:
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", failure_cause(exc), exc_info=True)
             return None
+        log.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+        return graphs
 
     def _capture_all(self) -> None:
         fi = self.backend.flashinfer
@@ -102,3 +108,14 @@ class DecodeGraphs:
         self.slots[:bs].copy_(real.slot_mapping, non_blocking=True)
         graph.replay()
         return logits[:n].float()
+
+
+def failure_cause(exc: BaseException) -> str:
+    """`Type: message` of an exception and of what it was raised while handling: a capture that fails
+    mid-graph reports the capture's end, while the cause is the error that interrupted it."""
+    causes = []
+    seen: BaseException | None = exc
+    while seen is not None and len(causes) < 3:
+        causes.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    return " <- ".join(causes)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from services.scheduler.engine.base import Engine
 from shared.settings import SchedulerSettings
@@ -11,6 +14,8 @@ from shared.settings import SchedulerSettings
 log = logging.getLogger(__name__)
 
 CPU_KV_SHARE = 0.5  # of kv_memory_fraction x available RAM: the node's other processes need the rest
+PROBE_PAGES = 2  # the GPU probe engine's pool: the scratch page (all a warm-up touches) and one more
+MIN_MARGIN_BYTES = 1 << 30  # GPU memory left free whatever kv_memory_fraction says (allocator slack)
 
 
 def torch_threads(requested: int) -> int:
@@ -62,15 +67,11 @@ def pick_dtype(setting: str, device, config):
     return dtype
 
 
-def kv_num_pages(settings: SchedulerSettings, bytes_per_token: int, device, max_context: int) -> int:
-    """Pages of the KV pool (the scratch page included): --max-kv-tokens, or a share of free memory."""
-    import torch
-
+def kv_num_pages(settings: SchedulerSettings, bytes_per_token: int, max_context: int) -> int:
+    """Pages of the KV pool (the scratch page included) without a GPU memory profile: --max-kv-tokens,
+    or on CPU a share of available RAM."""
     if settings.max_kv_tokens:
         tokens = settings.max_kv_tokens
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)  # after the weights are loaded
-        tokens = int(free * settings.kv_memory_fraction) // bytes_per_token
     else:
         budget = int(_available_ram() * settings.kv_memory_fraction * CPU_KV_SHARE)
         tokens = min(budget // bytes_per_token, settings.max_running * max_context)
@@ -108,14 +109,111 @@ def build_engine(settings: SchedulerSettings, model_path: str) -> Engine:
     return build_paged_engine(settings, model, eos)
 
 
-def build_paged_engine(settings: SchedulerSettings, model, eos: set[int]) -> Engine:
+def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
+                       memory: DeviceMemory | None = None) -> Engine:
+    """The paged engine, warmed up. Its KV pool is --max-kv-tokens, or on CUDA (`memory`) what a warmed-up
+    probe engine leaves free, or on CPU a share of RAM."""
     from services.scheduler.engine.model_runner import attention_geometry, max_context
     from services.scheduler.engine.paged import EngineConfig, PagedEngine
 
     param = next(model.parameters())
-    shape = attention_geometry(model).kv_shape(settings.page_size)
-    pages = kv_num_pages(settings, shape.bytes_per_token(param.dtype), param.device, max_context(model))
-    config = EngineConfig(num_pages=pages, page_size=settings.page_size, max_running=settings.max_running,
+    bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
+    config = EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
                           prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
                           cuda_graphs=settings.cuda_graphs)
-    return PagedEngine(model, eos, config)
+    if memory is None and param.device.type == "cuda":
+        memory = CudaMemory(param.device)
+    if settings.max_kv_tokens or memory is None:
+        pages = kv_num_pages(settings, bytes_per_token, max_context(model))
+    else:
+        pages = profiled_kv_pages(model, eos, config, bytes_per_token, settings.kv_memory_fraction, memory)
+    engine = PagedEngine(model, eos, replace(config, num_pages=pages))
+    engine.warm_up()
+    return engine
+
+
+# ---- sizing the KV pool on a GPU from what a warm-up leaves (as vLLM's profiling run does)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the warm-up of a probe engine showed, in bytes."""
+
+    free_after: int  # device memory free after it (weights, workspace, CUDA graphs, probe pool allocated)
+    probe_pool_bytes: int  # the probe's KV pool, free again once the probe is gone
+    transient_peak: int  # peak allocation above what stays allocated: the largest batch's activations
+
+    @property
+    def left_for_kv(self) -> int:
+        return self.free_after + self.probe_pool_bytes - self.transient_peak
+
+
+def kv_tokens_from_profile(profile: MemoryProfile, fraction: float, bytes_per_token: int) -> int:
+    """KV tokens that fit in `fraction` of the memory a warmed-up engine leaves (at least MIN_MARGIN_BYTES
+    stay free); raises if not even one token does."""
+    left = profile.left_for_kv
+    budget = min(int(left * fraction), left - MIN_MARGIN_BYTES)
+    tokens = max(budget, 0) // bytes_per_token
+    if tokens < 1:
+        raise RuntimeError(f"no GPU memory left for the KV cache: {left / 2**30:.2f} GiB free after the warm-up "
+                           f"(weights, workspace, CUDA graphs and peak activations allocated); lower "
+                           "--max-running or --chunk-size, or set --max-kv-tokens")
+    return tokens
+
+
+class DeviceMemory(Protocol):
+    def reset_peak(self) -> None: ...
+
+    def measure(self) -> tuple[int, int]:
+        """(free bytes once cached blocks are released, peak allocated bytes since reset_peak above what is
+        allocated now)."""
+
+    def release(self) -> None:
+        """Give cached blocks back to the device."""
+
+
+class CudaMemory:
+    def __init__(self, device):
+        self.device = device
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def measure(self) -> tuple[int, int]:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        transient = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free, transient
+
+    def release(self) -> None:
+        import torch
+
+        gc.collect()  # the probe's graphs and buffers
+        torch.cuda.empty_cache()
+
+
+def profiled_kv_pages(model, eos: set[int], config, bytes_per_token: int, fraction: float,
+                      memory: DeviceMemory) -> int:
+    """Build a probe engine with a tiny pool, warm it up (workspace, CUDA graphs, peak activations, kernels),
+    measure what is left, drop it, and return the pages of the real pool (the scratch page included)."""
+    from services.scheduler.engine.paged import PagedEngine
+
+    probe = PagedEngine(model, eos, replace(config, num_pages=PROBE_PAGES))
+    memory.reset_peak()
+    probe.warm_up()
+    free_after, transient = memory.measure()
+    profile = MemoryProfile(free_after, probe.kv.nbytes, transient)
+    probe.close()
+    del probe
+    memory.release()
+    tokens = kv_tokens_from_profile(profile, fraction, bytes_per_token)
+    log.info("KV cache: %d tokens (%.2f GiB) = %.2f of the %.2f GiB left after warm-up (peak activations "
+             "%.2f GiB kept free)", tokens, tokens * bytes_per_token / 2**30, fraction,
+             profile.left_for_kv / 2**30, transient / 2**30)
+    return -(-tokens // config.page_size) + 1

@@ -49,6 +49,10 @@ class KVCache:
         self.v = list(self._v.unbind(0))
         self.zero_pages([SCRATCH_PAGE])
 
+    @property
+    def nbytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
     def zero_pages(self, pages: list[int]) -> None:
         """Clear pages before use by a backend that reads whole pages (torch): a masked key still
         multiplies its value by 0, and never-written memory may hold NaN."""

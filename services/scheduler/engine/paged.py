@@ -20,6 +20,7 @@ from services.scheduler.engine.prefix_cache import PrefixCache
 from services.scheduler.engine.sampling import Sampler, SampleRow
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
 from services.scheduler.engine.sequence import Seq
+from services.scheduler.engine.warm_up import run_warm_up
 from shared.messages import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class PagedEngine:
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
         self.runner = ModelRunner(model, backend, config.page_size)
-        if config.cuda_graphs and param.device.type == "cuda":
+        if config.cuda_graphs:  # on a device or backend that cannot, capture fails with a warning saying why
             from services.scheduler.engine.cuda_graph import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running,
@@ -94,6 +95,11 @@ class PagedEngine:
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
+
+    def warm_up(self) -> float:
+        """Run every batch shape once (kernels compile, buffers are allocated) and leave the engine as it
+        was; the seconds it took. The factory calls it before the worker reports ready."""
+        return run_warm_up(self)
 
     # ---- Engine interface
 

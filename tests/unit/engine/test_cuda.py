@@ -87,3 +87,29 @@ def test_engine_on_cuda_with_and_without_graphs(model):
         runs.append([tokens(out[(f"r{i}", 0)]) for i in range(len(ps))])
     for a, b in zip(*runs, strict=True):
         assert a[:6] == b[:6]  # bf16: allow late divergence between kernel choices
+
+
+def test_workspace_starts_zeroed(model):
+    from services.scheduler.engine.paged import make_backend
+
+    m = clone_model(model).to("cuda", torch.bfloat16)
+    kv = KVCache(attention_geometry(m).kv_shape(PAGE), 4, torch.bfloat16, "cuda")
+    assert not make_backend("flashinfer", kv, m, torch.bfloat16).workspace.any()
+
+
+def test_factory_warms_up_captures_under_inference_mode_and_sizes_kv_from_what_is_left(model):
+    from services.scheduler.engine.factory import PROBE_PAGES, build_paged_engine
+    from shared.settings import SchedulerSettings
+
+    m = clone_model(model).to("cuda", torch.bfloat16)
+    settings = SchedulerSettings(page_size=PAGE, max_running=16, chunk_size=64, cuda_graphs=True,
+                                 kv_memory_fraction=0.05)
+    free_before, _ = torch.cuda.mem_get_info()
+    eng = build_paged_engine(settings, m, eos=set())
+    assert eng.runner.graphs is not None, "capture failed: see the warning"
+    assert all(logits.is_inference() for *_, logits in eng.runner.graphs.graphs.values())
+    assert eng.pool.usable > PROBE_PAGES and eng.kv.nbytes <= 0.05 * free_before
+    ps = prompts([9, 33], model.config.vocab_size, seed=5)
+    out = drain(eng, {0: [EngineRequest(f"r{i}", p, greedy(8)) for i, p in enumerate(ps)]})
+    assert all(len(tokens(out[(f"r{i}", 0)])) == 8 for i in range(len(ps)))
+    assert eng.pool.available() == eng.pool.usable

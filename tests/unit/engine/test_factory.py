@@ -53,9 +53,9 @@ def test_simple_engine_omitted_max_tokens_means_the_context(demo_model_dir):
 
 def test_kv_sizing_and_dtype_rules():
     s = SchedulerSettings(max_kv_tokens=0, page_size=16, max_running=4)
-    pages = kv_num_pages(s, bytes_per_token=2048, device=torch.device("cpu"), max_context=1000)
+    pages = kv_num_pages(s, bytes_per_token=2048, max_context=1000)
     assert pages == 4 * 1000 // 16 + 1  # capped at max_running full contexts, plus the scratch page
-    assert kv_num_pages(_settings(), 2048, torch.device("cpu"), 10**6) == 2048 // 8 + 1
+    assert kv_num_pages(_settings(), 2048, 10**6) == 2048 // 8 + 1
 
     class Cfg:
         dtype = torch.float32

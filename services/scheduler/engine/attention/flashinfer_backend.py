@@ -11,12 +11,25 @@ Untested on a GPU in this repository's CI (no GPU there); the metadata it consum
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+
 import torch
 
 from services.scheduler.engine.attention.metadata import AttnMetadata
 from services.scheduler.engine.kv_cache import KVCache
 
+log = logging.getLogger(__name__)
+
 WORKSPACE_BYTES = 128 << 20
+# Packages of prebuilt kernels that flashinfer uses by itself when installed at its own version
+# (deploy/Dockerfile's cuda variant installs them); kernels they lack are compiled on first use.
+PREBUILT_PACKAGES = ("flashinfer_jit_cache", "flashinfer_cubin")
+
+
+def prebuilt_kernel_packages() -> list[str]:
+    return [name for name in PREBUILT_PACKAGES if importlib.util.find_spec(name) is not None]
 
 
 class FlashInferPagedAttention:
@@ -27,12 +40,18 @@ class FlashInferPagedAttention:
         import flashinfer  # the optional GPU extra; never imported on CPU
 
         self.flashinfer = flashinfer
+        prebuilt = prebuilt_kernel_packages()
+        log.info("flashinfer %s, prebuilt kernels: %s; others compile on first use (the warm-up) into %s",
+                 getattr(flashinfer, "__version__", "?"), ", ".join(prebuilt) or "none",
+                 os.environ.get("FLASHINFER_WORKSPACE_BASE", "~") + "/.cache/flashinfer")
         self.kv = kv
         self.device = kv.k[0].device
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.scaling = scaling
         self.dtype = dtype
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # Zeroed, not torch.empty: flashinfer's decode wrappers document that their float workspace must be
+        # zero-initialised (kernels read parts of it before writing them); the graph wrappers share it.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # Tensor cores pay off for decode only with wide query groups (mini-sglang uses GQA >= 4).
         self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

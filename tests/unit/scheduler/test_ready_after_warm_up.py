@@ -1,0 +1,38 @@
+"""A scheduler reports ready (its heartbeat, what every probe and the API read) only after its engine
+warmed up: with a real redis-server, the demo model and the very check the chart's probes run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+
+from rsinfer.tools import healthcheck
+from services.scheduler.engine.model_runner import ModelRunner
+from services.scheduler.main import build_worker
+from shared.settings import SchedulerSettings
+
+
+async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis_server, demo_model_dir,
+                                                                          monkeypatch):
+    settings = SchedulerSettings(redis_url=redis_server.url, namespace=f"warm{uuid.uuid4().hex[:6]}",
+                                 worker_id="scheduler-warm", threads=1, max_kv_tokens=1024, page_size=8)
+    probe = argparse.Namespace(role="scheduler", max_stall_s=60.0)
+    during_warm_up: list[int] = []
+    forward = ModelRunner.forward
+
+    def probing_forward(self, *args, **kw):  # runs in the engine-building thread, which has no event loop
+        during_warm_up.append(asyncio.run(healthcheck(settings, probe)))
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward", probing_forward)
+    worker = await build_worker(settings, str(demo_model_dir), "rsinfer-demo")
+    monkeypatch.undo()
+    try:
+        assert during_warm_up, "no forward ran while the worker was built: the first request would warm it up"
+        assert set(during_warm_up) == {1}, "the probe must fail (no heartbeat) while the engine warms up"
+        await worker.start()
+        assert await healthcheck(settings, probe) == 0
+        assert not worker.engine.has_work() and worker.engine.stats()["steps"] == 0
+    finally:
+        await worker.close()
