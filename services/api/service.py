@@ -100,7 +100,9 @@ ENDED_EARLY = (StageFailed, DeadlineExceeded, HubError)
 def ended_early(flight: Inflight, e: Exception) -> ApiError:
     """The HTTP error for a reply that ended before it finished; notes on the flight why it ended."""
     if isinstance(e, StageFailed):
-        flight.end_reason = "rejected" if 400 <= e.error.status < 500 else "failed"
+        # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
+        timed_out = e.error.code == "request_timeout"
+        flight.end_reason = "timeout" if timed_out else "rejected" if 400 <= e.error.status < 500 else "failed"
         return stage_error(e)
     if isinstance(e, DeadlineExceeded):
         flight.end_reason = "timeout"
