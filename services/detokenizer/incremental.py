@@ -127,23 +127,24 @@ class Detokenizer:
 
     def render(self, items: list[TokenDelta]) -> list[Rendered]:
         """Render many deltas with one batched decode per skip_special_tokens setting: each window before
-        and after its new tokens, and the prompt part of the windows that reach into the prompt."""
+        and after its new tokens, and the prompt part of windows holding prompt and completion tokens."""
         out: list[Rendered | None] = [None] * len(items)
         for skip in (True, False):
             idx = [i for i, it in enumerate(items) if it.skip_special_tokens == skip]
             if not idx:
                 continue
-            heads = [i for i in idx if len(items[i].context) > items[i].start]
+            # At start 0 the window before the new tokens is the prompt part itself: no third decode.
+            mixed = [i for i in idx if 0 < items[i].start < len(items[i].context)]
             windows = ([items[i].context for i in idx] + [items[i].context + items[i].ids for i in idx]
-                       + [items[i].context[:len(items[i].context) - items[i].start] for i in heads])
+                       + [items[i].context[:len(items[i].context) - items[i].start] for i in mixed])
             texts = self.tokenizer.batch_decode(windows, skip_special_tokens=skip,
                                                 clean_up_tokenization_spaces=False)
-            prompt_texts = dict(zip(heads, texts[2 * len(idx):], strict=True))
+            prompt_texts = dict(zip(mixed, texts[2 * len(idx):], strict=True))
             for k, i in enumerate(idx):
                 it = items[i]
                 before, after = texts[k], texts[k + len(idx)]
-                if i in prompt_texts:
-                    before, after = after_prompt(prompt_texts[i], before, after)
+                if it.start < len(it.context):
+                    before, after = after_prompt(prompt_texts.get(i, before), before, after)
                 out[i] = render_delta(before, after, it.stop, it.finish is not None)
         return out  # type: ignore[return-value]
 

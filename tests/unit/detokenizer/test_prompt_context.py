@@ -115,12 +115,13 @@ def test_windows_past_the_prompt_and_past_the_window(tok):
 
 def test_scheduler_context_is_bounded_and_starts_with_the_prompt_tail():
     prompt, done = list(range(100, 130)), list(range(10))
-    delta = peer_delta(prompt, done[:3], [7], False)
-    assert delta.context == prompt[-(CONTEXT_TOKENS - 3):] + done[:3]
+    assert peer_delta(prompt, [], [7], False).context == prompt[-CONTEXT_TOKENS:]
+    assert peer_delta(prompt, done[:3], [7], False).context == prompt[-(CONTEXT_TOKENS - 3):] + done[:3]
     assert peer_delta(prompt, done, [7], False).context == done[-CONTEXT_TOKENS:]
     assert peer_delta(prompt[:2], [], [7], False).context == prompt[:2]
-    with_stop = peer_delta(prompt, done[:1], [7], False, stop=["abcd"])
-    assert len(with_stop.context) == CONTEXT_TOKENS + 4
+    # A stop string widens the completion's part only: stop strings never look at the prompt.
+    assert peer_delta(prompt, done[:1], [7], False, stop=["abcd"]).context == prompt[-(CONTEXT_TOKENS - 1):] + done[:1]
+    assert peer_delta(prompt, done, [7], False, stop=["abcd"]).context == done
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,32 @@ def test_byte_level_prompt_cut_mid_character(demo_tok, seed):
     for steps in ([1], [3, 1, 4, 1, 5], [30]):
         cut = [steps[k % len(steps)] for k in range(len(completion))]
         assert "".join(stream(demo_tok, prompt, completion, cut)[0]) == expected, steps
+
+
+def byte_ids(tok, data: bytes) -> list[int]:
+    """One byte-level BPE token per byte (GPT-2's byte-to-character map)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in
+                                              enumerate(b for b in range(256) if b not in printable)}
+    return tok.convert_tokens_to_ids([chars[b] for b in data])
+
+
+def splits(n: int, rng: random.Random) -> list[list[int]]:
+    if n <= 7:
+        return compositions(n)
+    return [[1] * n, [n]] + [[rng.randint(1, 3) for _ in range(n)] for _ in range(30)]
+
+
+@pytest.mark.parametrize("in_prompt", [1, 2, 3])
+@pytest.mark.parametrize("garbage", [b"", b"\xe4", b"\xff\xc3", b"\xe4\xff\xc3", b"\xff\xe4\xff\xc3\xff"])
+def test_character_the_prompt_left_unfinished(demo_tok, in_prompt, garbage):
+    """The prompt ends inside a 4-byte character that the completion finishes, then invalid bytes (held
+    back while they could still start a character), then text: every split renders the reference, also
+    when the window stops reaching into the prompt in the middle of them."""
+    globe = "🌍".encode()
+    prompt = demo_tok.encode("Hi ", add_special_tokens=False) + byte_ids(demo_tok, globe[:in_prompt])
+    completion = byte_ids(demo_tok, globe[in_prompt:] + garbage + b"ok")
+    expected = completion_reference(demo_tok, prompt, completion)
+    assert expected.startswith("🌍")
+    for steps in splits(len(completion), random.Random(len(completion))):
+        assert "".join(stream(demo_tok, prompt, completion, steps)[0]) == expected, steps
