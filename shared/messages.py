@@ -79,7 +79,9 @@ class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule",
 
 class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one choice of one request, with what a detokenizer needs to turn them into text
-    without any state of its own: the completion tokens just before them (`context`) and the stop strings."""
+    without any state of its own: the tokens just before them (`context`) and the stop strings. The context
+    reaches back into the prompt while the completion is shorter than it: its first len(context) - start
+    tokens (if positive) are the prompt's last ones."""
 
     uid: str
     start: int  # completion-token index of ids[0]

@@ -1,11 +1,14 @@
 """Incremental detokenization with no per-request state.
 
-The text of a completion through token k is defined as the decoded text of tokens [0, k) with two
-things held back: a trailing unfinished UTF-8 character (decoded as at most three U+FFFD, as SGLang's
+The text of a completion through token k is what tokens [0, k) add to the prompt's text, as a reference
+server shows it: decode(prompt + tokens[:k]) past where it departs from decode(prompt), with two things
+held back: a trailing unfinished UTF-8 character (decoded as at most three U+FFFD, as SGLang's
 DecodeStatus holds it) and a trailing piece that could still grow into a stop string. The text sent for
 tokens [start, end) is the difference between that text at `end` and at `start`, computed from a window
-of the tokens just before `start` (`TokenDelta.context`, sent by the scheduler). So any replica turns the
-same range into the same text, and a replica that takes over a dead peer's entries needs nothing from it.
+of the tokens just before `start` (`TokenDelta.context`, sent by the scheduler), which begins with the
+prompt's last tokens while the completion is shorter than it (so a SentencePiece first word keeps its
+leading space); text of those prompt tokens is never sent. So any replica turns the same range into the
+same text, and a replica that takes over a dead peer's entries needs nothing from it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,18 @@ def render_delta(before: str, after: str, stops: list[str], final: bool) -> Rend
     return Rendered(visible(after, stops, final)[len(shown):], False)
 
 
+def after_prompt(prompt: str, before: str, after: str) -> tuple[str, str]:
+    """The completion's part of a window's texts (before and after the new tokens): what follows the text
+    of the window's prompt tokens, from where either departs from it (a character the prompt left
+    unfinished and the completion finished belongs to the completion, as in decode(prompt + completion)
+    minus decode(prompt))."""
+    if before.startswith(prompt) and after.startswith(prompt):
+        cut = len(prompt)
+    else:
+        cut = min(_common_prefix(prompt, before), _common_prefix(prompt, after))
+    return before[cut:], after[cut:]
+
+
 def _first_stop(text: str, stops: list[str], shown: int) -> int | None:
     """Start of the earliest stop string ending past what was already shown."""
     hits = [i for s in stops if s and (i := text.find(s, max(0, shown - len(s) + 1))) != -1]
@@ -111,18 +126,26 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def render(self, items: list[TokenDelta]) -> list[Rendered]:
-        """Render many deltas with two batched decodes per skip_special_tokens setting."""
+        """Render many deltas with one batched decode per skip_special_tokens setting: each window before
+        and after its new tokens, and the prompt part of windows holding prompt and completion tokens."""
         out: list[Rendered | None] = [None] * len(items)
         for skip in (True, False):
             idx = [i for i, it in enumerate(items) if it.skip_special_tokens == skip]
             if not idx:
                 continue
-            windows = [items[i].context for i in idx] + [items[i].context + items[i].ids for i in idx]
+            # At start 0 the window before the new tokens is the prompt part itself: no third decode.
+            mixed = [i for i in idx if 0 < items[i].start < len(items[i].context)]
+            windows = ([items[i].context for i in idx] + [items[i].context + items[i].ids for i in idx]
+                       + [items[i].context[:len(items[i].context) - items[i].start] for i in mixed])
             texts = self.tokenizer.batch_decode(windows, skip_special_tokens=skip,
                                                 clean_up_tokenization_spaces=False)
+            prompt_texts = dict(zip(mixed, texts[2 * len(idx):], strict=True))
             for k, i in enumerate(idx):
                 it = items[i]
-                out[i] = render_delta(texts[k], texts[k + len(idx)], it.stop, it.finish is not None)
+                before, after = texts[k], texts[k + len(idx)]
+                if it.start < len(it.context):
+                    before, after = after_prompt(prompt_texts.get(i, before), before, after)
+                out[i] = render_delta(before, after, it.stop, it.finish is not None)
         return out  # type: ignore[return-value]
 
     def logprobs(self, it: TokenDelta) -> list[TokenLogprob] | None:

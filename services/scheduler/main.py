@@ -29,8 +29,9 @@ from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
 
-# Completion tokens sent before each delta so detokenizing needs no state. They must span the
-# detokenizer's held-back tail (up to 3 U+FFFD) plus a character cut at the window's start: 8 do.
+# Tokens sent before each delta so detokenizing needs no state. They must span the detokenizer's
+# held-back tail (up to 3 U+FFFD) plus a character cut at the window's start (or one the prompt left
+# unfinished): 8 do.
 CONTEXT_TOKENS = 8
 SWEEP_EVERY_S = 1.0  # how often owners' heartbeats and request records are checked
 
@@ -48,9 +49,20 @@ class Running:
     def window(self) -> int:
         return CONTEXT_TOKENS + max((len(s.encode()) for s in self.job.params.stop), default=0)
 
+    def context(self, seq: list[int], start: int) -> list[int]:
+        """The tokens before completion token `start` that it is decoded after: the completion's last
+        `window`, and while the completion is shorter than CONTEXT_TOKENS the prompt's last tokens before
+        them up to that count (as vLLM and SGLang seed their detokenizers with the prompt's tail), since
+        SentencePiece-style tokenizers drop the leading space of a window's first word. A function of
+        (prompt, completion, start) only, so a peer resuming the request sends the same windows."""
+        context = seq[max(0, start - self.window):start]
+        if start < CONTEXT_TOKENS:
+            prompt = self.job.input_ids
+            context = prompt[max(0, len(prompt) - (CONTEXT_TOKENS - start)):] + context
+        return context
+
     def delta(self, out: StepOutput) -> TokenDelta:
-        seq = self.outputs[out.index]
-        context = seq[max(0, out.start - self.window):out.start]
+        context = self.context(self.outputs[out.index], out.start)
         p = self.job.params
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
                           index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
