@@ -155,11 +155,19 @@ def start_pipeline(s: Stack, suffix: str = "1", **env: str) -> Stack:
     return s
 
 
+@contextlib.contextmanager
+def running_pipeline(redis_server: RedisServer, model_dir: Path, tmp_path_factory, prefix: str,
+                     **env: str) -> Iterator[Stack]:
+    """start_pipeline on a new stack of its own namespace, stopped (whole process groups) however it ends."""
+    s = new_stack(redis_server, model_dir, tmp_path_factory, prefix)
+    try:
+        yield start_pipeline(s, **env)
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def pipeline(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
     """Separate processes of each stage, for tests that kill, stop and restart them (module-scoped)."""
-    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "life")
-    try:
-        yield start_pipeline(s)
-    finally:
-        s.stop()
+    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "life") as s:
+        yield s

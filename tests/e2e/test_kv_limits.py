@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, new_stack, start_pipeline
+from tests.e2e.conftest import MODEL, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 KV_TOKENS = 256  # the demo model's context is 4096
@@ -15,11 +15,9 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def small_kv(redis_server, demo_model_dir, tmp_path_factory):
-    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "smallkv")
-    try:
-        yield start_pipeline(s, RSINFER_MAX_KV_TOKENS=str(KV_TOKENS))
-    finally:
-        s.stop()
+    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "smallkv",
+                          RSINFER_MAX_KV_TOKENS=str(KV_TOKENS)) as s:
+        yield s
 
 
 def test_chat_without_max_tokens_runs_to_what_the_kv_cache_holds(small_kv):

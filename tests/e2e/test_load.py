@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, new_stack, start_pipeline
+from tests.e2e.conftest import MODEL, running_pipeline
 from tests.e2e.helpers import engines_idle, raw_post, wait_for, workers
 from tests.e2e.test_crash import Streamer, body, reference
 
@@ -23,11 +23,9 @@ REQUEST_TTL_S = 6
 
 @pytest.fixture(scope="module")
 def loaded(redis_server, demo_model_dir, tmp_path_factory):
-    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "load")
-    try:
-        yield start_pipeline(s, RSINFER_REQUEST_TTL_S=str(REQUEST_TTL_S), RSINFER_MAX_QUEUED="20")
-    finally:
-        s.stop()
+    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "load",
+                          RSINFER_REQUEST_TTL_S=str(REQUEST_TTL_S), RSINFER_MAX_QUEUED="20") as s:
+        yield s
 
 
 def test_slow_client_is_aborted_and_slows_nobody(loaded):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared.messages import ReplyEvent, ScheduleJob, decode
-from tests.e2e.conftest import MODEL, Stack, new_stack, start_pipeline
+from tests.e2e.conftest import MODEL, Stack, running_pipeline
 from tests.metaspace_tokenizer import completion_reference, metaspace_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,11 +34,8 @@ def metaspace_model_dir(demo_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sp_stack(redis_server, metaspace_model_dir, tmp_path_factory) -> Iterator[Stack]:
-    s = new_stack(redis_server, metaspace_model_dir, tmp_path_factory, "sp")
-    try:
-        yield start_pipeline(s)
-    finally:
-        s.stop()
+    with running_pipeline(redis_server, metaspace_model_dir, tmp_path_factory, "sp") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
