@@ -1,21 +1,25 @@
 """The one typed wrapper around Redis Streams: the only code that calls XADD, XREAD, XREADGROUP, XACK,
-XAUTOCLAIM and XCLAIM.
+XAUTOCLAIM and XCLAIM, or asks FastStream to.
 
-We use redis-py directly rather than FastStream's stream subscriber, because rsinfer needs what FastStream
-lacks (docs/design.md, "Measured facts behind the design"): its groups are created at `$` (a backlog
-written before the first worker is never read), its subscriber never re-reads its pending list (a dead
-replica's entries stay stranded unless a second, claim-only subscriber runs XAUTOCLAIM), and its binary
-wire headers make `XRANGE` illegible to operators.
-Here every entry is one field, `data`, holding JSON.
+Every entry is one field, `data`, holding the JSON of one message of shared/messages.py, so `redis-cli
+XRANGE` shows it as it is (FastStream's own publishing would write its binary envelope; we only read with it).
+
+The tokenizer and detokenizer consume through FastStream subscribers (`subscribe`): a batch subscriber reads
+new entries (`>`) of the group, and a claiming subscriber (`min_idle_time`, XAUTOCLAIM with the cursor kept
+between calls) takes entries a dead or hung peer left pending. FastStream creates groups at `$`, so we create
+them at `0` first (`GroupConsumer.ensure_group`) and it finds them there. Acknowledgement is ours (manual), in
+the pipeline that writes the output. The scheduler reads with `GroupConsumer` directly: it pulls new work only
+while its KV cache has room and holds an entry for its request's whole life, which a push subscriber cannot
+express (docs/design.md, "Measured facts behind the design").
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 from redis.asyncio import Redis
@@ -23,6 +27,9 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from shared.messages import decode, encode
+
+if TYPE_CHECKING:
+    from faststream.redis import RedisBroker
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +116,7 @@ class GroupConsumer(Generic[M]):
             await self.ensure_group()
             return []
         entries = resp[0][1] if resp else []
-        return await self._decode_all([(_s(eid), f) for eid, f in entries])
+        return await self.decode_all([(_s(eid), f) for eid, f in entries])
 
     async def claim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
         """Take over entries another consumer has held longer than min_idle_ms (it died or hung)."""
@@ -122,7 +129,7 @@ class GroupConsumer(Generic[M]):
             await self.ensure_group()
             return []
         live = [(_s(eid), f) for eid, f in entries if f is not None]
-        return await self._decode_all(live)
+        return await self.decode_all(live)
 
     async def touch(self, ids: Sequence[str]) -> None:
         """Reset the idle time of entries we still work on (XCLAIM to ourselves, JUSTID), so that peers
@@ -166,7 +173,15 @@ class GroupConsumer(Generic[M]):
         if ids:
             await ack(self.redis, self.key, self.group, ids)
 
-    async def _decode_all(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[Delivery[M]]:
+    async def delivery_counts(self, ids: Sequence[str]) -> dict[str, int]:
+        """entry id -> times delivered, for pending entries among `ids` (one XPENDING per id, pipelined)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for eid in ids:
+                pipe.xpending_range(self.key, self.group, eid, eid, 1)
+            rows = await pipe.execute()
+        return {_s(r[0]["message_id"]): int(r[0]["times_delivered"]) for r in rows if r}
+
+    async def decode_all(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[Delivery[M]]:
         out: list[Delivery[M]] = []
         poison: list[tuple[str, dict[bytes, bytes], str]] = []
         for eid, fields in entries:
@@ -189,3 +204,59 @@ class GroupConsumer(Generic[M]):
                                                  "at": f"{time.time():.3f}"}, maxlen=10_000)
             ack(pipe, self.key, self.group, [eid for eid, _, _ in bad])
             await pipe.execute()
+
+
+Handler = Callable[[list[tuple[str, dict[bytes, bytes]]], bool], Awaitable[None]]
+
+
+def subscribe(broker: RedisBroker, key: str, group: str, consumer: str, batch_size: int, claim_idle_ms: int,
+              handler: Handler, title: str, description: str) -> list[Any]:
+    """Two FastStream subscribers of one stream in one group: new entries in batches of up to `batch_size`,
+    and entries idle past `claim_idle_ms` in other consumers' hands, one at a time. Both call
+    `handler(entries, claimed)` with the raw entries [(entry_id, fields)]; nothing is acknowledged for it."""
+    from faststream import AckPolicy
+    from faststream.redis import StreamSub
+
+    async def fresh(msg) -> None:  # a RedisBatchStreamMessage
+        raw = msg.raw_message
+        await handler([(_s(i), f) for i, f in zip(raw["message_ids"], raw["data"], strict=True)], False)
+
+    async def claimed(msg) -> None:  # a RedisStreamMessage
+        raw = msg.raw_message
+        await handler([(_s(raw["message_ids"][0]), raw["data"])], True)
+
+    reader = StreamSub(key, group=group, consumer=consumer, batch=True, max_records=batch_size,
+                       polling_interval=READ_BLOCK_MS)
+    claimer = StreamSub(key, group=group, consumer=consumer, min_idle_time=claim_idle_ms,
+                        polling_interval=CLAIM_POLL_MS)
+    subscribers = [broker.subscriber(stream=reader, parser=_raw, ack_policy=AckPolicy.MANUAL, title=title,
+                                     description=description),
+                   broker.subscriber(stream=claimer, parser=_raw, ack_policy=AckPolicy.MANUAL,
+                                     include_in_schema=False)]
+    for sub, fn in zip(subscribers, (fresh, claimed), strict=True):
+        sub(_typed(fn))
+    return subscribers
+
+
+READ_BLOCK_MS = 1000
+CLAIM_POLL_MS = 500  # claims are cheap; polling often is what makes a hand-back "at once"
+
+
+async def _raw(msg: Any, _original: Any) -> Any:
+    """FastStream's parser minus its work: our handlers read the raw entries (JSON decoding is ours)."""
+    from faststream.redis.message import RedisBatchStreamMessage, RedisStreamMessage
+
+    cls = RedisBatchStreamMessage if msg["type"] == "bstream" else RedisStreamMessage
+    return cls(raw_message=msg, body=b"", consumer=None, group=None)
+
+
+def _typed(fn: Callable[[Any], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """The handler with the message annotation FastStream injects (it resolves annotations by name)."""
+    from faststream.redis.annotations import RedisStreamMessage
+
+    async def handler(msg) -> None:
+        await fn(msg)
+
+    handler.__name__ = fn.__name__
+    handler.__annotations__ = {"msg": RedisStreamMessage, "return": None}  # a real type, not a string
+    return handler

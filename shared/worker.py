@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 
 from redis.exceptions import RedisError
 
+from shared import streams
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
@@ -26,12 +27,16 @@ from shared.settings import StageSettings
 from shared.streams import Delivery, GroupConsumer
 
 log = logging.getLogger(__name__)
+# FastStream's own messages in our log format; its per-message and task-callback chatter stays out.
+FASTSTREAM_LOG = logging.getLogger("faststream.rsinfer")
+FASTSTREAM_LOG.setLevel(logging.WARNING)
 M = TypeVar("M")
 
 TRIM_EVERY_S = 10.0
 MAX_BACKOFF_S = 2.0
 CLAIM_EVERY_S = 0.5  # claims are cheap; polling often is what makes a hand-back "at once"
 HANDOFF_CONSUMER = "handoff"  # entries handed back on shutdown wait here, idle, for any peer to claim
+MAX_DELIVERIES = 5  # an entry handed out this often without being handled is poison
 
 
 class StageWorker(Generic[M]):
@@ -149,6 +154,84 @@ class StageWorker(Generic[M]):
         if self.stopping.is_set():
             self.forced.set()
         self.stopping.set()
+
+
+class SubscribedWorker(StageWorker[M]):
+    """A stage whose entries FastStream delivers (shared/streams.py `subscribe`): a batch reader of new
+    entries and a claimer of a dead or hung peer's, both handing decoded deliveries to `handle`, which
+    acknowledges in the pipeline that writes its output. Undecodable entries go to the dead-letter stream at
+    once; an entry delivered more than MAX_DELIVERIES times without being handled (its handling keeps
+    failing) goes there too. The loop only watches: housekeeping, liveness, and restarting a subscriber that
+    stopped because its group vanished (Redis came back empty)."""
+
+    def __init__(self, settings: StageSettings, model_name: str):
+        super().__init__(settings, model_name)
+        from faststream.redis import RedisBroker
+
+        self.broker = RedisBroker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
+                                  logger=FASTSTREAM_LOG, log_level=logging.DEBUG, **settings.redis_options())
+        self.subscribers = streams.subscribe(
+            self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
+            self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
+        self.busy_since: float | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        await self.broker.start()
+
+    async def loop(self) -> None:
+        await self.retrying(self.watch, until=self.stopping)
+
+    async def watch(self) -> None:
+        """Once a second: the loop moved unless a handler is stuck; restart stopped subscribers; trim."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), 1.0)
+        if self.busy_since is None or time.time() - self.busy_since < 1.0:
+            self.last_step_at = time.time()
+        if any(not sub.running for sub in self.subscribers):
+            log.warning("a subscriber of %s stopped (its group vanished); recreating it", self.source.key)
+            await self.source.ensure_group()
+            for sub in self.subscribers:
+                if not sub.running:
+                    await sub.start()
+        await self.housekeeping()
+
+    async def _deliver(self, entries: list[tuple[str, dict[bytes, bytes]]], claimed: bool) -> None:
+        if claimed:
+            log.info("claimed %s, which a dead, hung or departing peer left pending", entries[0][0])
+            entries = await self._within_delivery_limit(entries)
+        batch = await self.source.decode_all(entries)
+        if not batch:
+            return
+        self.busy_since = time.time()
+        try:
+            await self.handle(batch, claimed)
+            self.steps += 1
+        except Exception:
+            log.exception("handling %d entries failed; they stay pending for a retry", len(batch))
+        finally:
+            self.busy_since = None
+            self.last_step_at = time.time()
+
+    async def _within_delivery_limit(self, entries: list[tuple[str, dict[bytes, bytes]]]
+                                     ) -> list[tuple[str, dict[bytes, bytes]]]:
+        counts = await self.source.delivery_counts([eid for eid, _ in entries])
+        bad = [(eid, f, f"delivered {counts[eid]} times without being handled")
+               for eid, f in entries if counts.get(eid, 0) > MAX_DELIVERIES]
+        if bad:
+            await self.source.dead_letter(bad)
+        return [(eid, f) for eid, f in entries if counts.get(eid, 0) <= MAX_DELIVERIES]
+
+    async def drain(self) -> None:
+        """Stop reading (FastStream lets handlers in flight finish within the grace period), then hand back
+        what this consumer still holds."""
+        await self.broker.stop()
+        await super().drain()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.broker.stop()
+        await super().close()
 
 
 def run_stage(settings: StageSettings, build: Callable[[str, str], Awaitable[StageWorker]]) -> int:

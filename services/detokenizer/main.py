@@ -18,7 +18,7 @@ from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
 from shared.settings import DetokenizerSettings
 from shared.streams import Delivery
-from shared.worker import StageWorker, run_stage
+from shared.worker import SubscribedWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ STATUS_OF = {"stop": "finished", "length": "finished", "abort": "aborted", "erro
 FINISHED_MEMORY = 50_000
 
 
-class DetokenizerWorker(StageWorker[DetokenizeBatch]):
+class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
     role = "detokenizer"
     group = DETOKENIZER_GROUP
     message_type = DetokenizeBatch
@@ -35,15 +35,16 @@ class DetokenizerWorker(StageWorker[DetokenizeBatch]):
     def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
-        # Choices this replica ended on a stop string: later steps the scheduler made before it saw the
-        # abort flag are dropped. Bounded; the API also ignores anything after a choice's final entry.
-        self.finished: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # Where choices this replica ended: later steps (the scheduler's, made before it saw a stop string's
+        # abort flag) are dropped, earlier ones (a claimed entry handled after newer ones) still rendered.
+        # Bounded; the API also ignores anything after a choice's final entry.
+        self.finished: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     def load(self) -> dict:
         return {**super().load(), "finished_tracked": len(self.finished)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
-        items = [it for d in batch for it in d.msg.items if (it.uid, it.index) not in self.finished]
+        items = [it for d in batch for it in d.msg.items if it.start < self.finished.get((it.uid, it.index), 1 << 62)]
         # Claimed entries are rendered one step at a time: a dead peer may have written some of them
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
@@ -65,7 +66,7 @@ class DetokenizerWorker(StageWorker[DetokenizeBatch]):
         if finish is not None:
             records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
                                finish_reason=finish, completion_tokens=end)
-            self._remember(it.uid, it.index)
+            self._remember(it.uid, it.index, end)
             if r.stopped and it.finish is None:
                 log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
                 self._stop_engine(pipe, it)
@@ -78,8 +79,8 @@ class DetokenizerWorker(StageWorker[DetokenizeBatch]):
         if it.n == 1:
             records.abort(pipe, self.keys, it.uid, "stop", self.ttl)
 
-    def _remember(self, uid: str, index: int) -> None:
-        self.finished[(uid, index)] = None
+    def _remember(self, uid: str, index: int, end: int) -> None:
+        self.finished[(uid, index)] = end
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 

@@ -17,12 +17,12 @@ from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 from shared.models import context_length, load_tokenizer
 from shared.settings import TokenizerSettings
 from shared.streams import Delivery
-from shared.worker import StageWorker, run_stage
+from shared.worker import SubscribedWorker, run_stage
 
 log = logging.getLogger(__name__)
 
 
-class TokenizerWorker(StageWorker[TokenizeJob]):
+class TokenizerWorker(SubscribedWorker[TokenizeJob]):
     role = "tokenizer"
     group = TOKENIZER_GROUP
     message_type = TokenizeJob

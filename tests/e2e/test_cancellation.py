@@ -79,7 +79,8 @@ def test_deadline_stream_gets_error_then_done(stack):
     error = json.loads(data[-2])["error"]
     assert error["code"] == "request_timeout" and error["type"] == "timeout"
     uid = json.loads(data[0])["id"].removeprefix("chatcmpl-")
-    assert stack.redis().get(stack.keys.abort(uid)) == "timeout"
+    # set as the response ends, which may be just after the client read [DONE]
+    assert wait_for(lambda: stack.redis().get(stack.keys.abort(uid)), timeout=5) == "timeout"
     wait_for(lambda: engines_idle(stack), timeout=5)
 
 

@@ -1,0 +1,47 @@
+"""The detokenizer worker against a real redis-server: what it writes for deltas that arrive out of order."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from services.detokenizer.main import DetokenizerWorker
+from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta, decode
+from shared.settings import DetokenizerSettings
+from shared.streams import FIELD, Delivery
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def worker(redis_server, demo_model_dir):
+    settings = DetokenizerSettings(redis_url=redis_server.url, namespace=f"d{uuid.uuid4().hex[:8]}", worker_id="d1")
+    w = DetokenizerWorker(settings, str(demo_model_dir), "demo")
+    yield w
+    await w.close()
+
+
+def delta(start: int, ids: list[int], finish: str | None = None) -> TokenDelta:
+    return TokenDelta(uid="u", start=start, ids=ids, prompt_tokens=3, finish=finish)
+
+
+async def test_a_claimed_earlier_step_is_rendered_after_its_choice_finished(worker):
+    """Claims and new entries are handled concurrently, so the step a dead peer held can come after the
+    choice's last step: it must still reach the reply stream (only steps after a stop are dropped)."""
+    late = DetokenizeBatch("s", 2, [delta(1, [70, 71], "length")])
+    early = DetokenizeBatch("s", 1, [delta(0, [69])])
+    await worker.handle([Delivery("2-0", late)], claimed=False)
+    await worker.handle([Delivery("1-0", early)], claimed=True)
+    entries = await worker.redis.xrange(worker.keys.reply("u"))
+    ranges = sorted((ev.start, ev.end) for ev in (decode(f[FIELD], ReplyEvent) for _, f in entries))
+    assert ranges == [(0, 1), (1, 3)]
+
+
+async def test_steps_after_a_stop_string_are_dropped(worker):
+    first = DetokenizeBatch("s", 1, [TokenDelta(uid="u", start=0, ids=[69, 70], prompt_tokens=3, stop=["\x00"])])
+    await worker.handle([Delivery("1-0", first)], claimed=False)
+    worker._remember("u", 0, 2)  # as a stop string found in [0, 2) does
+    await worker.handle([Delivery("2-0", DetokenizeBatch("s", 2, [delta(2, [71])]))], claimed=False)
+    entries = await worker.redis.xrange(worker.keys.reply("u"))
+    assert [decode(f[FIELD], ReplyEvent).start for _, f in entries] == [0]
