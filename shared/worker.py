@@ -169,7 +169,8 @@ class SubscribedWorker(StageWorker[M]):
         from faststream.redis import RedisBroker
 
         self.broker = RedisBroker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
-                                  logger=FASTSTREAM_LOG, log_level=logging.DEBUG, **settings.redis_options())
+                                  logger=FASTSTREAM_LOG, log_level=logging.DEBUG, apply_types=False,
+                                  **settings.redis_options())
         self.subscribers = streams.subscribe(
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")

@@ -110,3 +110,17 @@ def test_logprobs_name_tokens(demo_tok):
     lps = Detokenizer(demo_tok).logprobs(d)
     assert "".join(t.token for t in lps) == "hi there"
     assert lps[0].top_logprobs[0].logprob == -0.5
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+def test_the_batched_backend_decode_is_transformers_decode(request, tok_name):
+    """Detokenizer.decode_batch takes the Rust backend's batch path; it must give exactly what
+    tokenizer.batch_decode gives, special tokens skipped or not."""
+    tokenizer = request.getfixturevalue(tok_name)
+    detok = Detokenizer(tokenizer)
+    assert detok.backend is not None
+    rng = random.Random(3)
+    windows = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 20))] for _ in range(50)]
+    for skip in (True, False):
+        assert detok.decode_batch(windows, skip) == tokenizer.batch_decode(
+            windows, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
