@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag_parser(ApiSettings, drain)
     drain.add_argument("--wait", type=float, default=0.0, help="seconds to keep the hook running after it")
 
+    spec = sub.add_parser("asyncapi", help="write the message contract as AsyncAPI 3.0 (docs/asyncapi.yaml)",
+                          allow_abbrev=False)
+    spec.add_argument("--output", default="-", help="file to write; - for stdout")
+
     bench = sub.add_parser("bench", help="load generator against a running API", allow_abbrev=False)
     from rsinfer.bench import add_bench_args
 
@@ -76,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         from rsinfer.bench import run_bench
 
         return asyncio.run(run_bench(args))
+    if cmd == "asyncapi":
+        from shared.contract import asyncapi_yaml
+
+        text = asyncapi_yaml()
+        if args.output == "-":
+            sys.stdout.write(text)
+        else:
+            with open(args.output, "w") as f:
+                f.write(text)
+        return 0
     if cmd == "drain":
         from rsinfer import tools
 
