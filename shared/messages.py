@@ -60,6 +60,7 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
     background: bool = False
+    trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
     v: int = VERSION
 
 
@@ -74,6 +75,7 @@ class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule",
     params: SamplingParams
     input_ids: list[int]
     background: bool = False
+    trace: str | None = None
     v: int = VERSION
 
 
@@ -95,6 +97,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    trace: str | None = None  # the request's traceparent, on a choice's first and last delta when traced
 
 
 class DetokenizeBatch(msgspec.Struct, frozen=True, tag_field="kind", tag="detokenize", omit_defaults=True):

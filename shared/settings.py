@@ -32,6 +32,8 @@ class CommonSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
     request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
     reply_maxlen: int = Field(8192, ge=16, description="approximate cap on entries in one reply stream")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector for traces (e.g. "
+                                      "http://otel-collector:4318); none = tracing off")
 
     def redis_options(self) -> dict:
         opts: dict = {}
@@ -55,6 +57,8 @@ class StageSettings(CommonSettings):
     trust_remote_code: bool = Field(False, description="allow model code from the checkpoint")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight work may finish "
                                   "before the rest is handed to a peer")
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve this worker's Prometheus metrics on this "
+                              "port; 0 = off")
 
 
 class TokenizerSettings(StageSettings):

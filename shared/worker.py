@@ -21,10 +21,12 @@ from redis.exceptions import RedisError
 
 from shared import streams
 from shared.keys import Keys
+from shared.metrics import WorkerMetrics
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
 from shared.settings import StageSettings
 from shared.streams import Delivery, GroupConsumer
+from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 # FastStream's own messages in our log format; its per-message and task-callback chatter stays out.
@@ -54,6 +56,8 @@ class StageWorker(Generic[M]):
                                        self.id, self.message_type, self.keys.dead())
         self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
                                    settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load)
+        self.tracer = Tracer(self.role, settings.otlp_endpoint)
+        self.metrics = WorkerMetrics(self.role, settings.metrics_port)
         self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
         self.stopping = asyncio.Event()
         self.forced = asyncio.Event()
@@ -82,6 +86,7 @@ class StageWorker(Generic[M]):
 
     # -- the shape every worker has -------------------------------------------------------------------
     async def start(self) -> None:
+        self.metrics.serve()
         await self.source.ensure_group()
         await self.heartbeat.beat()
         self.heartbeat.start()
@@ -149,6 +154,7 @@ class StageWorker(Generic[M]):
     async def close(self) -> None:
         await self.heartbeat.stop()
         await self.redis.aclose()
+        self.tracer.shutdown()
 
     def request_stop(self) -> None:
         if self.stopping.is_set():
@@ -170,6 +176,7 @@ class SubscribedWorker(StageWorker[M]):
 
         self.broker = RedisBroker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
                                   logger=FASTSTREAM_LOG, log_level=logging.DEBUG, apply_types=False,
+                                  middlewares=self.metrics.faststream_middlewares(),
                                   **settings.redis_options())
         self.subscribers = streams.subscribe(
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,

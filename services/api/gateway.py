@@ -31,6 +31,7 @@ from shared import records, streams
 from shared.keys import Keys
 from shared.messages import TokenizeJob
 from shared.settings import ApiSettings
+from shared.tracing import NO_SPAN
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Inflight:
         self.end_reason = CLIENT_GONE  # why it ended early, if it ends before the reply finished
         self.started = time.monotonic()
         self.first_token_at: float | None = None
+        self.span = NO_SPAN  # the request's root span, when tracing
 
     def events(self):
         return ordered_events(self.sub, self.order, self.deadline)

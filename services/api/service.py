@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import msgspec
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
@@ -33,6 +34,7 @@ from shared.messages import ReplyEvent, TokenizeJob
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
 from shared.settings import ApiSettings
+from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class ApiService:
         self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s)
         self.metrics = Metrics(self.stages)
+        self.tracer = Tracer("api", settings.otlp_endpoint)
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
                                    settings.heartbeat_ttl_s, self.load)
         self.draining = False
@@ -166,6 +169,7 @@ class ApiService:
         await self.stages.stop()
         await self.hub.close()
         await self.redis.aclose()
+        self.tracer.shutdown()
 
     def new_job(self, model: str, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
         return TokenizeJob(uid=new_uid(), model=model, pod=self.pod, created_at=time.time(),
@@ -190,8 +194,17 @@ class ApiService:
 
     # -- answering --------------------------------------------------------------------------------------
     async def open(self, job: TokenizeJob, record: dict, stream: bool) -> Inflight:
-        """Submit a request; the caller must end it with `finish`."""
-        flight = await self.gateway.open(job, record, stream)
+        """Submit a request; the caller must end it with `finish`. Its trace (if tracing) starts here."""
+        span = self.tracer.start("request", root=True, uid=job.uid, model=job.model, kind=record.get("kind", ""),
+                                 stream=stream)
+        if span.traceparent:
+            job = msgspec.structs.replace(job, trace=span.traceparent)
+        try:
+            flight = await self.gateway.open(job, record, stream)
+        except BaseException as e:
+            span.end(error=repr(e))
+            raise
+        flight.span = span
         self.metrics.inflight.labels(job.model).inc()
         return flight
 
@@ -268,6 +281,7 @@ class ApiService:
     def _first_token(self, flight: Inflight, model: str) -> None:
         if flight.first_token_at is None:
             flight.first_token_at = time.monotonic()
+            flight.span.event("first_token")
             self.metrics.ttft.labels(model).observe(flight.first_token_at - flight.started)
 
     async def finish(self, flight: Inflight, model: str, endpoint: str, reason: str | None = None) -> None:
@@ -279,6 +293,8 @@ class ApiService:
         if not flight.owner:
             return
         status = "ok" if flight.done else flight.end_reason
+        flight.span.set(status=status, completion_tokens=flight.order.completion_tokens)
+        flight.span.end(error=None if flight.done else status)  # after the last byte was sent
         self.metrics.inflight.labels(model).dec()
         self.metrics.requests.labels(model, endpoint, status).inc()
         self.metrics.duration.labels(model).observe(time.monotonic() - flight.started)

@@ -108,7 +108,7 @@ def merge_deltas(items: list[TokenDelta]) -> list[TokenDelta]:
         prev = out[j] if j is not None else None
         if prev is not None and prev.finish is None and prev.start + len(prev.ids) == it.start:
             out[j] = msgspec.structs.replace(
-                prev, ids=prev.ids + it.ids, finish=it.finish,
+                prev, ids=prev.ids + it.ids, finish=it.finish, trace=prev.trace or it.trace,
                 logprobs=_concat(prev.logprobs, it.logprobs), top_logprobs=_concat(prev.top_logprobs,
                                                                                    it.top_logprobs))
         else:

@@ -49,12 +49,20 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
             items = merge_deltas(items)
-        rendered = await asyncio.to_thread(self.detok.render, items) if items else []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for it, r in zip(items, rendered, strict=True):
-                self._send(pipe, it, r)
-            self.source.ack_in(pipe, [d.entry_id for d in batch])
-            await pipe.execute()
+        spans = [self.tracer.start("detokenize", it.trace, uid=it.uid, choice=it.index, start=it.start,
+                                   end=it.start + len(it.ids), finish=it.finish or "")
+                 for it in items if it.trace]  # a choice's first and last range, when traced
+        try:
+            rendered = await asyncio.to_thread(self.detok.render, items) if items else []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for it, r in zip(items, rendered, strict=True):
+                    self._send(pipe, it, r)
+                self.source.ack_in(pipe, [d.entry_id for d in batch])
+                await pipe.execute()
+            self.metrics.published("reply", len(items))
+        finally:
+            for span in spans:
+                span.end()
 
     def _send(self, pipe, it: TokenDelta, r: Rendered) -> None:
         finish = "stop" if r.stopped else it.finish

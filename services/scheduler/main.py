@@ -25,6 +25,7 @@ from shared.keys import SCHEDULER_GROUP
 from shared.messages import DetokenizeBatch, Reply, ReplyError, ReplyEvent, ScheduleJob, TokenDelta, decode
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
+from shared.tracing import NO_SPAN, Span
 from shared.worker import StageWorker, run_stage
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class Running:
     job: ScheduleJob
     outputs: list[list[int]]
     done: set[int] = field(default_factory=set)
+    span: Span = NO_SPAN  # from admission to the request's end, when traced
+    steps: int = 0  # engine steps that produced tokens for it
 
     @property
     def window(self) -> int:
@@ -64,10 +67,15 @@ class Running:
     def delta(self, out: StepOutput) -> TokenDelta:
         context = self.context(self.outputs[out.index], out.start)
         p = self.job.params
+        edge = out.start == 0 or out.finish_reason is not None  # the detokenizer traces these
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
                           index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
-                          top_logprobs=out.top_logprobs)
+                          top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None)
+
+    def end_span(self, outcome: str, error: str | None = None) -> None:
+        self.span.set(outcome=outcome, steps=self.steps, completion_tokens=sum(len(o) for o in self.outputs))
+        self.span.end(error)
 
     def abort_deltas(self) -> list[TokenDelta]:
         """A final "abort" for every choice still open, so the client's reply ends in order."""
@@ -129,7 +137,9 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     async def work(self) -> None:
         await self.drop_ended()
         if self.engine.has_work():
+            began = time.perf_counter()
             outputs = await asyncio.to_thread(self.engine.step)
+            self.metrics.step(time.perf_counter() - began)
             self.steps += 1
             self.queue_outputs(outputs)
         self.engine_stats = self.engine.stats()
@@ -154,6 +164,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
+        self.metrics.consumed("schedule", len(batch))
         uids = [d.msg.uid for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, uids)
         owners = await self._record_fields(uids, "scheduler", "entry")
@@ -197,7 +208,9 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 message=str(e), status=400, type="invalid_request_error", code=e.code, param=e.param),
                 self.ttl, self.maxlen)
             return False
-        self.running[job.uid] = Running(d.entry_id, job, outputs, done)
+        span = self.tracer.start("schedule", job.trace, uid=job.uid, scheduler=self.id, resumed=claimed,
+                                 prompt_tokens=len(job.input_ids))
+        self.running[job.uid] = Running(d.entry_id, job, outputs, done, span)
         records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id,
                            max_tokens=max_tokens)
         return True
@@ -250,6 +263,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     def _drop(self, uid: str, reason: str) -> None:
         run = self.running.pop(uid)
         self.engine.abort(uid)
+        run.end_span(reason)
         log.info("uid=%s dropped: %s", uid, reason)
 
         def write(pipe: Pipeline) -> None:
@@ -267,7 +281,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     # -- publishing ---------------------------------------------------------------------------------------
     def queue_outputs(self, outputs: list[StepOutput]) -> None:
-        items, ended = [], []
+        items, ended, stepped = [], [], set()
         for out in outputs:
             run = self.running.get(out.uid)
             if run is None or out.index in run.done:
@@ -275,13 +289,20 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             if out.error is not None:
                 self._fail(out.uid, out.error)
                 continue
+            if out.uid not in stepped:
+                stepped.add(out.uid)
+                run.steps += 1
+                if run.steps == 1:
+                    run.span.event("first_tokens")
             items.append(run.delta(out))
             run.outputs[out.index].extend(out.ids)
             if out.finish_reason is not None:
                 run.done.add(out.index)
                 if len(run.done) == run.job.params.n:
                     ended.append(self.running.pop(out.uid).entry_id)
+                    run.end_span("finished")
         batch = DetokenizeBatch(self.id, self.steps, items) if items else None
+        self.metrics.published("detokenize", int(batch is not None))
 
         def write(pipe: Pipeline) -> None:
             if batch:
@@ -293,6 +314,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     def _fail(self, uid: str, error: str) -> None:
         run = self.running.pop(uid)
         self.engine.abort(uid)
+        run.end_span("failed", error)
         log.error("uid=%s failed in the engine: %s", uid, error)
 
         def write(pipe: Pipeline) -> None:
@@ -313,6 +335,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     async def close(self) -> None:
         self.engine.close()
+        for run in self.running.values():
+            run.end_span("handed_back")  # a peer resumes it under the same trace
         await super().close()
 
 

@@ -79,4 +79,4 @@ class PromptEncoder:
                            f"least {n + p.min_tokens} tokens ({n} in the prompt, min_tokens {p.min_tokens}).",
                            "min_tokens", "context_length_exceeded")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
-                           deadline=job.deadline, params=p, input_ids=ids, background=job.background)
+                           deadline=job.deadline, params=p, input_ids=ids, background=job.background, trace=job.trace)

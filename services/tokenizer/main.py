@@ -37,16 +37,23 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         if claimed:  # a dead peer may have forwarded some before it could acknowledge them
             batch = await self._not_yet_forwarded(batch)
         jobs = [d.msg for d in batch]
-        aborted = await records.abort_reasons(self.redis, self.keys, (j.uid for j in jobs))
-        now = time.time()
-        todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
-        encoded = dict(zip((j.uid for j in todo), await asyncio.to_thread(self.encoder.encode, todo),
-                           strict=True))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                self._route(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
-            self.source.ack_in(pipe, [d.entry_id for d in batch])
-            await pipe.execute()
+        spans = [self.tracer.start("tokenize", j.trace, uid=j.uid, claimed=claimed) for j in jobs]
+        encoded: dict[str, ScheduleJob | ReplyError] = {}
+        try:
+            aborted = await records.abort_reasons(self.redis, self.keys, (j.uid for j in jobs))
+            now = time.time()
+            todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
+            encoded = dict(zip((j.uid for j in todo), await asyncio.to_thread(self.encoder.encode, todo),
+                               strict=True))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job in jobs:
+                    self._route(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
+                self.source.ack_in(pipe, [d.entry_id for d in batch])
+                await pipe.execute()
+        finally:
+            for job, span in zip(jobs, spans, strict=True):
+                result = encoded.get(job.uid)
+                span.end(error=result.message if isinstance(result, ReplyError) else None)
 
     async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -68,8 +75,10 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         elif isinstance(result, ReplyError):
             log.info("uid=%s refused: %s", uid, result.message)
             records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
+            self.metrics.published("reply")
         else:
             streams.add(pipe, keys.schedule(self.model_name), result)
+            self.metrics.published("schedule")
             # an omitted max_tokens (None, not written) is resolved and recorded by the engine's scheduler
             records.set_status(pipe, keys, uid, self.ttl, "tokenized", prompt_tokens=len(result.input_ids),
                                max_tokens=result.params.max_tokens)
