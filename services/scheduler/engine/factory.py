@@ -90,6 +90,10 @@ def _available_ram() -> int:
 
 
 def build_engine(settings: SchedulerSettings, model_path: str) -> Engine:
+    if settings.engine == "synthetic":  # no weights, no torch threads: the plumbing alone
+        from services.scheduler.engine.synthetic import build_synthetic_engine
+
+        return build_synthetic_engine(settings, model_path)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
