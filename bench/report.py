@@ -235,12 +235,15 @@ def markdown(r: dict, plots: list[str]) -> str:
     sweep = _get(r, "synthetic", "sweep", default=[])
     if sweep:
         lines += ["", "## Concurrency sweep (synthetic engine, 20 ms step, one API process)", "",
-                  "| streams | tok/s (steady) | ideal | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| streams | tok/s (steady) | ideal | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors "
+                  "| CPU µs/token: api, scheduler, detokenizer, redis, client |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for p in sweep:
+            cpu = p.get("us_per_token", {})
+            per = ", ".join(f"{cpu.get(k, 0):.0f}" for k in ("api", "scheduler", "detokenizer", "redis", "client"))
             lines.append(f"| {p['concurrency']} | {p['steady_tok_per_s'] or p['tok_per_s']:,.0f} | {p['ideal']:,.0f} "
                          f"| {p['ttft_p50_ms']:,.0f} ms | {p['ttft_p99_ms']:,.0f} ms | {p['itl_p50_ms']:,.1f} ms "
-                         f"| {p['itl_p99_ms']:,.1f} ms | {p['requests'] - p['ok']} |")
+                         f"| {p['itl_p99_ms']:,.1f} ms | {p['requests'] - p['ok']} | {per} |")
     cmds = _get(r, "cpu", "redis_cmds", default={})
     if cmds:
         tokens = r["cpu"]["tokens"]
@@ -269,9 +272,10 @@ METHOD = [
     "step), 512 streams open at once through one API process, then through two (the client alternates "
     "between them). `steady` counts tokens only while all streams were open (ramp-up and tail left out); "
     "ideal = streams x 1000 / step_ms.",
-    "- **10,000 streams**: the synthetic engine (20 ms step, max_running 10,000) and one API process; several "
-    "client processes hold the streams; the API's peak RSS is VmHWM from `/proc/<pid>/status`; ITL is the gap "
-    "between SSE chunks.",
+    "- **10,000 streams**: the synthetic engine (20 ms step, every stream running at once: max_running 10,000) "
+    "and one API process; streams opened evenly over 10 s (`--big-arrival-s`) by 4 client processes, few tokens "
+    "each, so that all are open at once when the plumbing keeps up; `peak open` is counted by the client; the "
+    "API's peak RSS is VmHWM from `/proc/<pid>/status`; ITL is the gap between SSE chunks.",
     "- **vs transformers**: `transformers serve --continuous-batching` (OMP_NUM_THREADS=1) and rsinfer, both "
     "driven by the official `openai` AsyncOpenAI client: streamed chat completions, 64 tokens each "
     "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), one warm-up request first.",
@@ -300,10 +304,12 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
         a.plot(c, [p["ideal"] for p in sweep], "k--", label="ideal (streams x 50/s)")
         a.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="tokens/s",
               title="synthetic engine, 20 ms step, one API")
+        a.set_xticks(c, [str(x) for x in c])
         a.legend()
         for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s--")):
             b.plot(c, [p[key] for p in sweep], style, label=key.replace("_ms", ""))
         b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="latency")
+        b.set_xticks(c, [str(x) for x in c])
         b.legend()
         fig.tight_layout()
         made.append(_save(fig, out_dir / "sweep.png", plt))

@@ -367,7 +367,7 @@ def main() -> int:
     if args.report_only:
         results = report.load(out)
         report.write_docs(results, out, DOCS, PLOTS)
-        print(f"wrote {DOCS.relative_to(ROOT)} from {out}")
+        print(f"wrote {DOCS.relative_to(ROOT)} and plots from {_shown(out)}")
         return 0
     want = set(args.only.split(",")) if args.only else set(SECTIONS)
     unknown = want - set(SECTIONS)
@@ -416,9 +416,11 @@ def main() -> int:
     results["meta"]["duration_s"] = round(time.monotonic() - T0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
-    report.write_docs(results, out, DOCS, PLOTS)
-    say(f"wrote {_shown(out)}, {DOCS.relative_to(ROOT)} and plots "
-        f"in {PLOTS.relative_to(ROOT)}")
+    if out.resolve() == RESULTS.resolve():  # the committed page follows the committed results only
+        report.write_docs(results, out, DOCS, PLOTS)
+        say(f"wrote {_shown(out)}, {DOCS.relative_to(ROOT)} and plots in {PLOTS.relative_to(ROOT)}")
+    else:
+        say(f"wrote {_shown(out)} (docs/benchmarks.md follows {_shown(RESULTS)} only)")
     for row in report.rows(results):
         print(f"  {row.figure:70} {row.measured:40} {row.goal:45} {row.verdict}")
     return 0
