@@ -278,7 +278,8 @@ METHOD = [
     "API's peak RSS is VmHWM from `/proc/<pid>/status`; ITL is the gap between SSE chunks.",
     "- **vs transformers**: `transformers serve --continuous-batching` (OMP_NUM_THREADS=1) and rsinfer, both "
     "driven by the official `openai` AsyncOpenAI client: streamed chat completions, 64 tokens each "
-    "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), one warm-up request first.",
+    "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), each warmed up, both servers "
+    "up at once (each idles near 0% CPU) and their runs interleaved; median of the runs.",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]

@@ -64,8 +64,8 @@ PROMPT_LEN, OUTPUT_LEN = 64, 64
 
 # quick / full sizes
 SIZES = {
-    "quick": dict(runs=3, cpu_requests=256, syn_tokens=64, syn_waves=2, sweep_tokens=64, big_tokens=16, tf_runs=1),
-    "full": dict(runs=5, cpu_requests=1024, syn_tokens=256, syn_waves=3, sweep_tokens=128, big_tokens=32, tf_runs=3),
+    "quick": dict(runs=3, cpu_requests=256, syn_tokens=64, syn_waves=2, sweep_tokens=64, big_tokens=16, tf_runs=3),
+    "full": dict(runs=5, cpu_requests=1024, syn_tokens=256, syn_waves=3, sweep_tokens=128, big_tokens=32, tf_runs=5),
 }
 
 T0 = time.monotonic()
@@ -124,6 +124,7 @@ def id_prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
 
 
 def pipeline_sections(model_dir: str, name: str, size: dict, want: set[str], results: dict) -> None:
+    """(b), (c) and (f) on one stack of the paged engine."""
     with BenchStack(model_dir, name) as stack:
         say(f"  stack up (logs {stack.log_dir})")
         url = stack.urls[0]
@@ -144,9 +145,9 @@ def pipeline_sections(model_dir: str, name: str, size: dict, want: set[str], res
         if "cpu" in want:
             results["cpu"] = {**results.get("cpu", {}), **cpu_run(stack, name, size)}
         if "transformers" in want:
-            say("  rsinfer through the openai client (64 requests, 32 concurrent, 64 tokens)")
-            results.setdefault("vs_transformers", {})["rsinfer"] = openai_runs(
-                url, name, size["tf_runs"], {"ignore_eos": True})
+            say("(f) vs transformers serve --continuous-batching (OMP_NUM_THREADS=1), the openai client for both: "
+                "64 requests, 32 concurrent, 64 tokens, runs interleaved")
+            results["vs_transformers"] = versus_transformers(url, name, model_dir, size["tf_runs"])
 
 
 def cpu_run(stack: BenchStack, name: str, size: dict) -> dict:
@@ -181,19 +182,32 @@ def measured_load(stack: BenchStack, urls: list[str], bodies: list[bytes], concu
             }, load.spans()
 
 
-def openai_runs(url: str, model: str, runs: int, extra_body: dict) -> dict:
-    asyncio.run(openai_load(url, model, 2, 2, 8, extra_body))  # warm-up
-    out = []
-    for i in range(runs):
-        s = asyncio.run(openai_load(url, model, 64, 32, OUTPUT_LEN, extra_body))
-        out.append(s)
-        say(f"    run {i + 1}/{runs}: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-            f"{s['ok']}/{s['requests']} ok {s['error_counts'] or ''}")
-    best = sorted(out, key=lambda s: s["tok_per_s"])[len(out) // 2]
-    return {**best, "runs": out}
+RSINFER_BODY = {"ignore_eos": True}
+# transformers' generation_config field replaces the model's: no EOS, so every answer has max_tokens tokens
+TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 
 
-# ---- (f) transformers serve
+def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int) -> dict:
+    """rsinfer (already up) and `transformers serve --continuous-batching`, each warmed up, then their runs
+    interleaved so that load from other processes falls on both alike (each idles near 0% CPU)."""
+    why = transformers_available()
+    if why:
+        say(f"  transformers skipped: {why}")
+        return {"skipped": why}
+    with transformers_server(model_dir) as tf_url:
+        systems = {"rsinfer": (rs_url, rs_model, RSINFER_BODY), "transformers": (tf_url, model_dir, TRANSFORMERS_BODY)}
+        for url, model, body in systems.values():
+            asyncio.run(openai_load(url, model, 2, 2, 8, body))  # warm-up (transformers: initialises batching)
+        out: dict[str, list[dict]] = {k: [] for k in systems}
+        for i in range(runs):
+            for key, (url, model, body) in systems.items():
+                s = asyncio.run(openai_load(url, model, 64, 32, OUTPUT_LEN, body))
+                out[key].append(s)
+                say(f"    run {i + 1}/{runs} {key:>12}: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} "
+                    f"ms, {s['ok']}/{s['requests']} ok {s['error_counts'] or ''}")
+    result = {k: {**sorted(v, key=lambda s: s["tok_per_s"])[len(v) // 2], "runs": v} for k, v in out.items()}
+    say(f"  rsinfer / transformers: {result['rsinfer']['tok_per_s'] / result['transformers']['tok_per_s']:.2f}x")
+    return result
 
 
 def transformers_available() -> str | None:
@@ -212,12 +226,10 @@ def transformers_available() -> str | None:
     return None
 
 
-def transformers_section(model_dir: str, size: dict, results: dict) -> None:
-    why = transformers_available()
-    if why:
-        say(f"  skipped: {why}")
-        results.setdefault("vs_transformers", {})["skipped"] = why
-        return
+@contextlib.contextmanager
+def transformers_server(model_dir: str):
+    """`transformers serve --continuous-batching` on a free port, one torch thread; its URL. Stopped (its whole
+    process group) however the block ends."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)  # noqa: SIM115
     proc = children.spawn([str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
@@ -227,11 +239,8 @@ def transformers_section(model_dir: str, size: dict, results: dict) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", proc, 180)
-        say(f"  transformers serve up (log {log.name}); first request initialises continuous batching")
-        # Its generation_config field replaces the model's: no EOS, so every answer has max_tokens tokens.
-        results.setdefault("vs_transformers", {})["transformers"] = openai_runs(
-            url, model_dir, size["tf_runs"], {"generation_config": json.dumps({"do_sample": False})})
-        results["vs_transformers"].pop("skipped", None)
+        say(f"  transformers serve up (log {log.name})")
+        yield url
     finally:
         with_group(proc, signal.SIGTERM)
         try:
@@ -403,9 +412,6 @@ def main() -> int:
         cpu = results["cpu"]
         cpu["scheduler_plumbing"] = round(cpu["us_per_token"]["scheduler"] / cpu["engine_alone_us_per_token"] - 1, 3)
         say(f"  scheduler plumbing over the engine alone: {cpu['scheduler_plumbing']:+.0%}")
-    if "transformers" in want:
-        say("(f) transformers serve --continuous-batching (OMP_NUM_THREADS=1), the openai client")
-        transformers_section(model_dir, size, results)
     if "synthetic" in want:
         say(f"(d) synthetic engine, {STEP_MS:.0f} ms step")
         synthetic_section(model_dir, name, size, results)
