@@ -213,7 +213,49 @@ def rows(r: dict) -> list[Row]:
     return out
 
 
-def markdown(r: dict, plots: list[str]) -> str:
+def headline(r: dict) -> dict:
+    """The few figures that say how a run went, for the run-to-run table (bench/results/history.jsonl)."""
+    meta, cpu = r.get("meta", {}), r.get("cpu", {})
+    eng, pipe = _get(r, "engine", "tok_per_s"), _get(r, "pipeline", "tok_per_s")
+    tf = r.get("vs_transformers", {})
+    big = r.get("streams_10k", {})
+    return {
+        "started_at": meta.get("started_at"), "commit": meta.get("commit"), "mode": meta.get("mode"),
+        "loadavg_before": meta.get("loadavg_before"), "loadavg_after": meta.get("loadavg_after"),
+        "engine_tok_per_s": eng, "pipeline_tok_per_s": pipe,
+        "pipeline_ratio": round(pipe / eng, 3) if eng and pipe else None,
+        "api_us": _get(cpu, "us_per_token", "api"), "detokenizer_us": _get(cpu, "us_per_token", "detokenizer"),
+        "scheduler_plumbing": cpu.get("scheduler_plumbing"), "redis_cmds_per_token": cpu.get("redis_cmds_per_token"),
+        "synthetic_512_steady": _get(r, "synthetic", "api1", "steady_tok_per_s"),
+        "synthetic_512_2api_steady": _get(r, "synthetic", "api2", "steady_tok_per_s"),
+        "streams_10k_ok": big.get("ok"),
+        "vs_transformers": round(tf["rsinfer"]["tok_per_s"] / tf["transformers"]["tok_per_s"], 3)
+        if tf.get("rsinfer") and tf.get("transformers") else None,
+    }
+
+
+HISTORY_COLUMNS = [("started_at", "run", "{}"), ("loadavg_before", "load before", "{}"),
+                   ("pipeline_ratio", "pipeline / engine", "{:.2f}x"), ("api_us", "API µs/tok", "{:.0f}"),
+                   ("detokenizer_us", "detok µs/tok", "{:.0f}"), ("scheduler_plumbing", "sched plumbing", "{:+.0%}"),
+                   ("redis_cmds_per_token", "Redis cmds/tok", "{:.2f}"),
+                   ("synthetic_512_steady", "512 streams tok/s", "{:,.0f}"),
+                   ("synthetic_512_2api_steady", "512 streams, 2 APIs", "{:,.0f}"),
+                   ("streams_10k_ok", "10k delivered", "{:,}"), ("vs_transformers", "vs transformers", "{:.2f}x")]
+
+
+def history_table(history: list[dict]) -> list[str]:
+    """The runs recorded in bench/results/history.jsonl, newest first: how much the figures move between runs."""
+    if not history:
+        return []
+    lines = ["| " + " | ".join(label for _, label, _ in HISTORY_COLUMNS) + " |",
+             "|" + "---|" * len(HISTORY_COLUMNS)]
+    for h in reversed(history):
+        cells = [("—" if h.get(k) is None else fmt.format(h[k])) for k, _, fmt in HISTORY_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(r: dict, plots: list[str], history: list[dict] | None = None) -> str:
     """docs/benchmarks.md from a results JSON (bench/run_all.py --report-only regenerates it)."""
     meta = r.get("meta", {})
     lines = [
@@ -250,6 +292,11 @@ def markdown(r: dict, plots: list[str]) -> str:
         lines += ["", "## Redis commands per generated token, by command (paged engine run)", "",
                   "| command | calls | per token |", "|---|---|---|"]
         lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
+    if history:
+        lines += ["", "## Run to run", "",
+                  "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
+                  "shared 2-core machine they move a lot with the load of other processes.", "",
+                  *history_table(history)]
     lines += ["", "## How each figure is measured", "", *METHOD, ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
@@ -351,10 +398,16 @@ def _save(fig, path: Path, plt) -> Path:
     return path
 
 
-def write_docs(r: dict, results_path: Path, docs_path: Path, plot_dir: Path) -> None:
+def write_docs(r: dict, docs_path: Path, plot_dir: Path, history: list[dict] | None = None) -> None:
     made = plots(r, plot_dir)
     rel = [Path(_relative(p, docs_path.parent)).as_posix() for p in made]
-    docs_path.write_text(markdown(r, rel))
+    docs_path.write_text(markdown(r, rel, history))
+
+
+def read_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _relative(path: Path, start: Path) -> str:

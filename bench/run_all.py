@@ -58,6 +58,7 @@ from shared.redis_server import free_port  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"
 DOCS = ROOT / "docs" / "benchmarks.md"
+HISTORY = ROOT / "bench" / "results" / "history.jsonl"  # one headline line per run written to RESULTS
 SECTIONS = ("engine", "pipeline", "cpu", "transformers", "synthetic", "10k")
 STEP_MS = 20.0
 PROMPT_LEN, OUTPUT_LEN = 64, 64
@@ -356,8 +357,8 @@ def meta(args: argparse.Namespace, model_dir: str) -> dict:
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results",
+                            ":!docs/benchmarks.md"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"started_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "mode": "full" if args.full else "quick",
             "cpus": os.cpu_count(), "cpu_model": cpu_model, "platform": platform.platform(),
             "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
@@ -375,7 +376,7 @@ def main() -> int:
     out = Path(args.out)
     if args.report_only:
         results = report.load(out)
-        report.write_docs(results, out, DOCS, PLOTS)
+        report.write_docs(results, DOCS, PLOTS, report.read_history(HISTORY))
         print(f"wrote {DOCS.relative_to(ROOT)} and plots from {_shown(out)}")
         return 0
     want = set(args.only.split(",")) if args.only else set(SECTIONS)
@@ -423,7 +424,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     if out.resolve() == RESULTS.resolve():  # the committed page follows the committed results only
-        report.write_docs(results, out, DOCS, PLOTS)
+        with HISTORY.open("a") as f:
+            f.write(json.dumps(report.headline(results)) + "\n")
+        report.write_docs(results, DOCS, PLOTS, report.read_history(HISTORY))
         say(f"wrote {_shown(out)}, {DOCS.relative_to(ROOT)} and plots in {PLOTS.relative_to(ROOT)}")
     else:
         say(f"wrote {_shown(out)} (docs/benchmarks.md follows {_shown(RESULTS)} only)")

@@ -98,3 +98,14 @@ def test_markdown_has_the_table_the_breakdown_and_the_plots():
     assert "![sweep](../bench/results/plots/sweep.png)" in text
     assert "Load average before/after: [1.0, 1.0, 1.0] / [2.0, 1.0, 1.0]" in text
     assert report.markdown({}, []).startswith("# Benchmarks")  # nothing measured yet: still a page
+
+
+def test_history_keeps_the_headline_of_each_run():
+    h = report.headline(RESULTS)
+    assert h["pipeline_ratio"] == 0.5 and h["api_us"] == 25.0 and h["vs_transformers"] is None
+    assert h["streams_10k_ok"] == 10000 and h["loadavg_before"] == [1.0, 1.0, 1.0]
+    older = {**h, "started_at": "2025-12-31 00:00 UTC", "pipeline_ratio": 0.4}
+    table = report.history_table([older, h])
+    assert table[2].startswith("| 2026-01-01 00:00 UTC | [1.0, 1.0, 1.0] | 0.50x | 25 |")  # newest first
+    assert "| 0.40x |" in table[3] and table[2].endswith("| 10,000 | — |")
+    assert "## Run to run" in report.markdown(RESULTS, [], [h]) and "## Run to run" not in report.markdown(RESULTS, [])
