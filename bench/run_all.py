@@ -131,24 +131,44 @@ def pipeline_sections(model_dir: str, name: str, size: dict, want: set[str], res
         url = stack.urls[0]
         run_load([url], [completion_body(name, p, 16) for p in id_prompts(8, 1)], 8)  # warm-up
         if "pipeline" in want:
-            runs = []
-            for i in range(size["runs"]):
-                bodies = [completion_body(name, p, OUTPUT_LEN) for p in id_prompts(64, 100 + i)]
-                s = run_load([url], bodies, concurrency=64).summary()
-                runs.append(s)
-                say(f"    run {i + 1}/{size['runs']}: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms,"
-                    f" {s['ok']}/{s['requests']} ok")
-            rates = sorted(r["tok_per_s"] for r in runs)
-            results["pipeline"] = {"tok_per_s": rates[len(rates) // 2], "runs": runs}
-            eng = results.get("engine", {}).get("tok_per_s")
-            if eng:
-                say(f"  pipeline / engine in-process: {rates[len(rates) // 2] / eng:.2f}x")
+            engine_and_pipeline(stack, model_dir, name, size, "engine" in want, results)
         if "cpu" in want:
             results["cpu"] = {**results.get("cpu", {}), **cpu_run(stack, name, size)}
         if "transformers" in want:
             say("(f) vs transformers serve --continuous-batching (OMP_NUM_THREADS=1), the openai client for both: "
                 "64 requests, 32 concurrent, 64 tokens, runs interleaved")
             results["vs_transformers"] = versus_transformers(url, name, model_dir, size["tf_runs"])
+
+
+def engine_and_pipeline(stack: BenchStack, model_dir: str, name: str, size: dict, engine: bool,
+                        results: dict) -> None:
+    """(a) and (b) interleaved run by run (an engine run in its own process, then the same workload through the
+    pipeline), so that load from other processes falls on both alike; the medians and their ratio."""
+    url = stack.urls[0]
+    engine_runs, runs = [], []
+    for i in range(size["runs"]):
+        if engine:  # two runs, the second counted: the first after a load runs ~25% slower (allocations)
+            e = engine_bench(model_dir, 64, 64, 2)
+            engine_runs.append({**e, "tok_per_s": e["runs"][-1]})
+        bodies = [completion_body(name, p, OUTPUT_LEN) for p in id_prompts(64, 100 + i)]
+        s = run_load([url], bodies, concurrency=64).summary()
+        runs.append(s)
+        say(f"    run {i + 1}/{size['runs']} pipeline: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms,"
+            f" {s['ok']}/{s['requests']} ok")
+    results["pipeline"] = {"tok_per_s": median([r["tok_per_s"] for r in runs]), "runs": runs}
+    if engine_runs:
+        results["engine"] = {**engine_runs[0], "tok_per_s": median([e["tok_per_s"] for e in engine_runs]),
+                             "runs": [e["tok_per_s"] for e in engine_runs], "interleaved": True}
+    if engine_runs:  # each pipeline run over the engine run just before it: the pairs saw the same other load
+        ratios = [r["tok_per_s"] / e["tok_per_s"] for r, e in zip(runs, engine_runs, strict=True)]
+        results["pipeline"]["ratio_runs"] = [round(x, 3) for x in ratios]
+        results["pipeline"]["ratio_vs_engine"] = round(median(ratios), 3)
+        say(f"  engine {results['engine']['tok_per_s']:,.0f} tok/s; pipeline / engine in-process, median of the "
+            f"pairs: {median(ratios):.2f}x")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def cpu_run(stack: BenchStack, name: str, size: dict) -> dict:
@@ -396,7 +416,7 @@ def main() -> int:
     results["meta"] = {**results.get("meta", {}), **meta(args, model_dir)}
     say(f"rsinfer benchmarks, {results['meta']['mode']} mode, sections {', '.join(s for s in SECTIONS if s in want)}; "
         f"{os.cpu_count()} CPUs, load average {results['meta']['loadavg_before']}")
-    if "engine" in want:
+    if "engine" in want and "pipeline" not in want:  # else interleaved with the pipeline's runs
         say("(a) engine in-process: 64 requests x 64 prompt x 64 out")
         results["engine"] = engine_bench(model_dir, 64, 64, size["runs"])
         say(f"  engine: {results['engine']['tok_per_s']:,.0f} tok/s")
@@ -407,7 +427,8 @@ def main() -> int:
         results["cpu"] = {**results.get("cpu", {}), "engine_alone": alone,
                           "engine_alone_us_per_token": alone["cpu_us_per_token"]}
     if want & {"pipeline", "cpu", "transformers"}:
-        say("(b, c, f) the pipeline (paged engine): redis-server, tokenizer, scheduler, detokenizer, API")
+        say("(a, b, c, f) the pipeline (paged engine): redis-server, tokenizer, scheduler, detokenizer, API; (a) the "
+            "engine in-process between its runs: 64 requests x 64 prompt x 64 out")
         pipeline_sections(model_dir, name, size, want, results)
     if "cpu" in want:
         cpu = results["cpu"]
