@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,8 +124,10 @@ class BenchStack:
             self.stop()
             raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if exc_type is None:  # the logs are kept (their folder is named in the error) only when something failed
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 # ---- what the processes used
