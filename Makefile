@@ -32,8 +32,11 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 
+# Every benchmark of the plumbing against the engine (a few minutes on 2 cores; ARGS="--full" for longer runs):
+# results in bench/results/run_all.json, plots in bench/results/plots/, the table in docs/benchmarks.md.
 bench: install
-	$(BIN)/python bench/engine_bench.py $(ARGS)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/python bench/run_all.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

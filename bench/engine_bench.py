@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-running", type=int, default=0, help="engine's running batch (0 = every request)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--cuda-graphs", action="store_true")
@@ -99,8 +100,8 @@ def make_engine(model, args: argparse.Namespace):
 
     per_seq = -(-(args.prompt_len + args.output_len) // args.page_size)
     config = EngineConfig(num_pages=args.requests * per_seq + 2, page_size=args.page_size,
-                          max_running=args.requests, prefill_budget=args.chunk_size, prefix_cache=True,
-                          cuda_graphs=args.cuda_graphs, seed=0)
+                          max_running=args.max_running or args.requests, prefill_budget=args.chunk_size,
+                          prefix_cache=True, cuda_graphs=args.cuda_graphs, seed=0)
     return PagedEngine(model, set(), config)
 
 
@@ -127,12 +128,13 @@ def run_generate_batch(model, prompts: list[list[int]], args: argparse.Namespace
     return sum(len(o.generated_tokens) for o in outs.values())
 
 
-def timed(fn, model, prompts, args) -> tuple[float, int]:
+def timed(fn, model, prompts, args) -> tuple[float, int, float]:
+    """(wall seconds, tokens, CPU seconds of this process)."""
     sync(args)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = fn(model, prompts, args)
     sync(args)
-    return time.perf_counter() - t0, tokens
+    return time.perf_counter() - t0, tokens, time.process_time() - c0
 
 
 def measure(chosen: dict, path: Path, args: argparse.Namespace, vocab: int) -> dict:
@@ -144,16 +146,19 @@ def measure(chosen: dict, path: Path, args: argparse.Namespace, vocab: int) -> d
     for name, fn in chosen.items():
         fn(models[name], workload(vocab, small, seed=1), small)
     rates: dict[str, list[float]] = {name: [] for name in chosen}
+    cpu_us: dict[str, list[float]] = {name: [] for name in chosen}
     tokens: dict[str, int] = {}
     for run in range(args.runs):
         prompts = workload(vocab, args, seed=100 + run)
         for name, fn in chosen.items():
-            secs, tokens[name] = timed(fn, models[name], prompts, args)
+            secs, tokens[name], cpu = timed(fn, models[name], prompts, args)
             rates[name].append(tokens[name] / secs)
+            cpu_us[name].append(1e6 * cpu / tokens[name])
             print(f"  run {run + 1} {name}: {tokens[name]} tokens in {secs:.2f} s = "
-                  f"{tokens[name] / secs:,.1f} tok/s", flush=True)
+                  f"{tokens[name] / secs:,.1f} tok/s, {cpu_us[name][-1]:.1f} CPU µs/token", flush=True)
     return {name: {"tok_per_s": statistics.median(r), "runs": r, "tokens": tokens[name],
-                   "runs_requested": args.runs} for name, r in rates.items()}
+                   "cpu_us_per_token": statistics.median(cpu_us[name]), "runs_requested": args.runs}
+            for name, r in rates.items()}
 
 
 def decode_latency(path: Path, args: argparse.Namespace, vocab: int, steps: int = 64) -> dict:

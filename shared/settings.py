@@ -71,7 +71,11 @@ class DetokenizerSettings(StageSettings):
 
 class SchedulerSettings(StageSettings):
     batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
-    engine: Literal["paged", "simple"] = Field("paged", description="engine behind the scheduler")
+    engine: Literal["paged", "simple", "synthetic"] = Field("paged", description="engine behind the scheduler; "
+                                                            "synthetic: pseudo-random tokens, no model, to "
+                                                            "measure the plumbing alone")
+    step_ms: float = Field(20.0, ge=0, description="synthetic engine: milliseconds each step takes (it "
+                           "computes nothing; one token per running sequence per step)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the model runs")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights dtype")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = half the cores, at least 1")

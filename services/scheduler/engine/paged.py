@@ -75,6 +75,7 @@ class PagedEngine:
         param = next(model.parameters())
         self.config = config
         self.eos_ids = set(eos_ids)
+        self.dtype = param.dtype
         self.max_context = max_context(model)
         self.kv = KVCache(geometry.kv_shape(config.page_size), config.num_pages, param.dtype, param.device)
         backend = make_backend(config.backend, self.kv, model, param.dtype)
@@ -191,6 +192,7 @@ class PagedEngine:
     def stats(self) -> dict:
         s, ps = self.scheduler, self.config.page_size
         return {
+            "dtype": str(self.dtype).removeprefix("torch."),  # what --dtype auto chose, in the heartbeat
             "running": len({q.uid for q in s.running}),
             "waiting": len({q.uid for q in s.waiting}),
             "running_sequences": len(s.running),

@@ -62,7 +62,8 @@ class SimpleEngine:
         return bool(self.seqs)
 
     def stats(self) -> dict:
-        return {"running": len({s.req.uid for s in self.seqs}), "waiting": 0, "sequences": len(self.seqs)}
+        return {"dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "running": len({s.req.uid for s in self.seqs}), "waiting": 0, "sequences": len(self.seqs)}
 
     def close(self) -> None:
         self.seqs.clear()

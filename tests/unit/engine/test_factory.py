@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from services.scheduler.engine import factory
 from services.scheduler.engine.base import EngineRequest, RequestRejected
-from services.scheduler.engine.factory import build_engine, kv_num_pages, pick_dtype
+from services.scheduler.engine.factory import build_engine, cpu_has_native_bf16, kv_num_pages, pick_dtype
 from services.scheduler.engine.paged import PagedEngine
 from services.scheduler.engine.simple import SimpleEngine
 from shared.messages import SamplingParams
@@ -63,3 +66,55 @@ def test_kv_sizing_and_dtype_rules():
     assert pick_dtype("auto", torch.device("cuda"), Cfg) == torch.bfloat16
     assert pick_dtype("auto", torch.device("cpu"), Cfg) == torch.float32
     assert pick_dtype("bfloat16", torch.device("cpu"), Cfg) == torch.bfloat16
+
+
+def _cfg(dtype):
+    class Cfg:
+        pass
+
+    Cfg.dtype = dtype
+    return Cfg
+
+
+@pytest.mark.parametrize(("native", "expected"), [(False, torch.float32), (True, torch.bfloat16)])
+def test_auto_dtype_runs_bf16_checkpoints_in_fp32_on_cpus_without_native_bf16(monkeypatch, native, expected):
+    monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    assert pick_dtype("auto", cpu, _cfg(torch.bfloat16)) == expected
+    assert pick_dtype("auto", cpu, _cfg("bfloat16")) == expected
+    assert pick_dtype("auto", cpu, _cfg(torch.float16)) == torch.float32  # fp16 is slow either way
+    assert pick_dtype("auto", cpu, _cfg(torch.float32)) == torch.float32
+    # an explicit --dtype wins; CUDA keeps the checkpoint's 16-bit dtype and makes fp32 bf16
+    assert pick_dtype("bfloat16", cpu, _cfg(torch.float32)) == torch.bfloat16
+    assert pick_dtype("float32", cpu, _cfg(torch.bfloat16)) == torch.float32
+    assert pick_dtype("auto", torch.device("cuda"), _cfg(torch.bfloat16)) == torch.bfloat16
+    assert pick_dtype("auto", torch.device("cuda"), _cfg(torch.float16)) == torch.float16
+
+
+@pytest.mark.parametrize(("flags", "native"), [
+    ("flags\t\t: fpu sse avx2 avx512f avx512bw avx512vl", False),
+    ("flags\t\t: fpu avx512f avx512_bf16 avx512_vnni", True),
+    ("flags\t\t: fpu amx_bf16 amx_tile", True),
+    ("Features\t: fp asimd bf16 i8mm", True),
+    ("Features\t: fp asimd", False),
+])
+def test_native_bf16_from_cpu_flags(tmp_path, flags, native):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: some cpu\n{flags}\n\n")
+    assert cpu_has_native_bf16(str(info)) is native
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+def test_heartbeat_says_which_dtype_auto_chose(demo_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    bf16 = tmp_path / "bf16-model"
+    shutil.copytree(demo_model_dir, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: False)
+    assert build_engine(_settings(), str(bf16)).stats()["dtype"] == "float32"
+    monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: True)
+    assert build_engine(_settings(), str(bf16)).stats()["dtype"] == "bfloat16"
+    assert build_engine(_settings(engine="simple", dtype="float32"), str(bf16)).stats()["dtype"] == "float32"

@@ -1,0 +1,427 @@
+"""The arithmetic and the write-up of bench/run_all.py, kept free of processes and sockets so that it can be
+tested: CPU ticks and Redis command counts per generated token, latency percentiles, steady-state rates,
+and docs/benchmarks.md (the table with each figure's goal from issue 11) and the plots, from results JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+IDEAL_STREAM_RATE = 1000.0  # tokens/s of one stream at a 1 ms step: ideal tok/s = streams * this / step_ms
+
+
+# ---- /proc and INFO arithmetic
+
+
+def proc_cpu_ticks(stat: str) -> int:
+    """utime + stime (clock ticks) from the text of /proc/<pid>/stat. The command name (field 2) may hold
+    spaces and parentheses, so fields are counted from the last ')'."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5); fields[0] is field 3
+
+
+def proc_status_kb(status: str, key: str) -> int:
+    """A `key:  N kB` line of /proc/<pid>/status (VmRSS, VmHWM), in kB; 0 if absent."""
+    for line in status.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def us_per_token(ticks: int, clk_tck: int, tokens: int) -> float:
+    return ticks / clk_tck * 1e6 / tokens if tokens else 0.0
+
+
+def command_calls(commandstats: dict) -> dict[str, int]:
+    """{command: calls} from redis-py's INFO commandstats ({"cmdstat_xadd": {"calls": 3, ...}, ...})."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in commandstats.items() if k.startswith("cmdstat_")}
+
+
+def command_delta(before: dict[str, int], after: dict[str, int], ignore: Iterable[str] = ("info",)) -> dict[str, int]:
+    """Calls per command between two snapshots, the bench's own INFO calls left out; commands never called
+    before count from zero."""
+    skip = set(ignore)
+    out = {k: v - before.get(k, 0) for k, v in after.items() if k not in skip}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def short_error(error: str) -> str:
+    """A client error, grouped: `503 broker_unavailable` for an HTTP error with OpenAI's body, else its start."""
+    if error.startswith("HTTP/"):
+        status = error.split()[1] if len(error.split()) > 1 else "?"
+        code = error.partition('"code":"')[2].partition('"')[0]
+        return f"{status} {code}".strip()
+    return error[:60]
+
+
+def error_counts(errors: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in errors:
+        key = short_error(e)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+# ---- rates from request spans
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float  # absolute seconds: the request was sent
+    first: float  # absolute seconds: its first token arrived (start if none)
+    end: float  # absolute seconds: its stream ended
+    tokens: int
+
+
+def peak_open(spans: list[Span]) -> int:
+    """Most streams open at one time."""
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    now = peak = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    return peak
+
+
+def steady_rate(spans: list[Span], concurrency: int) -> tuple[float, float]:
+    """(tokens/s, window seconds) over the longest time `concurrency` streams were open, each request's tokens
+    spread evenly over [first, end]: the rate with the ramp-up and the tail left out. (0, 0) if never."""
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    now, since, lo, hi = 0, None, 0.0, 0.0
+    for t, d in events:
+        now += d
+        if now >= concurrency and since is None:
+            since = t
+        elif now < concurrency and since is not None:
+            if t - since > hi - lo:
+                lo, hi = since, t
+            since = None
+    if hi <= lo:
+        return 0.0, 0.0
+    tokens = 0.0
+    for s in spans:
+        overlap = min(s.end, hi) - max(s.first, lo)
+        if s.end > s.first and overlap > 0:
+            tokens += s.tokens * overlap / (s.end - s.first)
+    return tokens / (hi - lo), hi - lo
+
+
+# ---- the table
+
+@dataclass(frozen=True)
+class Row:
+    section: str
+    figure: str
+    measured: str
+    goal: str
+    verdict: str  # "met", "not met", or "" where the issue sets no bound
+
+
+def _check(value: float | None, bound: float | None, at_most: bool) -> str:
+    if value is None or bound is None:
+        return ""
+    return "met" if (value <= bound if at_most else value >= bound) else "not met"
+
+
+def _fmt(v: float | None, spec: str = ",.0f", unit: str = "") -> str:
+    return "—" if v is None else f"{v:{spec}}{unit}"
+
+
+def _get(d: dict, *path, default=None):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def rows(r: dict) -> list[Row]:
+    """One row per measured figure with its goal from issue 11 (where it sets one)."""
+    out: list[Row] = []
+    eng, pipe = _get(r, "engine", "tok_per_s"), _get(r, "pipeline", "tok_per_s")
+    ratio = pipeline_ratio(r)
+    out.append(Row("pipeline", "engine in-process, 64 req x 64 prompt x 64 out", _fmt(eng, unit=" tok/s"), "", ""))
+    out.append(Row("pipeline", "full pipeline, same workload", _fmt(pipe, unit=" tok/s"), "", ""))
+    out.append(Row("pipeline", "full pipeline / engine in-process (median of interleaved pairs)",
+                   _fmt(ratio, ".2f", "x"), ">= 0.85x here; >= 0.97x on the 0.6B shape", _check(ratio, 0.85, False)))
+    cpu = _get(r, "cpu", "us_per_token", default={})
+    goals = {"api": 30.0, "detokenizer": 20.0}
+    for stage in ("api", "tokenizer", "scheduler", "detokenizer", "redis", "client"):
+        if stage in cpu:
+            goal = goals.get(stage)
+            out.append(Row("cpu", f"CPU per generated token: {stage}", _fmt(cpu[stage], ",.1f", " µs"),
+                           f"<= {goal:.0f} µs" if goal else "", _check(cpu[stage], goal, True)))
+    eng_us, plumbing = _get(r, "cpu", "engine_alone_us_per_token"), _get(r, "cpu", "scheduler_plumbing")
+    if eng_us is not None:
+        out.append(Row("cpu", "CPU per generated token: the engine alone (in-process)", _fmt(eng_us, ",.1f", " µs"),
+                       "", ""))
+        out.append(Row("cpu", "scheduler plumbing over the engine alone", _fmt(plumbing, "+.0%"), "<= +10%",
+                       _check(plumbing, 0.10, True)))
+    cmds = _get(r, "cpu", "redis_cmds_per_token")
+    out.append(Row("redis", "Redis commands per generated token (paged engine, 1 token per step)",
+                   _fmt(cmds, ".2f"), "<= 1.1 at one token per step; <= 0.5 when steps are merged",
+                   _check(cmds, 1.1, True)))
+    syn = _get(r, "synthetic", default={})
+    for key, label in (("api1", "one API process"), ("api2", "two API processes")):
+        run = syn.get(key)
+        if run:
+            out.append(Row("synthetic", f"512 streams, 20 ms step, {label}: delivered (steady)",
+                           f"{run['steady_tok_per_s']:,.0f} tok/s = {run['steady_tok_per_s'] / run['ideal']:.0%} "
+                           f"({run['tok_per_s']:,.0f} overall)", f"ideal {run['ideal']:,.0f} tok/s", ""))
+    if syn.get("api1"):
+        out.append(Row("redis", "Redis commands per generated token (synthetic, 512 streams)",
+                       _fmt(syn["api1"].get("redis_cmds_per_token"), ".2f"), "<= 1.1 at one token per step",
+                       _check(syn["api1"].get("redis_cmds_per_token"), 1.1, True)))
+    big = _get(r, "streams_10k", default={})
+    if big and not big.get("skipped"):
+        delivered = big["ok"] == big["requests"]
+        failed = ", ".join(f"{n:,} {why}" for why, n in big.get("error_counts", {}).items())
+        out.append(Row("10k", f"{big['requests']:,} streams on one API process: delivered",
+                       f"{big['ok']:,} of {big['requests']:,}, peak {big['peak_open']:,} open"
+                       + (f" (failed: {failed})" if failed else ""),
+                       "all, all open at once", "met" if delivered and big["peak_open"] >= big["requests"]
+                       else "not met"))
+        rss_mb = big["api_rss_peak_kb"] / 1024
+        out.append(Row("10k", "API process RSS, peak", f"{rss_mb:,.0f} MB", "< 1 GB", _check(rss_mb, 1024, True)))
+        added = big["itl_p99_ms"] - big["step_ms"]
+        out.append(Row("10k", "ITL p99 added by the plumbing (ITL p99 - step)", _fmt(added, ",.1f", " ms"),
+                       "<= 5 ms", _check(added, 5.0, True)))
+    tf = _get(r, "vs_transformers", default={})
+    if tf.get("skipped"):
+        out.append(Row("transformers", "vs transformers serve --continuous-batching", "skipped: " + tf["skipped"],
+                       ">= 2x (demo model)", ""))
+    elif tf:
+        ratio = tf["rsinfer"]["tok_per_s"] / tf["transformers"]["tok_per_s"]
+        out.append(Row("transformers", "rsinfer vs transformers serve --continuous-batching (openai client)",
+                       f"{tf['rsinfer']['tok_per_s']:,.0f} vs {tf['transformers']['tok_per_s']:,.0f} tok/s = "
+                       f"{ratio:.2f}x", ">= 2x (demo model); >= 1.5x (0.6B shape)", _check(ratio, 2.0, False)))
+        out.append(Row("transformers", "TTFT p50, rsinfer vs transformers",
+                       f"{tf['rsinfer']['ttft_p50_ms']:,.0f} vs {tf['transformers']['ttft_p50_ms']:,.0f} ms", "", ""))
+    return out
+
+
+def pipeline_ratio(r: dict) -> float | None:
+    """Pipeline over engine in-process: the median of the interleaved pairs' ratios where recorded, else the
+    ratio of the medians."""
+    eng, pipe = _get(r, "engine", "tok_per_s"), _get(r, "pipeline", "tok_per_s")
+    return _get(r, "pipeline", "ratio_vs_engine") or (pipe / eng if eng and pipe else None)
+
+
+def headline(r: dict) -> dict:
+    """The few figures that say how a run went, for the run-to-run table (bench/results/history.jsonl)."""
+    meta, cpu = r.get("meta", {}), r.get("cpu", {})
+    eng, pipe = _get(r, "engine", "tok_per_s"), _get(r, "pipeline", "tok_per_s")
+    tf = r.get("vs_transformers", {})
+    big = r.get("streams_10k", {})
+    return {
+        "started_at": meta.get("started_at"), "commit": meta.get("commit"), "mode": meta.get("mode"),
+        "loadavg_before": meta.get("loadavg_before"), "loadavg_after": meta.get("loadavg_after"),
+        "engine_tok_per_s": eng, "pipeline_tok_per_s": pipe,
+        "pipeline_ratio": round(pipeline_ratio(r), 3) if pipeline_ratio(r) else None,
+        "api_us": _get(cpu, "us_per_token", "api"), "detokenizer_us": _get(cpu, "us_per_token", "detokenizer"),
+        "scheduler_plumbing": cpu.get("scheduler_plumbing"), "redis_cmds_per_token": cpu.get("redis_cmds_per_token"),
+        "synthetic_512_steady": _get(r, "synthetic", "api1", "steady_tok_per_s"),
+        "synthetic_512_2api_steady": _get(r, "synthetic", "api2", "steady_tok_per_s"),
+        "streams_10k_ok": big.get("ok"),
+        "vs_transformers": round(tf["rsinfer"]["tok_per_s"] / tf["transformers"]["tok_per_s"], 3)
+        if tf.get("rsinfer") and tf.get("transformers") else None,
+    }
+
+
+HISTORY_COLUMNS = [("started_at", "run", "{}"), ("loadavg_before", "load before", "{}"),
+                   ("pipeline_ratio", "pipeline / engine", "{:.2f}x"), ("api_us", "API µs/tok", "{:.0f}"),
+                   ("detokenizer_us", "detok µs/tok", "{:.0f}"), ("scheduler_plumbing", "sched plumbing", "{:+.0%}"),
+                   ("redis_cmds_per_token", "Redis cmds/tok", "{:.2f}"),
+                   ("synthetic_512_steady", "512 streams tok/s", "{:,.0f}"),
+                   ("synthetic_512_2api_steady", "512 streams, 2 APIs", "{:,.0f}"),
+                   ("streams_10k_ok", "10k delivered", "{:,}"), ("vs_transformers", "vs transformers", "{:.2f}x")]
+
+
+def history_table(history: list[dict]) -> list[str]:
+    """The runs recorded in bench/results/history.jsonl, newest first: how much the figures move between runs."""
+    if not history:
+        return []
+    lines = ["| " + " | ".join(label for _, label, _ in HISTORY_COLUMNS) + " |",
+             "|" + "---|" * len(HISTORY_COLUMNS)]
+    for h in reversed(history):
+        cells = [("—" if h.get(k) is None else fmt.format(h[k])) for k, _, fmt in HISTORY_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(r: dict, plots: list[str], history: list[dict] | None = None) -> str:
+    """docs/benchmarks.md from a results JSON (bench/run_all.py --report-only regenerates it)."""
+    meta = r.get("meta", {})
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`bench/run_all.py`) from "
+        f"`{meta.get('results_file', 'bench/results/run_all.json')}`; regenerate this page with "
+        "`python bench/run_all.py --report-only`. Goals are those of issue 11.",
+        "",
+        f"Measured {meta.get('started_at', '?')} on {meta.get('cpus', '?')} CPUs ({meta.get('cpu_model', '?')}), "
+        f"{meta.get('mode', '?')} mode, commit `{meta.get('commit', '?')}`, {meta.get('duration_s', 0):.0f} s in all. "
+        f"Load average before/after: {meta.get('loadavg_before', '?')} / {meta.get('loadavg_after', '?')} "
+        "(others share this machine: throughput figures move by up to 2x between runs, CPU and Redis per token "
+        "by a few percent; see Run to run).",
+        "",
+        "| section | figure | measured | goal | |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {x.section} | {x.figure} | {x.measured} | {x.goal} | {x.verdict} |" for x in rows(r)]
+    sweep = _get(r, "synthetic", "sweep", default=[])
+    if sweep:
+        lines += ["", "## Concurrency sweep (synthetic engine, 20 ms step, one API process)", "",
+                  "| streams | tok/s (steady) | ideal | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | errors "
+                  "| CPU µs/token: api, scheduler, detokenizer, redis, client |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for p in sweep:
+            cpu = p.get("us_per_token", {})
+            per = ", ".join(f"{cpu.get(k, 0):.0f}" for k in ("api", "scheduler", "detokenizer", "redis", "client"))
+            lines.append(f"| {p['concurrency']} | {p['steady_tok_per_s'] or p['tok_per_s']:,.0f} | {p['ideal']:,.0f} "
+                         f"| {p['ttft_p50_ms']:,.0f} ms | {p['ttft_p99_ms']:,.0f} ms | {p['itl_p50_ms']:,.1f} ms "
+                         f"| {p['itl_p99_ms']:,.1f} ms | {p['requests'] - p['ok']} | {per} |")
+    cmds = _get(r, "cpu", "redis_cmds", default={})
+    if cmds:
+        tokens = r["cpu"]["tokens"]
+        lines += ["", "## Redis commands per generated token, by command (paged engine run)", "",
+                  "| command | calls | per token |", "|---|---|---|"]
+        lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
+    if history:
+        lines += ["", "## Run to run", "",
+                  "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
+                  "shared 2-core machine they move a lot with the load of other processes.", "",
+                  *history_table(history)]
+    lines += ["", "## How each figure is measured", "", *METHOD, ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+METHOD = [
+    "- **Engine in-process**: `bench/engine_bench.py --systems a`: the paged engine in one process, one torch "
+    "thread (as the scheduler runs), every request added at once, greedy, EOS ignored; before each pipeline run "
+    "(interleaved, so that other load falls on both) a process makes two runs and the second counts; median.",
+    "- **Full pipeline**: the same processes `rsinfer up` starts (redis-server, tokenizer, scheduler, detokenizer, "
+    "API), the same 64 prompts of 64 token ids sent at once as streamed `/v1/completions` with `ignore_eos`, "
+    "by a raw-socket asyncio client; output tokens (from the usage chunk) over the wall time; median of the runs.",
+    "- **CPU per generated token**: utime+stime deltas of each process from `/proc/<pid>/stat` over a run of 256 "
+    "requests at 64 concurrent, divided by the tokens generated; `client` is the load generator. The engine alone "
+    "is the same workload in-process (`engine_bench.py --requests 256 --max-running 64`), its process CPU time; "
+    "the scheduler's plumbing is its CPU over that, minus one.",
+    "- **Redis commands per token**: the `INFO commandstats` call deltas over the same run, over its tokens "
+    "(heartbeats and other periodic commands included; the bench's own INFO left out).",
+    "- **Synthetic engine**: `--engine synthetic --step-ms 20` (no model; one token per running sequence per "
+    "step), 512 streams open at once through one API process, then through two (the client alternates "
+    "between them). `steady` counts tokens only while all streams were open (ramp-up and tail left out); "
+    "ideal = streams x 1000 / step_ms.",
+    "- **10,000 streams**: the synthetic engine (20 ms step, every stream running at once: max_running 10,000) "
+    "and one API process; streams opened evenly over 10 s (`--big-arrival-s`) by 4 client processes, few tokens "
+    "each, so that all are open at once when the plumbing keeps up; `peak open` is counted by the client; the "
+    "API's peak RSS is VmHWM from `/proc/<pid>/status`; ITL is the gap between SSE chunks.",
+    "- **vs transformers**: `transformers serve --continuous-batching` (OMP_NUM_THREADS=1) and rsinfer, both "
+    "driven by the official `openai` AsyncOpenAI client: streamed chat completions, 64 tokens each "
+    "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), each warmed up, both servers "
+    "up at once (each idles near 0% CPU) and their runs interleaved; median of the runs.",
+    "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
+    "(a chunk may carry several tokens when the API coalesces).",
+]
+
+
+def plots(r: dict, out_dir: Path) -> list[Path]:
+    """PNG plots of a results JSON (matplotlib, the `bench` extra); [] if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    sweep = _get(r, "synthetic", "sweep", default=[])
+    if sweep:
+        c = [p["concurrency"] for p in sweep]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        a.plot(c, [p["steady_tok_per_s"] or p["tok_per_s"] for p in sweep], "o-", label="delivered (steady)")
+        a.plot(c, [p["ideal"] for p in sweep], "k--", label="ideal (streams x 50/s)")
+        a.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="tokens/s",
+              title="synthetic engine, 20 ms step, one API")
+        a.set_xticks(c, [str(x) for x in c])
+        a.legend()
+        for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-"), ("itl_p99_ms", "s--")):
+            b.plot(c, [p[key] for p in sweep], style, label=key.replace("_ms", ""))
+        b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="latency")
+        b.set_xticks(c, [str(x) for x in c])
+        b.legend()
+        fig.tight_layout()
+        made.append(_save(fig, out_dir / "sweep.png", plt))
+    cpu = _get(r, "cpu", "us_per_token", default={})
+    if cpu:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = list(cpu)
+        ax.bar(names, [cpu[n] for n in names], color="tab:blue", label="measured")
+        goals = {"api": 30, "detokenizer": 20}
+        eng = _get(r, "cpu", "engine_alone_us_per_token")
+        if eng:
+            goals["scheduler"] = eng * 1.1
+        ax.scatter([n for n in names if n in goals], [goals[n] for n in names if n in goals], color="tab:red",
+                   marker="_", s=800, linewidths=3, label="goal")
+        ax.set(ylabel="CPU µs per generated token", title="256 requests at 64 concurrent, demo model")
+        ax.legend()
+        fig.tight_layout()
+        made.append(_save(fig, out_dir / "cpu_per_token.png", plt))
+    bars = {}
+    for label, path in (("engine in-process", ("engine", "tok_per_s")), ("pipeline", ("pipeline", "tok_per_s")),
+                        ("rsinfer (openai client)", ("vs_transformers", "rsinfer", "tok_per_s")),
+                        ("transformers serve CB", ("vs_transformers", "transformers", "tok_per_s"))):
+        v = _get(r, *path)
+        if v:
+            bars[label] = v
+    if bars:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar(list(bars), list(bars.values()), color="tab:green")
+        ax.set(ylabel="output tokens/s", title="demo model, 2 CPUs")
+        fig.tight_layout()
+        made.append(_save(fig, out_dir / "throughput.png", plt))
+    return made
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_docs(r: dict, docs_path: Path, plot_dir: Path, history: list[dict] | None = None) -> None:
+    made = plots(r, plot_dir)
+    rel = [Path(_relative(p, docs_path.parent)).as_posix() for p in made]
+    docs_path.write_text(markdown(r, rel, history))
+
+
+def read_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _relative(path: Path, start: Path) -> str:
+    return os.path.relpath(path.resolve(), start.resolve())
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,113 @@
+"""bench/report.py, the pure half of `make bench`: CPU and Redis arithmetic per token, rates from request
+spans, and the table of figures against issue 11's goals (the benchmark itself never runs in the suite)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import report
+from bench.report import Span
+
+# /proc/<pid>/stat of a process whose name has spaces and parentheses: utime 250, stime 50 (fields 14, 15)
+STAT = "4242 (rsinfer (api) x) S 1 4242 4242 0 -1 4194560 9000 0 0 0 250 50 0 0 20 0 3 0 12345 1000 200"
+
+
+def test_cpu_ticks_and_status_from_proc():
+    assert report.proc_cpu_ticks(STAT) == 300
+    status = "Name:\tpython\nVmHWM:\t  391060 kB\nVmRSS:\t  120004 kB\n"
+    assert report.proc_status_kb(status, "VmHWM") == 391060
+    assert report.proc_status_kb(status, "VmSwap") == 0
+    # 300 ticks at 100 Hz = 3 s of CPU over 60,000 tokens = 50 µs each
+    assert report.us_per_token(300, 100, 60_000) == pytest.approx(50.0)
+    assert report.us_per_token(300, 100, 0) == 0.0
+
+
+def test_redis_commands_per_token_from_commandstats_deltas():
+    before = report.command_calls({"cmdstat_xadd": {"calls": 100, "usec": 5}, "cmdstat_info": {"calls": 3},
+                                   "cmdstat_expire": {"calls": 10}, "errorstat_ERR": {"count": 1}})
+    after = report.command_calls({"cmdstat_xadd": {"calls": 1100}, "cmdstat_info": {"calls": 4},
+                                  "cmdstat_expire": {"calls": 10}, "cmdstat_xreadgroup": {"calls": 250}})
+    assert before == {"xadd": 100, "info": 3, "expire": 10}
+    delta = report.command_delta(before, after)
+    assert delta == {"xadd": 1000, "xreadgroup": 250}  # the bench's own INFO and unchanged commands left out
+    assert list(delta) == ["xadd", "xreadgroup"]  # most called first
+    assert sum(delta.values()) / 500 == 2.5
+
+
+def test_percentiles_are_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert report.percentile(values, 0.5) == 50.0
+    assert report.percentile(values, 0.99) == 99.0
+    assert report.percentile(values, 1.0) == 100.0
+    assert report.percentile([7.0], 0.99) == 7.0
+    assert report.percentile([], 0.5) == 0.0
+
+
+def test_peak_open_and_steady_rate_leave_the_ramp_out():
+    # 4 streams, opened one per second; all 4 open from t=3 to t=10; each delivers 100 tokens evenly
+    spans = [Span(start=float(i), first=float(i) + 1, end=10.0 + i, tokens=100) for i in range(4)]
+    assert report.peak_open(spans) == 4
+    rate, window = report.steady_rate(spans, 4)
+    assert window == pytest.approx(7.0)  # [3, 10]
+    # stream i streams over [i+1, 10+i] at 100/9 tok/s: streams 0-2 for all 7 s of the window, stream 3
+    # (first token at 4) for 6 s: the wait for a first token counts as open, not as streaming
+    assert rate == pytest.approx((3 * 7 + 6) * 100 / 9 / 7)
+    assert report.steady_rate(spans, 5) == (0.0, 0.0)
+
+
+def test_errors_are_grouped_by_status_and_code():
+    errs = ['HTTP/1.1 503 Service Unavailable {"error":{"message":"x","code":"broker_unavailable"}}'] * 3 + [
+        "HTTP/1.1 429 Too Many Requests {}", "TimeoutError()"]
+    assert report.error_counts(errs) == {"503 broker_unavailable": 3, "429": 1, "TimeoutError()": 1}
+
+
+RESULTS = {
+    "meta": {"started_at": "2026-01-01 00:00 UTC", "mode": "quick", "cpus": 2, "commit": "abc1234",
+             "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [2.0, 1.0, 1.0], "duration_s": 200},
+    "engine": {"tok_per_s": 6000.0},
+    "pipeline": {"tok_per_s": 3000.0},
+    "cpu": {"us_per_token": {"api": 25.0, "detokenizer": 79.0, "scheduler": 242.0, "redis": 21.0},
+            "engine_alone_us_per_token": 200.0, "scheduler_plumbing": 0.21, "redis_cmds_per_token": 1.05,
+            "tokens": 1000, "redis_cmds": {"xadd": 700, "expire": 350}},
+    "vs_transformers": {"skipped": "accelerate is not installed"},
+    "streams_10k": {"requests": 10000, "ok": 10000, "peak_open": 10000, "api_rss_peak_kb": 900 * 1024,
+                    "itl_p99_ms": 31.0, "step_ms": 20.0},
+}
+
+
+def test_table_puts_each_goal_next_to_its_figure():
+    rows = {r.figure: r for r in report.rows(RESULTS)}
+    ratio = rows["full pipeline / engine in-process (median of interleaved pairs)"]
+    assert ratio.measured == "0.50x" and ratio.goal.startswith(">= 0.85x") and ratio.verdict == "not met"
+    assert rows["CPU per generated token: api"].verdict == "met"
+    assert rows["CPU per generated token: detokenizer"].verdict == "not met"
+    assert rows["CPU per generated token: redis"].goal == "" and rows["CPU per generated token: redis"].verdict == ""
+    assert rows["scheduler plumbing over the engine alone"].measured == "+21%"
+    assert rows["scheduler plumbing over the engine alone"].verdict == "not met"
+    assert rows["Redis commands per generated token (paged engine, 1 token per step)"].verdict == "met"
+    assert rows["API process RSS, peak"].verdict == "met"
+    assert rows["ITL p99 added by the plumbing (ITL p99 - step)"].measured == "11.0 ms"
+    assert rows["ITL p99 added by the plumbing (ITL p99 - step)"].verdict == "not met"
+    assert rows["vs transformers serve --continuous-batching"].measured.startswith("skipped: accelerate")
+
+
+def test_markdown_has_the_table_the_breakdown_and_the_plots():
+    text = report.markdown(RESULTS, ["../bench/results/plots/sweep.png"])
+    assert "| pipeline | full pipeline / engine in-process (median of interleaved pairs) | 0.50x | >= 0.85x" in text
+    paired = {**RESULTS, "pipeline": {"tok_per_s": 3000.0, "ratio_vs_engine": 0.61}}
+    assert report.pipeline_ratio(paired) == 0.61 and report.headline(paired)["pipeline_ratio"] == 0.61
+    assert "| xadd | 700 | 0.700 |" in text
+    assert "![sweep](../bench/results/plots/sweep.png)" in text
+    assert "Load average before/after: [1.0, 1.0, 1.0] / [2.0, 1.0, 1.0]" in text
+    assert report.markdown({}, []).startswith("# Benchmarks")  # nothing measured yet: still a page
+
+
+def test_history_keeps_the_headline_of_each_run():
+    h = report.headline(RESULTS)
+    assert h["pipeline_ratio"] == 0.5 and h["api_us"] == 25.0 and h["vs_transformers"] is None
+    assert h["streams_10k_ok"] == 10000 and h["loadavg_before"] == [1.0, 1.0, 1.0]
+    older = {**h, "started_at": "2025-12-31 00:00 UTC", "pipeline_ratio": 0.4}
+    table = report.history_table([older, h])
+    assert table[2].startswith("| 2026-01-01 00:00 UTC | [1.0, 1.0, 1.0] | 0.50x | 25 |")  # newest first
+    assert "| 0.40x |" in table[3] and table[2].endswith("| 10,000 | — |")
+    assert "## Run to run" in report.markdown(RESULTS, [], [h]) and "## Run to run" not in report.markdown(RESULTS, [])
