@@ -14,6 +14,20 @@ VERSION = 1
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A constraint on a choice's tokens (structured outputs), enforced by a grammar in the engine.
+
+    `kind`: "json_schema" (`spec` is the schema's JSON), "json_object" (any JSON object), "regex", "ebnf"
+    (GBNF or Lark), "lark" (tool calls: built by the tokenizer) or "choice" (a JSON list of strings).
+    `after`: token ids that open the constrained part (a reasoning model's `</think>`); until the
+    completion contains them, its tokens are free. `param`: the request field it came from, for errors."""
+
+    kind: str
+    spec: str = ""
+    after: list[int] = []
+    param: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int | None = None  # None: up to the context, as far as the engine's KV cache can hold
     min_tokens: int = 0
@@ -32,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    guided: Guided | None = None
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI: -100..100)
 
     @property
     def greedy(self) -> bool:

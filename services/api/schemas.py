@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import ChatMessage, SamplingParams
+from shared.messages import ChatMessage, Guided, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
@@ -23,9 +23,10 @@ FORBID = ConfigDict(extra="forbid")
 
 # Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
 UNSUPPORTED_EXTENSIONS = {
-    **dict.fromkeys(("regex", "json", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "structural_tag", "json_schema"),
-                    "structured outputs (regex, JSON schema, grammar) are not supported"),
+    **dict.fromkeys(("guided_decoding_backend", "structured_outputs", "guided_whitespace_pattern"),
+                    "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
+                    "fields; the backend is llguidance"),
+    "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
     **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs"),
                     "custom chat templates and template arguments are not supported"),
     **dict.fromkeys(("lora_path", "lora_request"), "LoRA adapters are not supported"),
@@ -49,6 +50,37 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def schema_text(value: dict[str, Any] | str, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as compact JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadRequest(f"`{param}` must be a JSON schema (an object, or its JSON text)", param) from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"`{param}` must be a JSON schema object", param)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
+    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guided("json_object", param="response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")  # type: ignore[union-attr]
+        if not isinstance(spec, dict):
+            raise BadRequest("response_format.json_schema must be an object with `name` and `schema`",
+                             "response_format")
+        if spec.get("schema") is None:
+            return Guided("json_object", param="response_format")
+        return Guided("json_schema", schema_text(spec["schema"], "response_format"), param="response_format")
+    raise BadRequest(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                     "response_format")
 
 
 class StreamOptions(BaseModel):
@@ -99,7 +131,7 @@ class Message(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = FORBID
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str = Field(min_length=1)
     stream: bool | None = False
@@ -124,6 +156,14 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
     background: bool | None = False
+    # Structured outputs (SGLang: regex, json, ebnf; vLLM: guided_*): the answer follows the constraint.
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    ebnf: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -135,7 +175,34 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def constraints(self) -> list[Guided]:
+        """The structured-output fields set, as constraints (at most one may be)."""
+        out = []
+        for field, kind in (("regex", "regex"), ("json_", "json_schema"), ("ebnf", "ebnf"),
+                            ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "ebnf"),
+                            ("guided_choice", "choice")):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            name = field.rstrip("_")
+            if kind == "json_schema":
+                value = schema_text(value, name)
+            elif kind == "choice":
+                if not value:
+                    raise BadRequest("guided_choice must list at least one string", name)
+                value = json.dumps(value)
+            out.append(Guided(kind, value, param=name))
+        return out
+
+    def guided(self, extra: tuple[Guided, ...] = ()) -> Guided | None:
+        found = [*self.constraints(), *extra]
+        if len(found) > 1:
+            raise BadRequest("give at most one structured-output constraint; got " +
+                             ", ".join(f"`{g.param}`" for g in found), found[1].param)
+        return found[0] if found else None
+
+    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                 guided: Guided | None = None) -> SamplingParams:
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported", "logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -145,7 +212,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=logprobs,
-            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, guided=guided)
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
     def annotations(self) -> dict[str, str]:
@@ -190,8 +257,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools:
             raise BadRequest("tools are not supported", "tools")
         refuse_unless(self.tool_choice, (None, "none"), "tool_choice", "tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         refuse_unless(self.store, (None, False), "store", "requests are kept only for the server's record TTL")
@@ -210,8 +275,9 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def params(self) -> SamplingParams:
+        fmt = response_format_constraint(self.response_format)
         return self.sampling(self.max_completion_tokens or self.max_tokens, bool(self.logprobs),
-                             self.top_logprobs or 0)
+                             self.top_logprobs or 0, self.guided((fmt,) if fmt else ()))
 
     def annotations(self) -> dict[str, str]:
         out = super().annotations()
@@ -259,7 +325,7 @@ class CompletionRequest(SamplingFields):
 
     def params(self) -> SamplingParams:
         lp = self.logprobs
-        return self.sampling(self.max_tokens, lp is not None, lp or 0)
+        return self.sampling(self.max_tokens, lp is not None, lp or 0, self.guided())
 
 
 class GenerateRequest(BaseModel):
@@ -280,7 +346,8 @@ class GenerateRequest(BaseModel):
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)
-        for sglang, ours in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+        renames = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"), ("json_schema", "json"))
+        for sglang, ours in renames:
             if sglang in sp:
                 sp[ours] = sp.pop(sglang)
         sp.setdefault("max_tokens", 128)
@@ -288,4 +355,4 @@ class GenerateRequest(BaseModel):
             fields = SamplingFields(model="native", **sp)
         except ValueError as e:
             raise BadRequest(f"bad sampling_params: {e}", "sampling_params") from e
-        return fields.sampling(fields.max_tokens, False, 0)
+        return fields.sampling(fields.max_tokens, False, 0, fields.guided())

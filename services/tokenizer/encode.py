@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.grammars import check
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
 
@@ -27,7 +28,10 @@ class PromptEncoder:
         chat: dict[int, str] = {}
         plain: dict[int, str] = {}
         for i, job in enumerate(jobs):
-            if job.input_ids is not None:
+            refusal = self._check_constraint(job)
+            if refusal is not None:
+                results[i] = refusal
+            elif job.input_ids is not None:
                 results[i] = self._from_ids(job, job.input_ids)
             elif job.messages is not None:
                 rendered = self._render_chat(job)
@@ -43,6 +47,18 @@ class PromptEncoder:
                 for i, ids in zip(texts, encoded, strict=True):
                     results[i] = self.fit(jobs[i], list(ids))
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_constraint(job: TokenizeJob) -> ReplyError | None:
+        """A schema, regex or grammar the engine could not compile is refused here, naming the field."""
+        guided = job.params.guided
+        if guided is None:
+            return None
+        problem = check(guided)
+        if problem is None:
+            return None
+        return invalid(f"`{guided.param or guided.kind}` cannot be used as a constraint: {problem}",
+                       guided.param or None, "invalid_constraint")
 
     def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
         messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None} for m in job.messages or []]

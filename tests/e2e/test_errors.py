@@ -98,8 +98,8 @@ def test_malformed_stream_entry_goes_to_dead_letter(stack):
 
 
 @pytest.mark.parametrize(("extra", "param", "says"), [
-    ({"regex": "[a-z]+"}, "regex", "structured outputs"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "structured outputs"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "not supported"),
     ({"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
     ({"stream_options": {"include_usage": True, "zzz": 1}}, "stream_options", "stream_options.zzz"),
@@ -118,9 +118,10 @@ def test_fields_we_cannot_honour_are_refused_by_name(stack, extra, param, says):
 
 
 def test_completions_and_generate_refuse_unknown_fields_too(stack):
-    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "regex": "a+"}), 400, "regex")
-    resp = _post(stack, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "a+"}})
-    assert "regex" in _assert_error(resp, 400, "sampling_params")["message"]
+    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "lora_path": "a"}), 400,
+                  "lora_path")
+    resp = _post(stack, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "lora_path": "a"}})
+    assert "lora_path" in _assert_error(resp, 400, "sampling_params")["message"]
 
 
 def test_fields_that_ask_for_nothing_are_accepted(stack):

@@ -30,6 +30,7 @@ class EngineRequest:
     params: SamplingParams  # max_tokens None: up to the context, as far as the engine's KV cache allows
     # Tokens already produced per choice, when a peer resumes a request after a crash.
     output_ids: list[list[int]] = field(default_factory=list)
+    priority: int = 0  # admission order among waiting requests: lower first (as vLLM), then arrival
 
 
 @dataclass

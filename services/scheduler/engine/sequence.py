@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.scheduler.engine.base import EngineRequest
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.grammar import SeqGrammar
 
 
 @dataclass(eq=False)
@@ -20,6 +25,13 @@ class Seq:
     digests: list[bytes] = field(default_factory=list)  # of full pages, for the prefix cache
     forks: int = 0  # sibling choices to spawn from this one's prompt at its first sample
     num_cached_pages: int = 0  # leading pages already named in the prefix cache
+    compiling: Future | None = None  # the request's grammar while it compiles (structured outputs)
+    grammar: SeqGrammar | None = None  # this choice's matcher once compiled
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: unconstrained, or its grammar is compiled."""
+        return self.compiling is None or self.grammar is not None
 
     @property
     def uid(self) -> str:

@@ -29,7 +29,9 @@ def test_content_parts_and_developer_role():
     assert (msg.role, msg.content) == ("system", "be brief")
 
 
-@pytest.mark.parametrize("extra", [{"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
+@pytest.mark.parametrize("extra", [{"tools": [{"type": "function"}]}, {"response_format": {"type": "yaml"}},
+                                   {"regex": "a", "guided_choice": ["b"]}, {"guided_choice": []},
+                                   {"response_format": {"type": "json_schema"}},
                                    {"top_logprobs": 2}, {"stop": [""]}, {"n": 0}, {"max_tokens": 0}])
 def test_refused(extra):
     with pytest.raises((ValidationError, BadRequest)):
@@ -48,3 +50,15 @@ def test_completion_prompts():
 def test_generate_sampling_params():
     g = GenerateRequest(text="hi", sampling_params={"max_new_tokens": 9, "temperature": 0})
     assert g.params().max_tokens == 9 and g.params().greedy
+
+
+def test_structured_output_fields_become_one_constraint():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, response_format=fmt)).params().guided
+    assert (g.kind, g.spec, g.param) == ("json_schema", '{"type":"object"}', "response_format")
+    g = CompletionRequest.model_validate(dict(model="m", prompt="x", json='{"type": "object"}')).params().guided
+    assert (g.kind, g.param) == ("json_schema", "json")
+    g = GenerateRequest(text="hi", sampling_params={"json_schema": '{"type": "object"}'}).params().guided
+    assert g.kind == "json_schema"
+    g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, guided_choice=["a", "b"])).params().guided
+    assert (g.kind, g.spec) == ("choice", '["a", "b"]')

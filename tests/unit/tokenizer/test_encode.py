@@ -52,3 +52,14 @@ def test_min_tokens_must_fit_max_tokens_and_the_context(encoder):
     assert isinstance(over_context, ReplyError) and over_context.param == "min_tokens"
     assert over_context.code == "context_length_exceeded"
     assert isinstance(fine, ScheduleJob) and fine.params.max_tokens is None and fine.params.min_tokens == 40
+
+
+def test_a_constraint_that_cannot_compile_is_refused_naming_its_field(encoder):
+    from shared.messages import Guided
+
+    bad = SamplingParams(guided=Guided("regex", "(a|b", param="regex"))
+    good = SamplingParams(guided=Guided("json_schema", '{"type":"object"}', param="response_format"))
+    refused, ok = encoder.encode([job(prompt="hi", params=bad), job(prompt="hi", params=good)])
+    assert isinstance(refused, ReplyError) and refused.status == 400 and refused.param == "regex"
+    assert "unclosed group" in refused.message
+    assert isinstance(ok, ScheduleJob) and ok.params.guided == good.guided
