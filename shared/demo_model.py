@@ -15,7 +15,8 @@ from pathlib import Path
 
 # ChatML in the Qwen3 / Hermes style: tools listed in the system turn, the assistant's tool calls as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as <tool_response> in a user turn,
-# and `enable_thinking=False` (chat_template_kwargs) closing an empty <think></think> block up front.
+# and a hybrid reasoner's switch: the answer starts after an empty <think></think> block unless the
+# template gets `enable_thinking=True` (chat_template_kwargs), when the model may think first.
 CHATML_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
@@ -45,7 +46,7 @@ CHATML_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- if not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
     "{%- endif %}"
     "{%- endif %}"
 )

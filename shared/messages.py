@@ -8,6 +8,8 @@ Decoders ignore fields they do not know, so a newer producer can add optional fi
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 VERSION = 1
@@ -19,12 +21,16 @@ class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
 
     `kind`: "json_schema" (`spec` is the schema's JSON), "json_object" (any JSON object), "regex", "ebnf"
     (GBNF or Lark), "lark" (tool calls: built by the tokenizer) or "choice" (a JSON list of strings).
-    `after`: token ids that open the constrained part (a reasoning model's `</think>`); until the
-    completion contains them, its tokens are free. `param`: the request field it came from, for errors."""
+    `after`: token ids that end a reasoning model's thinking (`</think>`): the grammar applies only once the
+    completion contains them; with `think` (the token that opens thinking, e.g. `<think>`) the first token
+    may also be that one (the model decides whether it thinks), else the answer is constrained from its
+    first token. Without `think`, a non-empty `after` means the prompt opened the thinking. `param`: the
+    request field it came from, named in errors."""
 
     kind: str
     spec: str = ""
     after: list[int] = []
+    think: int = -1
     param: str = ""
 
 
@@ -59,6 +65,17 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, OpenAI's shape
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (Qwen3 templates render it)
+
+
+class ToolChoice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the answer may use `tools`: "auto" (the model decides), "none", "required" (one call or more),
+    "function" (exactly one call of `name`). "required" and "function" are enforced with a grammar."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True  # more than one call allowed
 
 
 class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
@@ -76,6 +93,10 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
     background: bool = False
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects, rendered by the chat template
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
+    priority: int = 0  # admission order in the engine: lower first
     v: int = VERSION
 
 
@@ -90,6 +111,7 @@ class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule",
     params: SamplingParams
     input_ids: list[int]
     background: bool = False
+    priority: int = 0
     v: int = VERSION
 
 

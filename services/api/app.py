@@ -88,10 +88,14 @@ def create_app(settings: ApiSettings) -> Guard:
         await svc.admit(body.model)
         job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
                           messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message)
+                          continue_final_message=body.continue_final_message, tools=body.tool_dicts(),
+                          tool_choice=body.tool_choice_struct(), chat_template_kwargs=body.chat_template_kwargs or {},
+                          priority=body.priority)
+        parse = answer_parsing(svc.stages.snapshot.model_info(body.model), body.parses_tool_calls)
         fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
-                         job.params.logprobs, body.include_usage)
-        return await svc.respond(request, job, fmt, bool(body.stream), "chat", body.annotations())
+                         job.params.logprobs, body.include_usage, parse)
+        annotations = {**body.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
+        return await svc.respond(request, job, fmt, bool(body.stream), "chat", annotations)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -142,10 +146,11 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid)
-        fmt_cls = ChatFormat if record.get("kind") == "chat" else CompletionFormat
         n = int(record.get("n", 1))
-        fmt: Format = fmt_cls(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)),
-                              n, bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+        head = (record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), n,
+                bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+        fmt: Format = (ChatFormat(*head, orjson.loads(record.get("parse") or "{}"))
+                       if record.get("kind") == "chat" else CompletionFormat(*head))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
         model = record.get("model", "")
         flight = await svc.gateway.attach(_bare(uid), n, deadline, bool(int(record.get("background", 0))))
@@ -192,6 +197,17 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+
+
+def answer_parsing(model_info: dict, tools: bool) -> dict:
+    """How chat answers of this model are split (what its tokenizer detected): reasoning, and tool calls
+    when the request offers tools and lets the model call them."""
+    out: dict = {}
+    if model_info.get("reasoning_parser", "none") != "none":
+        out["reasoning"] = model_info["reasoning_parser"]
+    if tools and model_info.get("tool_call_parser", "none") != "none":
+        out["tools"] = model_info["tool_call_parser"]
+    return out
 
 
 def _only_model(svc: ApiService) -> str:

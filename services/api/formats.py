@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.api.parsers import AnswerParser, Parsed
 from shared.messages import ReplyEvent, TokenLogprob
 
 
@@ -72,12 +73,15 @@ class Format:
             c = self.choices[index]
             if not text and finish is None and c.started:
                 continue  # nothing visible yet (bytes held back until a character completes)
+            choice = self.chunk_choice(index, c, text, lps, finish)
+            c.length += len(text)
+            if choice is None:
+                continue  # held back by a parser
             body = self._head(self.object_chunk)
-            body["choices"] = [self.chunk_choice(index, c, text, lps, finish)]
+            body["choices"] = [choice]
             if self.include_usage:
                 body["usage"] = None
             c.started = True
-            c.length += len(text)
             out.append(body)
         return out
 
@@ -100,7 +104,8 @@ class Format:
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
-    def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
+    def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None
+                     ) -> dict | None:
         raise NotImplementedError
 
     def full_choice(self, index: int, c: Choice) -> dict:
@@ -108,20 +113,56 @@ class Format:
 
 
 class ChatFormat(Format):
+    """`parse` ({"reasoning": format, "tools": format}, services/api/app.py `answer_parsing`) splits each
+    answer into `reasoning_content`, `content` and `tool_calls` (services/api/parsers.py)."""
+
     object_chunk = "chat.completion.chunk"
     object_full = "chat.completion"
 
+    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool,
+                 parse: dict | None = None):
+        super().__init__(rid, model, created, n, logprobs, include_usage)
+        self.parse = parse or {}
+        self.parsers = [self._parser() for _ in range(n)] if self.parse else None
+        self.calls = [0] * n
+
+    def _parser(self) -> AnswerParser:
+        return AnswerParser(bool(self.parse.get("reasoning")), self.parse.get("tools"))
+
     def chunk_choice(self, index, c, text, lps, finish):
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if not c.started else {}
-        if text:
-            delta["content"] = text
+        parsed = Parsed(content=text)
+        if self.parsers is not None:
+            parsed = self.parsers[index].feed(text)
+            if finish is not None:
+                parsed += self.parsers[index].finish()
+        delta: dict[str, Any] = {"role": "assistant", "content": parsed.content} if not c.started else {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            delta["tool_calls"] = [{"index": self.calls[index] + k, **call} for k, call in enumerate(parsed.tool_calls)]
+            self.calls[index] += len(parsed.tool_calls)
+        if c.started and len(delta) == 0 and finish is None and not lps:
+            return None
         logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
+        finish = "tool_calls" if finish == "stop" and self.calls[index] else finish
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def full_choice(self, index, c):
         logprobs = {"content": _lp_chat(c.logprobs), "refusal": None} if self.want_logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+        text, finish = "".join(c.text), c.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.parse:
+            parsed = self._parser().parse_all(text)
+            calls = parsed.tool_calls
+            message["content"] = None if calls and not parsed.content.strip() else parsed.content
+            if self.parse.get("reasoning"):
+                message["reasoning_content"] = parsed.reasoning or None
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 class CompletionFormat(Format):

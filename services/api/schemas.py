@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import ChatMessage, Guided, SamplingParams
+from shared.messages import ChatMessage, Guided, SamplingParams, ToolChoice
 
 MAX_N = 16
 MAX_STOP = 16
@@ -27,8 +27,8 @@ UNSUPPORTED_EXTENSIONS = {
                     "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
                     "fields; the backend is llguidance"),
     "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
-    **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs"),
-                    "custom chat templates and template arguments are not supported"),
+    **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
+                    "custom chat templates are not supported (chat_template_kwargs are)"),
     **dict.fromkeys(("lora_path", "lora_request"), "LoRA adapters are not supported"),
     **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
                     "output"),
@@ -101,6 +101,46 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = FORBID
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = FORBID
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = FORBID
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments are always constrained to `parameters` when a call is enforced
+
+
+class Tool(BaseModel):
+    model_config = FORBID
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = FORBID
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, v: dict[str, str]) -> dict[str, str]:
+        if set(v) != {"name"}:
+            raise ValueError("tool_choice.function must be {\"name\": ...}")
+        return v
+
+
 class Message(BaseModel):
     model_config = FORBID
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -108,14 +148,17 @@ class Message(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning, as returned; templates may use it
     function_call: Any = None
     audio: Any = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> Message:
-        refuse_unless(self.tool_calls or None, (None,), "messages.tool_calls", "tools are not supported")
-        refuse_unless(self.function_call, (None,), "messages.function_call", "functions are not supported")
+        if self.tool_calls and self.role != "assistant":
+            raise BadRequest("only assistant messages carry tool_calls", "messages.tool_calls")
+        refuse_unless(self.function_call, (None,), "messages.function_call",
+                      "the deprecated function_call is not supported; use tool_calls")
         refuse_unless(self.audio, (None,), "messages.audio", "audio is not supported")
         return self
 
@@ -126,8 +169,9 @@ class Message(BaseModel):
                 raise BadRequest("only text content parts are supported", "messages")
             content = "".join(p.text or "" for p in content)
         role = "system" if self.role == "developer" else self.role
+        calls = [c.model_dump(exclude_none=True) for c in self.tool_calls] if self.tool_calls else None
         return ChatMessage(role=role, content=content or self.refusal or "", name=self.name,
-                           tool_call_id=self.tool_call_id)
+                           tool_call_id=self.tool_call_id, tool_calls=calls, reasoning_content=self.reasoning_content)
 
 
 class SamplingFields(BaseModel):
@@ -156,6 +200,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
     background: bool | None = False
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower first (vLLM's order)
     # Structured outputs (SGLang: regex, json, ebnf; vLLM: guided_*): the answer follows the constraint.
     regex: str | None = None
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -229,9 +274,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # no effect without tools, as with OpenAI
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     safety_identifier: str | None = None  # kept in the request record, like `user`
     metadata: dict[str, str] | None = None  # kept in the request record
@@ -254,9 +300,12 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
-        refuse_unless(self.tool_choice, (None, "none"), "tool_choice", "tools are not supported")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise BadRequest("tool_choice \"required\" or a named function needs `tools`", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function["name"] not in {
+                t.function.name for t in self.tools or []}:
+            raise BadRequest(f"tool_choice names `{self.tool_choice.function['name']}`, which is not among the "
+                             "tools", "tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         refuse_unless(self.store, (None, False), "store", "requests are kept only for the server's record TTL")
@@ -276,8 +325,28 @@ class ChatCompletionRequest(SamplingFields):
 
     def params(self) -> SamplingParams:
         fmt = response_format_constraint(self.response_format)
+        guided = self.guided((fmt,) if fmt else ())
+        choice = self.tool_choice_struct()
+        if guided is not None and choice is not None and choice.mode in ("required", "function"):
+            raise BadRequest(f"tool_choice {self.tool_choice!r} constrains the answer to tool calls; it cannot be "
+                             f"combined with `{guided.param}`", "tool_choice")
         return self.sampling(self.max_completion_tokens or self.max_tokens, bool(self.logprobs),
-                             self.top_logprobs or 0, self.guided((fmt,) if fmt else ()))
+                             self.top_logprobs or 0, guided)
+
+    def tool_choice_struct(self) -> ToolChoice | None:
+        if not self.tools:
+            return None
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolChoice("function", self.tool_choice.function["name"], parallel)
+        return ToolChoice(self.tool_choice or "auto", None, parallel)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def annotations(self) -> dict[str, str]:
         out = super().annotations()

@@ -37,10 +37,12 @@ class GrammarError(Exception):
 
 
 class Prepared:
-    """A grammar ready for matchers: the model's token trie and one matcher to copy."""
+    """A grammar ready for matchers: the model's token trie and one matcher to copy. `specials`: the
+    tokens llguidance treats as special (every added token, `<think>` and `<tool_call>` included)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, specials: list[int]):
         self.matcher = matcher
+        self.specials = specials
 
     def new_matcher(self) -> Any:
         return self.matcher.deep_copy()
@@ -55,6 +57,7 @@ class GrammarCache:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._prepared: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._tokenizer = None  # built in the executor's thread on first use
+        self._specials: list[int] = []
         self.compile_ms: list[float] = []  # of the last preparations, for stats
 
     def get(self, guided: Guided) -> Future:
@@ -83,7 +86,7 @@ class GrammarCache:
         ms = (time.perf_counter() - started) * 1e3
         self.compile_ms = [*self.compile_ms[-63:], ms]
         log.info("prepared a %s grammar in %.1f ms", guided.kind, ms)
-        return Prepared(matcher)
+        return Prepared(matcher, self._specials)
 
     def _llm_tokenizer(self):
         if self._tokenizer is None:
@@ -93,6 +96,8 @@ class GrammarCache:
             tok = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
             eos = tok.eos_token_id if tok.eos_token_id in self.eos_ids else (self.eos_ids or [tok.eos_token_id])[0]
             self._tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size, eos_token=eos)
+            added = sorted(t for t in tok.get_added_vocab().values() if t < self.vocab_size)
+            self._specials = [t for t in added if self._tokenizer.is_special_token(t)]
         return self._tokenizer
 
     def close(self) -> None:
@@ -100,28 +105,40 @@ class GrammarCache:
 
 
 class SeqGrammar:
-    """One choice's grammar state. Tokens before `after` appears in the completion are not constrained;
-    from then on every token goes through the matcher."""
+    """One choice's grammar state. A reasoning model's thinking is free: with `think`, the first token
+    may open it instead of starting the answer; with `after` alone the prompt opened it. From the end
+    of the thinking (`after` in the completion) every token goes through the matcher."""
 
-    def __init__(self, prepared: Prepared, after: list[int], completion: list[int]):
-        self.prepared, self.after = prepared, list(after)
+    def __init__(self, prepared: Prepared, after: list[int], completion: list[int], think: int = -1):
+        self.prepared, self.after, self.think = prepared, list(after), think
         self.matcher = prepared.new_matcher()
-        self.active = not self.after
+        self.active = not self.after or think >= 0
+        self.seen = 0  # completion tokens fed
         for k in range(len(completion)):  # a resumed or preempted choice replays what it produced
             if not self.accept(completion[:k + 1]):
                 raise GrammarError("the tokens already produced do not match the grammar")
 
     def fresh(self) -> SeqGrammar:
         """A state for a sibling choice forked before its first token."""
-        return SeqGrammar(self.prepared, self.after, [])
+        return SeqGrammar(self.prepared, self.after, [], self.think)
+
+    @property
+    def may_open_thinking(self) -> bool:
+        """The next token may be `think` besides what the grammar admits (only the first token)."""
+        return self.seen == 0 and self.think >= 0
 
     def accept(self, completion: list[int]) -> bool:
         """Feed the completion's last token; False if the grammar does not admit it."""
+        self.seen += 1
+        tok = completion[-1]
+        if self.seen == 1 and self.think >= 0 and tok == self.think:
+            self.active = False  # the model thinks first; the answer starts after `after`
+            return True
         if not self.active:
             n = len(self.after)
             self.active = len(completion) >= n and completion[-n:] == self.after
             return True
-        return bool(self.matcher.consume_token(completion[-1]))
+        return bool(self.matcher.consume_token(tok))
 
     @property
     def done(self) -> bool:
@@ -145,7 +162,16 @@ def apply_masks(logits: torch.Tensor, grammars: list[SeqGrammar | None]) -> None
         m = grammars[i].matcher  # type: ignore[union-attr]
         m.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab].view(np.bool_)
+    for j, i in enumerate(rows):
+        g = grammars[i]
+        assert g is not None
+        # llguidance's mask admits a special token whose text matches the bytes the grammar forces next
+        # (`<think>` where a regex spells "<think>"), and then refuses it: only keep those it would accept.
+        for t in g.prepared.specials:
+            if allowed[j, t] and not g.matcher.validate_tokens([t]):
+                allowed[j, t] = False
+        if g.may_open_thinking and g.think < vocab:
+            allowed[j, g.think] = True
     index = torch.tensor(rows, device=logits.device)
     mask = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
     logits[index] = logits[index].masked_fill(~mask, float("-inf"))
-

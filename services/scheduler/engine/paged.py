@@ -150,7 +150,8 @@ class PagedEngine:
             try:
                 guided = seq.req.params.guided
                 assert guided is not None
-                seq.grammar = SeqGrammar(seq.compiling.result(), guided.after, seq.tokens[seq.prompt_len:])
+                seq.grammar = SeqGrammar(seq.compiling.result(), guided.after, seq.tokens[seq.prompt_len:],
+                                         guided.think)
             except (GrammarError, RuntimeError, ValueError) as e:
                 failed.setdefault(seq.uid, f"structured output: {e}")
         outputs = []

@@ -63,7 +63,7 @@ class SimpleEngine:
         try:
             compiled = self.grammars.get(guided).result()
             for s in seqs:
-                s.grammar = SeqGrammar(compiled, guided.after, s.out)
+                s.grammar = SeqGrammar(compiled, guided.after, s.out, guided.think)
         except GrammarError as e:
             raise RequestRejected(str(e), param=guided.param) from None
 

@@ -130,3 +130,26 @@ def test_priority_orders_admission(demo_model, tok):
     while eng.has_work():
         order += [o.uid for o in eng.step() if o.finish_reason]
     assert order == ["h", "l0", "l1"]
+
+
+def test_a_reasoning_model_may_think_before_a_constrained_answer(eng, tok):
+    """With `think`, the first token may open the thinking (free until `after`) or start the answer;
+    the mask admits exactly that."""
+    import torch
+
+    from services.scheduler.engine.grammar import SeqGrammar, apply_masks
+
+    start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    prepared = eng.grammars.get(Guided("regex", "[0-9]{3}")).result()
+    digit = tok.convert_tokens_to_ids("7")
+    g = SeqGrammar(prepared, [end], [], think=start)
+    logits = torch.zeros(2, eng.runner.vocab_size)
+    apply_masks(logits, [None, g])
+    allowed = set(torch.nonzero(logits[1] == 0).flatten().tolist())
+    assert start in allowed and digit in allowed and end not in allowed and (logits[0] == 0).all()
+    thinking = [start, *tok("so hmm", add_special_tokens=False)["input_ids"], end]
+    for k in range(len(thinking)):
+        assert g.accept(thinking[:k + 1]) and g.active == (k == len(thinking) - 1)
+    assert g.accept([*thinking, digit]) and not g.accept([*thinking, digit, start])  # constrained now
+    direct = SeqGrammar(prepared, [end], [digit], think=start)  # answered at once: constrained from token 1
+    assert direct.active and not direct.may_open_thinking
