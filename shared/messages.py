@@ -52,6 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    echo: bool = False  # the reply starts with the prompt's text (completions)
+    prompt_logprobs: int | None = None  # echo with logprobs: score the prompt's tokens, with this many top
     guided: Guided | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI: -100..100)
 
@@ -97,6 +99,7 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
     priority: int = 0  # admission order in the engine: lower first
+    suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
     v: int = VERSION
 
 
@@ -133,6 +136,11 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # A choice's first delta (start 0) only: prompt tokens the prefix cache held; with echo the prompt's
+    # ids, and with echo and logprobs each prompt token's logprob and top alternatives (from the second).
+    cached_tokens: int = 0
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class DetokenizeBatch(msgspec.Struct, frozen=True, tag_field="kind", tag="detokenize", omit_defaults=True):
@@ -152,7 +160,7 @@ class TopLogprob(msgspec.Struct, frozen=True):
 
 class TokenLogprob(msgspec.Struct, frozen=True):
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (echo)
     bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
@@ -168,6 +176,11 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     ids: list[int] = []
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    # A choice's first range only (see TokenDelta): the prompt's text (echo), its tokens' logprobs (the
+    # first has none: logprob null), and the prompt tokens read from the prefix cache.
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
     v: int = VERSION
 
 

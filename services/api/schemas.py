@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.messages import ChatMessage, Guided, SamplingParams, ToolChoice
 
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completion request
 MAX_STOP = 16
 FORBID = ConfigDict(extra="forbid")
 
@@ -86,6 +88,7 @@ def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
 class StreamOptions(BaseModel):
     model_config = FORBID
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: every chunk carries the usage so far
     include_obfuscation: bool | None = None
 
     @model_validator(mode="after")
@@ -248,8 +251,6 @@ class SamplingFields(BaseModel):
 
     def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                  guided: Guided | None = None) -> SamplingParams:
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values: dict[str, Any] = dict(
             max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
@@ -257,8 +258,22 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=logprobs,
-            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, guided=guided)
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, guided=guided,
+            logit_bias=self.token_bias())
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+    def token_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise BadRequest(f"logit_bias keys must be token ids; got {key!r}", "logit_bias")
+            if not -100 <= bias <= 100:
+                raise BadRequest(f"logit_bias values must be in [-100, 100]; got {bias}", "logit_bias")
+            out[int(key)] = float(bias)
+        return out
 
     def annotations(self) -> dict[str, str]:
         """What the client tells about itself, kept in the request record."""
@@ -267,6 +282,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -365,40 +384,46 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
-        if self.suffix:
-            raise BadRequest("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise BadRequest("best_of other than n is not supported", "best_of")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise BadRequest(f"best_of ({self.best_of}) must be at least n ({self.n or 1})", "best_of")
+        if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
+            raise BadRequest("best_of above n cannot be streamed (the best choices are known at the end)",
+                             "best_of")
         return self
 
-    def single_prompt(self) -> tuple[str | None, list[int] | None]:
-        """The one prompt of this request, as text or token ids."""
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """The request's prompts, each as text or as token ids (OpenAI takes one or a list of either)."""
         p = self.prompt
         if isinstance(p, str):
-            return p, None
-        if p and all(isinstance(x, int) for x in p):
-            return None, list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return (p[0], None) if isinstance(p[0], str) else (None, list(p[0]))  # type: ignore[arg-type]
+            return [(p, None)]
         if not p:
             raise BadRequest("prompt must not be empty", "prompt")
-        raise BadRequest("one prompt per request is supported; send a list of prompts as separate requests",
-                         "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [(None, list(p))]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+        return [(x, None) if isinstance(x, str) else (None, list(x)) for x in p]  # type: ignore[misc]
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Choices the engine runs per prompt: best_of of them, of which the best n are returned."""
+        return max(self.best_of or 1, self.n or 1)
 
     def params(self) -> SamplingParams:
         lp = self.logprobs
-        return self.sampling(self.max_tokens, lp is not None, lp or 0, self.guided())
+        p = self.sampling(self.max_tokens, lp is not None or self.choices_per_prompt > (self.n or 1), lp or 0,
+                          self.guided())
+        return msgspec.structs.replace(p, n=self.choices_per_prompt, echo=bool(self.echo),
+                                       prompt_logprobs=lp if self.echo and lp is not None else None)
 
 
 class GenerateRequest(BaseModel):
-    """SGLang-style native request: text or input_ids, sampling_params, stream."""
+    """SGLang-style native request: text or input_ids, sampling_params, stream, priority."""
 
     model_config = FORBID
     model: str | None = None
@@ -406,6 +431,7 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -415,6 +441,9 @@ class GenerateRequest(BaseModel):
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)
+        if "priority" in sp:
+            raise BadRequest("`priority` goes at the top level of the request, not in sampling_params",
+                             "sampling_params")
         renames = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"), ("json_schema", "json"))
         for sglang, ours in renames:
             if sglang in sp:

@@ -44,6 +44,7 @@ class Running:
     job: ScheduleJob
     outputs: list[list[int]]
     done: set[int] = field(default_factory=set)
+    prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
 
     @property
     def window(self) -> int:
@@ -64,10 +65,15 @@ class Running:
     def delta(self, out: StepOutput) -> TokenDelta:
         context = self.context(self.outputs[out.index], out.start)
         p = self.job.params
+        first: dict = {}
+        if out.start == 0:  # what a choice's first delta tells: cache hits, and the prompt for echo
+            self.prompt_scores = out.prompt_logprobs or self.prompt_scores
+            first = {"cached_tokens": out.cached_tokens, "prompt_ids": self.job.input_ids if p.echo else None,
+                     "prompt_logprobs": self.prompt_scores if p.prompt_logprobs is not None else None}
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
                           index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
-                          top_logprobs=out.top_logprobs)
+                          top_logprobs=out.top_logprobs, **first)
 
     def abort_deltas(self) -> list[TokenDelta]:
         """A final "abort" for every choice still open, so the client's reply ends in order."""

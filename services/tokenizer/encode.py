@@ -12,6 +12,9 @@ from services.tokenizer import tools
 from shared.grammars import check
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
+# Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ReplyError:
     return ReplyError(message=message, status=400, type="invalid_request_error", param=param, code=code)
@@ -25,6 +28,8 @@ class PromptEncoder:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.tool_parser = tools.tool_parser_for(template, tool_call_parser)
         self.reasoning_parser = tools.reasoning_parser_for(template, reasoning_parser)
+        vocab = tokenizer.get_vocab()
+        self.fim = next((names for names in FIM_TOKENS if all(t in vocab for t in names)), None)
         self.call_tokens = all(len(tokenizer.encode(m, add_special_tokens=False)) == 1
                                for m in (tools.HERMES_OPEN, tools.HERMES_CLOSE))
         self.think_close: list[int] = []
@@ -61,6 +66,12 @@ class PromptEncoder:
                 else:
                     chat[i] = rendered
                     jobs[i] = self._answer_after_thinking(job, rendered)
+            elif job.suffix is not None:
+                fim = self._fill_in_the_middle(job)
+                if isinstance(fim, ReplyError):
+                    results[i] = fim
+                else:
+                    plain[i] = fim
             else:
                 plain[i] = job.prompt or ""
         for texts, special in ((chat, False), (plain, True)):
@@ -69,6 +80,14 @@ class PromptEncoder:
                 for i, ids in zip(texts, encoded, strict=True):
                     results[i] = self.fit(jobs[i], list(ids))
         return results  # type: ignore[return-value]
+
+    def _fill_in_the_middle(self, job: TokenizeJob) -> str | ReplyError:
+        """`suffix`: the prompt in the model's fill-in-the-middle layout, if its vocabulary has one."""
+        if self.fim is None:
+            return invalid("`suffix` needs a fill-in-the-middle template; this model's vocabulary has no FIM "
+                           "tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)", "suffix")
+        prefix, suffix, middle = self.fim
+        return f"{prefix}{job.prompt or ''}{suffix}{job.suffix}{middle}"
 
     def _check_tools(self, job: TokenizeJob) -> ReplyError | None:
         problem = tools.check_tools(job, self.tool_parser)

@@ -45,6 +45,10 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    # On a choice's first output only: prompt tokens read from the prefix cache, and (when asked, echo)
+    # the logprob and top alternatives of each prompt token after the first.
+    cached_tokens: int = 0
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Engine(Protocol):

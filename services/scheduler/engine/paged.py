@@ -271,14 +271,39 @@ class PagedEngine:
         return outputs + self._sample(sampling, logits)
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
-        rows, ids, sample_idx = [], [], []
+        """Logits of the sampling rows; a sequence that scores its prompt also gets the logits of each
+        prompt position it computes (they score the next prompt token)."""
+        rows, ids, sample_idx, scored = [], [], [], []
         for sc in batch:
             seq = sc.seq
             rows.append(RowSpec(seq.pages, seq.num_computed, sc.num_new))
+            first = len(ids)
             ids.extend(seq.tokens[seq.num_computed:seq.num_computed + sc.num_new])
             if sc.samples:
                 sample_idx.append(len(ids) - 1)
-        return self.runner.forward(rows, ids, sample_idx)
+            if seq.scores_prompt:
+                positions = range(seq.num_computed, min(seq.num_computed + sc.num_new, seq.prompt_len - 1))
+                scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
+        extra = [i for _, idx, _ in scored for i in idx]
+        logits = self.runner.forward(rows, ids, sample_idx + extra)
+        if scored:
+            self._score_prompts(scored, logits[len(sample_idx):])
+        return logits[:len(sample_idx)]
+
+    @staticmethod
+    def _score_prompts(scored: list, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits, -1)
+        at = 0
+        for seq, idx, positions in scored:
+            rows = lp[at:at + len(idx)]
+            at += len(idx)
+            k = min(seq.req.params.prompt_logprobs or 0, rows.shape[-1])
+            nxt = torch.tensor([seq.tokens[p + 1] for p in positions], device=rows.device, dtype=torch.long)
+            chosen = rows.gather(-1, nxt[:, None])[:, 0].tolist()
+            tops = rows.topk(k, -1) if k else None
+            for j, p in enumerate(positions):  # by position: a preempted prefill scores the same again
+                top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist(), strict=True)) if tops else []
+                seq.scores[p] = (chosen[j], top)
 
     def _sample(self, sampling: list[Scheduled], logits: torch.Tensor) -> list[StepOutput]:
         seqs, logit_rows = [], []
@@ -304,7 +329,13 @@ class PagedEngine:
             finish = self._finish_reason(seq, tok)
             lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
             top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
-            outputs.append(StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top))
+            out = StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top)
+            if start == 0:
+                out.cached_tokens = max(seq.cached_tokens, 0)
+                if seq.scores_prompt:
+                    out.prompt_logprobs = seq.prompt_logprobs = [seq.scores[p] for p in sorted(seq.scores)]
+                    seq.scores = {}
+            outputs.append(out)
             if finish:
                 self.scheduler.finish(seq)
         if refused:

@@ -112,6 +112,8 @@ class BatchScheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             self.prefix_hit_tokens += hit * self.page_size
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = hit * self.page_size
             self._grow(seq, n)
             batch.append(Scheduled(seq, n))
             budget -= n
@@ -134,7 +136,7 @@ class BatchScheduler:
 
     def _match_prefix(self, seq: Seq) -> int:
         """Share the cached pages of the sequence's longest cached prefix; always leave a token to run."""
-        if self.cache is None or seq.pages:
+        if self.cache is None or seq.pages or seq.scores_prompt:  # scoring the prompt computes all of it
             return 0
         limit = (len(seq.tokens) - 1) // self.page_size
         extend_digests(seq.digests, seq.tokens, self.page_size, limit)

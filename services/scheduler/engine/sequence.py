@@ -25,8 +25,17 @@ class Seq:
     digests: list[bytes] = field(default_factory=list)  # of full pages, for the prefix cache
     forks: int = 0  # sibling choices to spawn from this one's prompt at its first sample
     num_cached_pages: int = 0  # leading pages already named in the prefix cache
+    cached_tokens: int = -1  # prompt tokens found in the prefix cache at its first admission
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # echo: once delivered
+    scores: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)  # by position
     compiling: Future | None = None  # the request's grammar while it compiles (structured outputs)
     grammar: SeqGrammar | None = None  # this choice's matcher once compiled
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill must also score the prompt's tokens (echo with logprobs); the first choice does it."""
+        return (self.req.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None
+                and not self.req.output_ids)
 
     @property
     def ready(self) -> bool:

@@ -39,11 +39,17 @@ def test_refused(extra):
 
 
 def test_completion_prompts():
-    assert CompletionRequest(model="m", prompt="x").single_prompt() == ("x", None)
-    assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt() == (None, [1, 2])
-    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == (None, [1, 2])
+    assert CompletionRequest(model="m", prompt="x").prompts() == [("x", None)]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [(None, [1, 2])]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts() == [(None, [1, 2]), (None, [3])]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == [("a", None), ("b", None)]
     with pytest.raises(BadRequest):
-        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+        CompletionRequest(model="m", prompt=[]).prompts()
+    with pytest.raises(ValidationError):  # best_of below n
+        CompletionRequest(model="m", prompt="x", n=3, best_of=2)
+    p = CompletionRequest(model="m", prompt="x", n=2, best_of=4, echo=True, logprobs=2,
+                          logit_bias={"7": -100}).params()
+    assert (p.n, p.logprobs, p.echo, p.prompt_logprobs, p.logit_bias) == (4, True, True, 2, {7: -100.0})
     assert CompletionRequest(model="m", prompt="x").params().max_tokens == 16
 
 
