@@ -143,6 +143,10 @@ class PromptEncoder:
             return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{n + p.max_tokens} tokens ({n} in the prompt, {p.max_tokens} for the completion). "
                            "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        bad_bias = next((t for t in p.logit_bias if t >= self.vocab_size), None)
+        if bad_bias is not None:
+            return invalid(f"logit_bias names token {bad_bias}, outside the vocabulary (size {self.vocab_size})",
+                           "logit_bias")
         if p.max_tokens is not None and p.min_tokens > p.max_tokens:
             return invalid(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens")
         if n + p.min_tokens > limit:

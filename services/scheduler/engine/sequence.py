@@ -35,7 +35,7 @@ class Seq:
     def scores_prompt(self) -> bool:
         """Its prefill must also score the prompt's tokens (echo with logprobs); the first choice does it."""
         return (self.req.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None
-                and not self.req.output_ids)
+                and not any(self.req.output_ids))
 
     @property
     def ready(self) -> bool:

@@ -31,3 +31,10 @@ def test_cached_prompt_tokens_are_reported_once(demo_model):
     assert cold[("a", 0)][0].cached_tokens == 0
     assert warm[("b", 0)][0].cached_tokens == 16  # four full pages; the last token is always recomputed
     assert all(o.cached_tokens == 0 for o in warm[("b", 0)][1:])
+
+
+def test_a_request_resumed_before_its_first_token_still_scores_its_prompt(demo_model):
+    eng = engine(clone_model(demo_model))
+    [prompt] = prompts([9], demo_model.config.vocab_size, seed=6)
+    out = drain(eng, {0: [EngineRequest("r", prompt, greedy(2, n=2, prompt_logprobs=1), [[], []])]})
+    assert len(out[("r", 0)][0].prompt_logprobs) == len(prompt) - 1

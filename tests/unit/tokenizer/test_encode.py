@@ -112,3 +112,8 @@ def test_chat_template_kwargs_reach_the_template(encoder):
                               job(messages=msgs, chat_template_kwargs={"tokenize": True})])
     assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n")
     assert isinstance(bad, ReplyError) and bad.param == "chat_template_kwargs"
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(encoder):
+    [out] = encoder.encode([job(prompt="hi", params=SamplingParams(logit_bias={10**6: 5.0}))])
+    assert isinstance(out, ReplyError) and out.param == "logit_bias"
