@@ -13,13 +13,46 @@ import json
 import os
 from pathlib import Path
 
+# ChatML in the Qwen3 / Hermes style: tools listed in the system turn, the assistant's tool calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as <tool_response> in a user turn,
+# and a hybrid reasoner's switch: the answer starts after an empty <think></think> block unless the
+# template gets `enable_thinking=True` (chat_template_kwargs), when the model may think first.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added as in Qwen3: single tokens, but not special (decoding keeps them, so the API can parse them).
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096),
@@ -28,7 +61,7 @@ SHAPES = {
                        max_position_embeddings=40960),
 }
 MARKER = "rsinfer_demo.json"
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: tool calls and thinking in the template, their markup as tokens
 
 
 def default_cache_dir() -> Path:
@@ -72,6 +105,7 @@ def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_bpe_tokenizer() if shape == "tiny" else _qwen_tokenizer()
+    tokenizer.add_tokens(MARKUP_TOKENS)
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

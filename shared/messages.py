@@ -8,10 +8,30 @@ Decoders ignore fields they do not know, so a newer producer can add optional fi
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 VERSION = 1
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A constraint on a choice's tokens (structured outputs), enforced by a grammar in the engine.
+
+    `kind`: "json_schema" (`spec` is the schema's JSON), "json_object" (any JSON object), "regex", "ebnf"
+    (GBNF or Lark), "lark" (tool calls: built by the tokenizer) or "choice" (a JSON list of strings).
+    `after`: token ids that end a reasoning model's thinking (`</think>`): the grammar applies only once the
+    completion contains them; with `think` (the token that opens thinking, e.g. `<think>`) the first token
+    may also be that one (the model decides whether it thinks), else the answer is constrained from its
+    first token. Without `think`, a non-empty `after` means the prompt opened the thinking. `param`: the
+    request field it came from, named in errors."""
+
+    kind: str
+    spec: str = ""
+    after: list[int] = []
+    think: int = -1
+    param: str = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -32,6 +52,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    echo: bool = False  # the reply starts with the prompt's text (completions)
+    prompt_logprobs: int | None = None  # echo with logprobs: score the prompt's tokens, with this many top
+    guided: Guided | None = None
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI: -100..100)
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +67,17 @@ class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, OpenAI's shape
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (Qwen3 templates render it)
+
+
+class ToolChoice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the answer may use `tools`: "auto" (the model decides), "none", "required" (one call or more),
+    "function" (exactly one call of `name`). "required" and "function" are enforced with a grammar."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True  # more than one call allowed
 
 
 class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
@@ -60,6 +95,11 @@ class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize",
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
     background: bool = False
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects, rendered by the chat template
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
+    priority: int = 0  # admission order in the engine: lower first
+    suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
     trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
     v: int = VERSION
 
@@ -75,6 +115,7 @@ class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule",
     params: SamplingParams
     input_ids: list[int]
     background: bool = False
+    priority: int = 0
     trace: str | None = None
     v: int = VERSION
 
@@ -97,6 +138,11 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # A choice's first delta (start 0) only: prompt tokens the prefix cache held; with echo the prompt's
+    # ids, and with echo and logprobs each prompt token's logprob and top alternatives (from the second).
+    cached_tokens: int = 0
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     trace: str | None = None  # the request's traceparent, on a choice's first and last delta when traced
 
 
@@ -117,7 +163,7 @@ class TopLogprob(msgspec.Struct, frozen=True):
 
 class TokenLogprob(msgspec.Struct, frozen=True):
     token: str
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (echo)
     bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
@@ -133,6 +179,11 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     ids: list[int] = []
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    # A choice's first range only (see TokenDelta): the prompt's text (echo), its tokens' logprobs (the
+    # first has none: logprob null), and the prompt tokens read from the prefix cache.
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
     v: int = VERSION
 
 

@@ -62,7 +62,10 @@ class StageSettings(CommonSettings):
 
 
 class TokenizerSettings(StageSettings):
-    pass
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = Field(
+        "auto", description="format of the model's tool calls; auto = the one its chat template writes")
+    reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
+        "auto", description="how the model marks its thinking; auto = qwen3 when the template has <think>")
 
 
 class DetokenizerSettings(StageSettings):

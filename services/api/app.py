@@ -88,28 +88,39 @@ def create_app(settings: ApiSettings) -> Guard:
         await svc.admit(body.model)
         job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
                           messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message)
+                          continue_final_message=body.continue_final_message, tools=body.tool_dicts(),
+                          tool_choice=body.tool_choice_struct(), chat_template_kwargs=body.chat_template_kwargs or {},
+                          priority=body.priority)
+        parse = answer_parsing(svc.stages.snapshot.model_info(body.model), body.parses_tool_calls)
         fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
-                         job.params.logprobs, body.include_usage)
-        return await svc.respond(request, job, fmt, bool(body.stream), "chat", body.annotations())
+                         job.params.logprobs, body.include_usage, parse)
+        fmt.continuous_usage = body.continuous_usage
+        annotations = {**body.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
+        return await svc.respond(request, job, fmt, bool(body.stream), "chat", annotations)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         await svc.admit(body.model)
-        prompt, ids = body.single_prompt()
-        job = svc.new_job(body.model, body.timeout, body.background, params=body.params(), prompt=prompt,
-                          input_ids=ids)
-        fmt = CompletionFormat(f"cmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
-                               job.params.logprobs, body.include_usage)
-        return await svc.respond(request, job, fmt, bool(body.stream), "completion", body.annotations())
+        params = body.params()
+        jobs = [svc.new_job(body.model, body.timeout, body.background, params=params, prompt=prompt, input_ids=ids,
+                            suffix=body.suffix, priority=body.priority) for prompt, ids in body.prompts()]
+        fmt = CompletionFormat(f"cmpl-{jobs[0].uid}", body.model, int(jobs[0].created_at), len(jobs) * params.n,
+                               body.logprobs is not None, body.include_usage, echo=bool(body.echo),
+                               best_of=params.n, keep=body.n or 1)
+        fmt.continuous_usage = body.continuous_usage
+        annotations = {**body.annotations(), **({"echo": "1"} if body.echo else {})}
+        if len(jobs) == 1:
+            return await svc.respond(request, jobs[0], fmt, bool(body.stream), "completion", annotations)
+        return await svc.respond_many(request, jobs, fmt, bool(body.stream), "completion", annotations)
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
         model = body.model or _only_model(svc)
         await svc.admit(model)
-        job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids)
+        job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids,
+                          priority=body.priority)
         return await native_generate(svc, request, job, body.stream)
 
     @app.get("/v1/models")
@@ -142,10 +153,11 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid)
-        fmt_cls = ChatFormat if record.get("kind") == "chat" else CompletionFormat
         n = int(record.get("n", 1))
-        fmt: Format = fmt_cls(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)),
-                              n, bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+        head = (record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), n,
+                bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+        fmt: Format = (ChatFormat(*head, orjson.loads(record.get("parse") or "{}"))
+                       if record.get("kind") == "chat" else CompletionFormat(*head, echo=record.get("echo") == "1"))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
         model = record.get("model", "")
         flight = await svc.gateway.attach(_bare(uid), n, deadline, bool(int(record.get("background", 0))))
@@ -192,6 +204,17 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+
+
+def answer_parsing(model_info: dict, tools: bool) -> dict:
+    """How chat answers of this model are split (what its tokenizer detected): reasoning, and tool calls
+    when the request offers tools and lets the model call them."""
+    out: dict = {}
+    if model_info.get("reasoning_parser", "none") != "none":
+        out["reasoning"] = model_info["reasoning_parser"]
+    if tools and model_info.get("tool_call_parser", "none") != "none":
+        out["tools"] = model_info["tool_call_parser"]
+    return out
 
 
 def _only_model(svc: ApiService) -> str:

@@ -38,6 +38,7 @@ class OrderedReplies:
         self.held: list[dict[int, ReplyEvent]] = [{} for _ in range(n)]
         self.finished: dict[int, str] = {}
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, read from the engine's prefix cache
 
     @property
     def done(self) -> bool:
@@ -49,6 +50,7 @@ class OrderedReplies:
         if not 0 <= i < len(self.next) or i in self.finished:
             return []
         self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         if ev.finish_reason is not None and not ev.ids and ev.start <= self.next[i]:
             self.finished[i] = ev.finish_reason  # an abort or error ends the choice where it stands
             self.held[i].clear()

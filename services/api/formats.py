@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.api.parsers import AnswerParser, Parsed
 from shared.messages import ReplyEvent, TokenLogprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _lp_chat(lps: list[TokenLogprob]) -> list[dict]:
@@ -25,12 +27,14 @@ def _lp_chat(lps: list[TokenLogprob]) -> list[dict]:
 
 
 def _lp_text(lps: list[TokenLogprob], offset: int) -> dict:
+    """Legacy completions logprobs; an echoed prompt's first token has neither logprob nor alternatives."""
     offsets, at = [], offset
     for t in lps:
         offsets.append(at)
         at += len(t.token)
     return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{x.token: x.logprob for x in t.top_logprobs} for t in lps], "text_offset": offsets}
+            "top_logprobs": [None if t.logprob is None else {x.token: x.logprob for x in t.top_logprobs}
+                             for t in lps], "text_offset": offsets}
 
 
 @dataclass
@@ -42,6 +46,8 @@ class Choice:
     finish_reason: str | None = None
     length: int = 0
     started: bool = False
+    prompt: str = ""  # echo: the prompt's text, and its tokens' logprobs when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def group_by_choice(events: list[ReplyEvent]) -> dict[int, tuple[str, list[TokenLogprob], str | None]]:
@@ -61,46 +67,59 @@ class Format:
     def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool):
         self.rid, self.model, self.created = rid, model, created
         self.want_logprobs, self.include_usage = logprobs, include_usage
+        self.continuous_usage = False  # every chunk carries the usage so far
         self.choices = [Choice() for _ in range(n)]
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
+    def note_prompts(self, events: list[ReplyEvent]) -> None:
+        for ev in events:
+            if ev.prompt_text is not None:
+                c = self.choices[ev.index]
+                c.prompt, c.prompt_logprobs = ev.prompt_text, list(ev.prompt_logprobs or [])
+
     def chunks(self, events: list[ReplyEvent]) -> list[dict]:
+        self.note_prompts(events)
         out = []
         for index, (text, lps, finish) in sorted(group_by_choice(events).items()):
             c = self.choices[index]
-            if not text and finish is None and c.started:
+            if not text and finish is None and c.started and not (lps and self.want_logprobs):
                 continue  # nothing visible yet (bytes held back until a character completes)
+            choice = self.chunk_choice(index, c, text, lps, finish)
+            c.length += len(text)
+            if choice is None:
+                continue  # held back by a parser
             body = self._head(self.object_chunk)
-            body["choices"] = [self.chunk_choice(index, c, text, lps, finish)]
+            body["choices"] = [choice]
             if self.include_usage:
                 body["usage"] = None
             c.started = True
-            c.length += len(text)
             out.append(body)
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         body = self._head(self.object_chunk)
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def add(self, events: list[ReplyEvent]) -> None:
+        self.note_prompts(events)
         for ev in events:
             c = self.choices[ev.index]
             c.text.append(ev.text)
             c.logprobs.extend(ev.logprobs or [])
             c.finish_reason = ev.finish_reason or c.finish_reason
 
-    def response(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def response(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         body = self._head(self.object_full)
         body["choices"] = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
+    def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None
+                     ) -> dict | None:
         raise NotImplementedError
 
     def full_choice(self, index: int, c: Choice) -> dict:
@@ -108,33 +127,97 @@ class Format:
 
 
 class ChatFormat(Format):
+    """`parse` ({"reasoning": format, "tools": format}, services/api/app.py `answer_parsing`) splits each
+    answer into `reasoning_content`, `content` and `tool_calls` (services/api/parsers.py)."""
+
     object_chunk = "chat.completion.chunk"
     object_full = "chat.completion"
 
+    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool,
+                 parse: dict | None = None):
+        super().__init__(rid, model, created, n, logprobs, include_usage)
+        self.parse = parse or {}
+        self.parsers = [self._parser() for _ in range(n)] if self.parse else None
+        self.calls = [0] * n
+
+    def _parser(self) -> AnswerParser:
+        return AnswerParser(bool(self.parse.get("reasoning")), self.parse.get("tools"))
+
     def chunk_choice(self, index, c, text, lps, finish):
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if not c.started else {}
-        if text:
-            delta["content"] = text
+        parsed = Parsed(content=text)
+        if self.parsers is not None:
+            parsed = self.parsers[index].feed(text)
+            if finish is not None:
+                parsed += self.parsers[index].finish()
+        delta: dict[str, Any] = {"role": "assistant", "content": parsed.content} if not c.started else {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            delta["tool_calls"] = [{"index": self.calls[index] + k, **call} for k, call in enumerate(parsed.tool_calls)]
+            self.calls[index] += len(parsed.tool_calls)
+        if c.started and len(delta) == 0 and finish is None and not lps:
+            return None
         logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
+        finish = "tool_calls" if finish == "stop" and self.calls[index] else finish
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def full_choice(self, index, c):
         logprobs = {"content": _lp_chat(c.logprobs), "refusal": None} if self.want_logprobs else None
-        return {"index": index, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+        text, finish = "".join(c.text), c.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.parse:
+            parsed = self._parser().parse_all(text)
+            calls = parsed.tool_calls
+            message["content"] = None if calls and not parsed.content.strip() else parsed.content
+            if self.parse.get("reasoning"):
+                message["reasoning_content"] = parsed.reasoning or None
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 class CompletionFormat(Format):
+    """`echo`: each choice starts with its prompt (and its tokens' logprobs). `best_of`: of every `best_of`
+    consecutive choices (one prompt's), the `n` with the highest cumulative logprob are returned."""
+
     object_chunk = "text_completion"
     object_full = "text_completion"
 
+    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool,
+                 echo: bool = False, best_of: int | None = None, keep: int | None = None):
+        super().__init__(rid, model, created, n, logprobs, include_usage)
+        self.echo, self.best_of, self.keep = echo, best_of, keep
+
     def chunk_choice(self, index, c, text, lps, finish):
-        logprobs = _lp_text(lps, c.length) if self.want_logprobs else None
+        offset = c.length  # text_offset counts from the start of the choice's text, echoed prompt included
+        if self.echo and not c.started:
+            text, lps = c.prompt + text, c.prompt_logprobs + lps
+            c.length += len(c.prompt)
+        logprobs = _lp_text(lps, offset) if self.want_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def full_choice(self, index, c):
-        logprobs = _lp_text(c.logprobs, 0) if self.want_logprobs else None
-        return {"index": index, "text": "".join(c.text), "logprobs": logprobs, "finish_reason": c.finish_reason}
+        text, lps = "".join(c.text), c.logprobs
+        if self.echo:
+            text, lps = c.prompt + text, c.prompt_logprobs + lps
+        logprobs = _lp_text(lps, 0) if self.want_logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def response(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        if self.best_of and self.keep and self.best_of > self.keep:
+            self.choices = self._best()
+        return super().response(prompt_tokens, completion_tokens, cached_tokens)
+
+    def _best(self) -> list[Choice]:
+        out = []
+        for at in range(0, len(self.choices), self.best_of or 1):
+            group = self.choices[at:at + (self.best_of or 1)]
+            ranked = sorted(group, key=lambda c: -sum(t.logprob or 0.0 for t in c.logprobs))
+            out += ranked[:self.keep]
+        return out
 
 
 def generate_body(uid: str, c: Choice, ids: list[int], prompt_tokens: int, text: str | None = None) -> dict:

@@ -39,13 +39,19 @@ class Snapshot:
         """Models with a live worker in every stage, sorted."""
         return sorted(m for m, counts in self.models.items() if complete(counts))
 
-    def model_card(self, model: str) -> dict:
-        """OpenAI's Model object, plus what vLLM and SGLang clients read: `max_model_len`, `root`, `parent`.
-        Workers report the model's context and checkpoint in their heartbeats (schedulers first)."""
+    def model_info(self, model: str) -> dict:
+        """What the stage workers of a model report of it (schedulers first): `root`, `max_model_len`, and
+        from tokenizers the answer formats `tool_call_parser` and `reasoning_parser`."""
         info: dict = {}
         for w in sorted(self.workers, key=lambda w: w.role != "scheduler"):
             if w.model == model:
                 info = {**w.load.get("model_info", {}), **info}
+        return info
+
+    def model_card(self, model: str) -> dict:
+        """OpenAI's Model object, plus what vLLM and SGLang clients read: `max_model_len`, `root`, `parent`.
+        Workers report the model's context and checkpoint in their heartbeats."""
+        info = self.model_info(model)
         return {"id": model, "object": "model", "created": int(self.at), "owned_by": "rsinfer",
                 "root": info.get("root", model), "parent": None, "max_model_len": info.get("max_model_len")}
 

@@ -13,21 +13,24 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import ChatMessage, SamplingParams
+from shared.messages import ChatMessage, Guided, SamplingParams, ToolChoice
 
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completion request
 MAX_STOP = 16
 FORBID = ConfigDict(extra="forbid")
 
 # Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
 UNSUPPORTED_EXTENSIONS = {
-    **dict.fromkeys(("regex", "json", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "structural_tag", "json_schema"),
-                    "structured outputs (regex, JSON schema, grammar) are not supported"),
-    **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs"),
-                    "custom chat templates and template arguments are not supported"),
+    **dict.fromkeys(("guided_decoding_backend", "structured_outputs", "guided_whitespace_pattern"),
+                    "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
+                    "fields; the backend is llguidance"),
+    "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
+    **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
+                    "custom chat templates are not supported (chat_template_kwargs are)"),
     **dict.fromkeys(("lora_path", "lora_request"), "LoRA adapters are not supported"),
     **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
                     "output"),
@@ -51,9 +54,41 @@ class BadRequest(ValueError):
         self.param = param
 
 
+def schema_text(value: dict[str, Any] | str, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as compact JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadRequest(f"`{param}` must be a JSON schema (an object, or its JSON text)", param) from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"`{param}` must be a JSON schema object", param)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
+    """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guided("json_object", param="response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")  # type: ignore[union-attr]
+        if not isinstance(spec, dict):
+            raise BadRequest("response_format.json_schema must be an object with `name` and `schema`",
+                             "response_format")
+        if spec.get("schema") is None:
+            return Guided("json_object", param="response_format")
+        return Guided("json_schema", schema_text(spec["schema"], "response_format"), param="response_format")
+    raise BadRequest(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                     "response_format")
+
+
 class StreamOptions(BaseModel):
     model_config = FORBID
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: every chunk carries the usage so far
     include_obfuscation: bool | None = None
 
     @model_validator(mode="after")
@@ -69,6 +104,46 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = FORBID
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = FORBID
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = FORBID
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments are always constrained to `parameters` when a call is enforced
+
+
+class Tool(BaseModel):
+    model_config = FORBID
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = FORBID
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, v: dict[str, str]) -> dict[str, str]:
+        if set(v) != {"name"}:
+            raise ValueError("tool_choice.function must be {\"name\": ...}")
+        return v
+
+
 class Message(BaseModel):
     model_config = FORBID
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -76,14 +151,17 @@ class Message(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning, as returned; templates may use it
     function_call: Any = None
     audio: Any = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> Message:
-        refuse_unless(self.tool_calls or None, (None,), "messages.tool_calls", "tools are not supported")
-        refuse_unless(self.function_call, (None,), "messages.function_call", "functions are not supported")
+        if self.tool_calls and self.role != "assistant":
+            raise BadRequest("only assistant messages carry tool_calls", "messages.tool_calls")
+        refuse_unless(self.function_call, (None,), "messages.function_call",
+                      "the deprecated function_call is not supported; use tool_calls")
         refuse_unless(self.audio, (None,), "messages.audio", "audio is not supported")
         return self
 
@@ -94,12 +172,13 @@ class Message(BaseModel):
                 raise BadRequest("only text content parts are supported", "messages")
             content = "".join(p.text or "" for p in content)
         role = "system" if self.role == "developer" else self.role
+        calls = [c.model_dump(exclude_none=True) for c in self.tool_calls] if self.tool_calls else None
         return ChatMessage(role=role, content=content or self.refusal or "", name=self.name,
-                           tool_call_id=self.tool_call_id)
+                           tool_call_id=self.tool_call_id, tool_calls=calls, reasoning_content=self.reasoning_content)
 
 
 class SamplingFields(BaseModel):
-    model_config = FORBID
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str = Field(min_length=1)
     stream: bool | None = False
@@ -124,6 +203,15 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
     background: bool | None = False
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower first (vLLM's order)
+    # Structured outputs (SGLang: regex, json, ebnf; vLLM: guided_*): the answer follows the constraint.
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    ebnf: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -135,9 +223,34 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported", "logit_bias")
+    def constraints(self) -> list[Guided]:
+        """The structured-output fields set, as constraints (at most one may be)."""
+        out = []
+        for field, kind in (("regex", "regex"), ("json_", "json_schema"), ("ebnf", "ebnf"),
+                            ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "ebnf"),
+                            ("guided_choice", "choice")):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            name = field.rstrip("_")
+            if kind == "json_schema":
+                value = schema_text(value, name)
+            elif kind == "choice":
+                if not value:
+                    raise BadRequest("guided_choice must list at least one string", name)
+                value = json.dumps(value)
+            out.append(Guided(kind, value, param=name))
+        return out
+
+    def guided(self, extra: tuple[Guided, ...] = ()) -> Guided | None:
+        found = [*self.constraints(), *extra]
+        if len(found) > 1:
+            raise BadRequest("give at most one structured-output constraint; got " +
+                             ", ".join(f"`{g.param}`" for g in found), found[1].param)
+        return found[0] if found else None
+
+    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                 guided: Guided | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values: dict[str, Any] = dict(
             max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
@@ -145,8 +258,22 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=logprobs,
-            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, guided=guided,
+            logit_bias=self.token_bias())
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+    def token_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise BadRequest(f"logit_bias keys must be token ids; got {key!r}", "logit_bias")
+            if not -100 <= bias <= 100:
+                raise BadRequest(f"logit_bias values must be in [-100, 100]; got {bias}", "logit_bias")
+            out[int(key)] = float(bias)
+        return out
 
     def annotations(self) -> dict[str, str]:
         """What the client tells about itself, kept in the request record."""
@@ -156,15 +283,20 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # no effect without tools, as with OpenAI
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     safety_identifier: str | None = None  # kept in the request record, like `user`
     metadata: dict[str, str] | None = None  # kept in the request record
@@ -187,11 +319,12 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise BadRequest("tools are not supported", "tools")
-        refuse_unless(self.tool_choice, (None, "none"), "tool_choice", "tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("only response_format type 'text' is supported", "response_format")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise BadRequest("tool_choice \"required\" or a named function needs `tools`", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function["name"] not in {
+                t.function.name for t in self.tools or []}:
+            raise BadRequest(f"tool_choice names `{self.tool_choice.function['name']}`, which is not among the "
+                             "tools", "tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         refuse_unless(self.store, (None, False), "store", "requests are kept only for the server's record TTL")
@@ -210,8 +343,29 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def params(self) -> SamplingParams:
+        fmt = response_format_constraint(self.response_format)
+        guided = self.guided((fmt,) if fmt else ())
+        choice = self.tool_choice_struct()
+        if guided is not None and choice is not None and choice.mode in ("required", "function"):
+            raise BadRequest(f"tool_choice {self.tool_choice!r} constrains the answer to tool calls; it cannot be "
+                             f"combined with `{guided.param}`", "tool_choice")
         return self.sampling(self.max_completion_tokens or self.max_tokens, bool(self.logprobs),
-                             self.top_logprobs or 0)
+                             self.top_logprobs or 0, guided)
+
+    def tool_choice_struct(self) -> ToolChoice | None:
+        if not self.tools:
+            return None
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolChoice("function", self.tool_choice.function["name"], parallel)
+        return ToolChoice(self.tool_choice or "auto", None, parallel)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     def annotations(self) -> dict[str, str]:
         out = super().annotations()
@@ -230,40 +384,46 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
-        if self.suffix:
-            raise BadRequest("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise BadRequest("best_of other than n is not supported", "best_of")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise BadRequest(f"best_of ({self.best_of}) must be at least n ({self.n or 1})", "best_of")
+        if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
+            raise BadRequest("best_of above n cannot be streamed (the best choices are known at the end)",
+                             "best_of")
         return self
 
-    def single_prompt(self) -> tuple[str | None, list[int] | None]:
-        """The one prompt of this request, as text or token ids."""
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """The request's prompts, each as text or as token ids (OpenAI takes one or a list of either)."""
         p = self.prompt
         if isinstance(p, str):
-            return p, None
-        if p and all(isinstance(x, int) for x in p):
-            return None, list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return (p[0], None) if isinstance(p[0], str) else (None, list(p[0]))  # type: ignore[arg-type]
+            return [(p, None)]
         if not p:
             raise BadRequest("prompt must not be empty", "prompt")
-        raise BadRequest("one prompt per request is supported; send a list of prompts as separate requests",
-                         "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [(None, list(p))]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+        return [(x, None) if isinstance(x, str) else (None, list(x)) for x in p]  # type: ignore[misc]
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Choices the engine runs per prompt: best_of of them, of which the best n are returned."""
+        return max(self.best_of or 1, self.n or 1)
 
     def params(self) -> SamplingParams:
         lp = self.logprobs
-        return self.sampling(self.max_tokens, lp is not None, lp or 0)
+        p = self.sampling(self.max_tokens, lp is not None or self.choices_per_prompt > (self.n or 1), lp or 0,
+                          self.guided())
+        return msgspec.structs.replace(p, n=self.choices_per_prompt, echo=bool(self.echo),
+                                       prompt_logprobs=lp if self.echo and lp is not None else None)
 
 
 class GenerateRequest(BaseModel):
-    """SGLang-style native request: text or input_ids, sampling_params, stream."""
+    """SGLang-style native request: text or input_ids, sampling_params, stream, priority."""
 
     model_config = FORBID
     model: str | None = None
@@ -271,6 +431,7 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -280,7 +441,11 @@ class GenerateRequest(BaseModel):
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)
-        for sglang, ours in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+        if "priority" in sp:
+            raise BadRequest("`priority` goes at the top level of the request, not in sampling_params",
+                             "sampling_params")
+        renames = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"), ("json_schema", "json"))
+        for sglang, ours in renames:
             if sglang in sp:
                 sp[ours] = sp.pop(sglang)
         sp.setdefault("max_tokens", 128)
@@ -288,4 +453,4 @@ class GenerateRequest(BaseModel):
             fields = SamplingFields(model="native", **sp)
         except ValueError as e:
             raise BadRequest(f"bad sampling_params: {e}", "sampling_params") from e
-        return fields.sampling(fields.max_tokens, False, 0)
+        return fields.sampling(fields.max_tokens, False, 0, fields.guided())

@@ -23,8 +23,9 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 
 from services.api.errors import ApiError, redis_down
+from services.api.fanout import FlightGroup
 from services.api.flow import DeadlineExceeded, StageFailed
-from services.api.formats import Format
+from services.api.formats import Format, usage
 from services.api.gateway import Gateway, Inflight, new_uid
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
@@ -222,6 +223,36 @@ class ApiService:
         finally:
             await self.finish(flight, job.model, "full")
 
+    async def respond_many(self, request: Request, jobs: list[TokenizeJob], fmt: Format, stream: bool, kind: str,
+                           annotations: dict[str, str]):
+        """Several requests answered as one response (a completion with a list of prompts): their choices
+        follow each other, `per` by `per`."""
+        per = jobs[0].params.n
+        record = {"kind": kind, "n": per, "rid": fmt.rid, "created": fmt.created,
+                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs), **annotations}
+        flights: list[Inflight] = []
+        try:
+            for job in jobs:
+                flights.append(await self.open(job, record, stream))
+        except BaseException:
+            for f in flights:
+                await self.finish(f, jobs[0].model, "full", "rejected")
+            raise
+        group, model = FlightGroup(flights, per), jobs[0].model
+
+        async def finish_all(reason: str | None = None) -> None:
+            for f in flights:
+                await self.finish(f, model, "stream" if stream else "full", reason)
+
+        if stream:
+            return await self.start_stream(request, group, lambda first, rest: self.stream_chunks(  # type: ignore
+                group, fmt, model, first, rest), finish_all)  # type: ignore[arg-type]
+        try:
+            connected, result = await until_disconnect(request, self.collect(group, fmt, model))  # type: ignore
+            return result if connected else None
+        finally:
+            await finish_all()
+
     async def start_stream(self, request: Request, flight: Inflight, chunks: ChunkSource,
                            on_close: Callable[[str | None], Awaitable[None]]) -> Response | None:
         """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
@@ -253,7 +284,7 @@ class ApiService:
                 fmt.add(events)
         except ENDED_EARLY as e:
             raise ended_early(flight, e) from None
-        return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens)
+        return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens, flight.order.cached_tokens)
 
     async def stream_chunks(self, flight: Inflight, fmt: Format, model: str, first: list[tuple[str, ReplyEvent]],
                             rest: Replies, skip_until: str | None = None) -> AsyncIterator[bytes]:
@@ -269,11 +300,15 @@ class ApiService:
                 if not pairs:
                     continue
                 last_id = pairs[-1][0]
+                order = flight.order
                 for chunk in fmt.chunks([ev for _, ev in pairs]):
+                    if fmt.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
+                        chunk["usage"] = usage(order.prompt_tokens, order.completion_tokens, order.cached_tokens)
                     yield sse_event(orjson.dumps(chunk), last_id)
             if fmt.include_usage:
-                yield sse_event(orjson.dumps(fmt.usage_chunk(flight.order.prompt_tokens,
-                                                             flight.order.completion_tokens)))
+                order = flight.order
+                yield sse_event(orjson.dumps(fmt.usage_chunk(order.prompt_tokens, order.completion_tokens,
+                                                             order.cached_tokens)))
         except ENDED_EARLY as e:
             yield sse_event(orjson.dumps(ended_early(flight, e).body()))
         yield DONE

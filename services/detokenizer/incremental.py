@@ -166,5 +166,21 @@ class Detokenizer:
                                                       bytes=list(s.encode())) for i, v in top])
                 for tid, lp, top in zip(it.ids, it.logprobs, tops, strict=False)]
 
+    def first_range(self, it: TokenDelta) -> dict:
+        """A choice's first range: the prompt's text (echo), its tokens' logprobs, the cached tokens."""
+        if it.start != 0:
+            return {}
+        out: dict = {"cached_tokens": it.cached_tokens}
+        if it.prompt_ids is not None:
+            out["prompt_text"] = self.tokenizer.decode(it.prompt_ids, skip_special_tokens=it.skip_special_tokens)
+            if it.prompt_logprobs is not None:
+                scores = [(None, []), *it.prompt_logprobs][:len(it.prompt_ids)]
+                out["prompt_logprobs"] = [
+                    TokenLogprob(token=(t := self._token(tid)), logprob=lp, bytes=list(t.encode()),
+                                 top_logprobs=[TopLogprob(token=(s := self._token(i)), logprob=v,
+                                                          bytes=list(s.encode())) for i, v in top])
+                    for tid, (lp, top) in zip(it.prompt_ids, scores, strict=False)]
+        return out
+
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

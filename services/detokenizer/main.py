@@ -68,7 +68,8 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         finish = "stop" if r.stopped else it.finish
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
-                           index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it))
+                           index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
+                           **self.detok.first_range(it))
         mark = it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
         records.reply(pipe, self.keys, it.uid, event, self.ttl, self.maxlen, refresh_ttl=mark)
         if finish is not None:

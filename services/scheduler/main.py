@@ -47,6 +47,7 @@ class Running:
     done: set[int] = field(default_factory=set)
     span: Span = NO_SPAN  # from admission to the request's end, when traced
     steps: int = 0  # engine steps that produced tokens for it
+    prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
 
     @property
     def window(self) -> int:
@@ -67,11 +68,16 @@ class Running:
     def delta(self, out: StepOutput) -> TokenDelta:
         context = self.context(self.outputs[out.index], out.start)
         p = self.job.params
+        first: dict = {}
+        if out.start == 0:  # what a choice's first delta tells: cache hits, and the prompt for echo
+            self.prompt_scores = out.prompt_logprobs or self.prompt_scores
+            first = {"cached_tokens": out.cached_tokens, "prompt_ids": self.job.input_ids if p.echo else None,
+                     "prompt_logprobs": self.prompt_scores if p.prompt_logprobs is not None else None}
         edge = out.start == 0 or out.finish_reason is not None  # the detokenizer traces these
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
                           index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
-                          top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None)
+                          top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None, **first)
 
     def end_span(self, outcome: str, error: str | None = None) -> None:
         self.span.set(outcome=outcome, steps=self.steps, completion_tokens=sum(len(o) for o in self.outputs))

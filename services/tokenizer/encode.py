@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import msgspec
 
+from services.tokenizer import tools
+from shared.grammars import check
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
+
+# Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ReplyError:
@@ -16,18 +21,43 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, max_context: int):
+    def __init__(self, tokenizer, max_context: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.tool_parser = tools.tool_parser_for(template, tool_call_parser)
+        self.reasoning_parser = tools.reasoning_parser_for(template, reasoning_parser)
+        vocab = tokenizer.get_vocab()
+        self.fim = next((names for names in FIM_TOKENS if all(t in vocab for t in names)), None)
+        self.call_tokens = all(len(tokenizer.encode(m, add_special_tokens=False)) == 1
+                               for m in (tools.HERMES_OPEN, tools.HERMES_CLOSE))
+        self.think_close: list[int] = []
+        self.think_open = -1
+        if self.reasoning_parser != "none":
+            self.think_close = tokenizer.encode(tools.THINK_CLOSE, add_special_tokens=False)
+            opening = tokenizer.encode(tools.THINK_OPEN, add_special_tokens=False)
+            self.think_open = opening[0] if len(opening) == 1 else -1
+
+    @property
+    def parsers(self) -> dict[str, str]:
+        """The formats the API parses this model's answers with (in the heartbeat's model_info)."""
+        return {"tool_call_parser": self.tool_parser, "reasoning_parser": self.reasoning_parser}
 
     def encode(self, jobs: list[TokenizeJob]) -> list[ScheduleJob | ReplyError]:
         """One result per job, in order. Texts are encoded in two batched calls (chat and plain)."""
         results: list[ScheduleJob | ReplyError | None] = [None] * len(jobs)
         chat: dict[int, str] = {}
         plain: dict[int, str] = {}
+        jobs = list(jobs)
         for i, job in enumerate(jobs):
-            if job.input_ids is not None:
+            refusal = self._check_tools(job)
+            if refusal is None:
+                jobs[i] = job = tools.with_tool_grammar(job, self.tool_parser, self.call_tokens)
+                refusal = self._check_constraint(job)
+            if refusal is not None:
+                results[i] = refusal
+            elif job.input_ids is not None:
                 results[i] = self._from_ids(job, job.input_ids)
             elif job.messages is not None:
                 rendered = self._render_chat(job)
@@ -35,6 +65,13 @@ class PromptEncoder:
                     results[i] = rendered
                 else:
                     chat[i] = rendered
+                    jobs[i] = self._answer_after_thinking(job, rendered)
+            elif job.suffix is not None:
+                fim = self._fill_in_the_middle(job)
+                if isinstance(fim, ReplyError):
+                    results[i] = fim
+                else:
+                    plain[i] = fim
             else:
                 plain[i] = job.prompt or ""
         for texts, special in ((chat, False), (plain, True)):
@@ -44,12 +81,46 @@ class PromptEncoder:
                     results[i] = self.fit(jobs[i], list(ids))
         return results  # type: ignore[return-value]
 
+    def _fill_in_the_middle(self, job: TokenizeJob) -> str | ReplyError:
+        """`suffix`: the prompt in the model's fill-in-the-middle layout, if its vocabulary has one."""
+        if self.fim is None:
+            return invalid("`suffix` needs a fill-in-the-middle template; this model's vocabulary has no FIM "
+                           "tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)", "suffix")
+        prefix, suffix, middle = self.fim
+        return f"{prefix}{job.prompt or ''}{suffix}{job.suffix}{middle}"
+
+    def _check_tools(self, job: TokenizeJob) -> ReplyError | None:
+        problem = tools.check_tools(job, self.tool_parser)
+        return invalid(problem, "tool_choice") if problem else None
+
+    def _answer_after_thinking(self, job: TokenizeJob, rendered: str) -> TokenizeJob:
+        """A reasoning model's response_format or tool grammar starts after its thinking; a regex, JSON
+        or grammar extension (`regex`, `json`, `guided_*`) applies to the whole answer, thinking included."""
+        guided = job.params.guided
+        if guided is None or self.reasoning_parser == "none" or guided.param not in ("response_format",
+                                                                                      "tool_choice"):
+            return job
+        guided = tools.reasoning_window(guided, rendered, self.think_open, self.think_close)
+        return msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, guided=guided))
+
+    def _check_constraint(self, job: TokenizeJob) -> ReplyError | None:
+        """A schema, regex or grammar the engine could not compile is refused here, naming the field."""
+        guided = job.params.guided
+        if guided is None:
+            return None
+        problem = check(guided)
+        if problem is None:
+            return None
+        return invalid(f"`{guided.param or guided.kind}` cannot be used as a constraint: {problem}",
+                       guided.param or None, "invalid_constraint")
+
     def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
-        messages = [{k: v for k, v in msgspec.structs.asdict(m).items() if v is not None} for m in job.messages or []]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=job.add_generation_prompt,
-                continue_final_message=job.continue_final_message, tokenize=False)
+                tools.template_messages(job), tools=job.tools, add_generation_prompt=job.add_generation_prompt,
+                continue_final_message=job.continue_final_message, tokenize=False, **job.chat_template_kwargs)
+        except TypeError as e:  # a chat_template_kwargs key that is one of the call's own arguments
+            return invalid(f"chat_template_kwargs cannot set that: {e}", param="chat_template_kwargs")
         except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
             return invalid(f"the chat template rejected the messages: {e}", param="messages")
 
@@ -72,6 +143,10 @@ class PromptEncoder:
             return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{n + p.max_tokens} tokens ({n} in the prompt, {p.max_tokens} for the completion). "
                            "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        bad_bias = next((t for t in p.logit_bias if t >= self.vocab_size), None)
+        if bad_bias is not None:
+            return invalid(f"logit_bias names token {bad_bias}, outside the vocabulary (size {self.vocab_size})",
+                           "logit_bias")
         if p.max_tokens is not None and p.min_tokens > p.max_tokens:
             return invalid(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens")
         if n + p.min_tokens > limit:
@@ -79,4 +154,5 @@ class PromptEncoder:
                            f"least {n + p.min_tokens} tokens ({n} in the prompt, min_tokens {p.min_tokens}).",
                            "min_tokens", "context_length_exceeded")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
-                           deadline=job.deadline, params=p, input_ids=ids, background=job.background, trace=job.trace)
+                           deadline=job.deadline, params=p, input_ids=ids, background=job.background,
+                           priority=job.priority, trace=job.trace)

@@ -30,8 +30,9 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
     def __init__(self, settings: TokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
-                                     context_length(model_path, settings.trust_remote_code))
-        self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context}
+                                     context_length(model_path, settings.trust_remote_code),
+                                     settings.tool_call_parser, settings.reasoning_parser)
+        self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
 
     async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
         if claimed:  # a dead peer may have forwarded some before it could acknowledge them

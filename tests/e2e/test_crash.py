@@ -8,6 +8,7 @@ uninterrupted run gives (greedy), with no gap and no duplicate.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 
@@ -97,6 +98,27 @@ def test_scheduler_killed_mid_generation_is_resumed_by_a_peer(pipeline):
     assert [r.result() for r in runs] == expected
     records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
     assert all(rec["scheduler"] == "scheduler2" and rec["status"] == "finished" for rec in records)
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
+def test_a_constrained_request_resumed_by_a_peer_keeps_its_grammar_state(pipeline):
+    """The peer replays the tokens already produced into a new matcher: the text goes on exactly as an
+    uninterrupted run's, and stays inside the grammar."""
+    s = pipeline
+    regex = r"[a-z]+( [a-z]+)*"
+    bodies = [body(i, 100, regex=regex, min_tokens=100, temperature=0.8, seed=i) for i in range(50, 53)]
+    expected = reference(s, bodies)
+    assert all(re.fullmatch(regex, text) for text in expected)
+    [old] = live(s, "scheduler")
+    runs = [Streamer(s.base_url, b) for b in bodies]
+    wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=30)
+    s.procs[old].send_signal(signal.SIGSTOP)
+    s.start("scheduler3", "scheduler", **LIFECYCLE_ENV)
+    wait_for(lambda: "scheduler3" in live(s, "scheduler"), timeout=60)
+    s.kill(old)
+    assert [r.result() for r in runs] == expected
+    records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
+    assert all(rec["scheduler"] == "scheduler3" for rec in records)
     wait_for(lambda: engines_idle(s), timeout=10)
 
 

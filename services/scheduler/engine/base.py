@@ -30,6 +30,7 @@ class EngineRequest:
     params: SamplingParams  # max_tokens None: up to the context, as far as the engine's KV cache allows
     # Tokens already produced per choice, when a peer resumes a request after a crash.
     output_ids: list[list[int]] = field(default_factory=list)
+    priority: int = 0  # admission order among waiting requests: lower first (as vLLM), then arrival
 
 
 @dataclass
@@ -44,6 +45,10 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    # On a choice's first output only: prompt tokens read from the prefix cache, and (when asked, echo)
+    # the logprob and top alternatives of each prompt token after the first.
+    cached_tokens: int = 0
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Engine(Protocol):

@@ -134,8 +134,18 @@ def build_engine(settings: SchedulerSettings, model_path: str) -> Engine:
     if settings.engine == "simple":
         from services.scheduler.engine.simple import SimpleEngine
 
-        return SimpleEngine(model, eos, settings.max_running)
-    return build_paged_engine(settings, model, eos)
+        engine = SimpleEngine(model, eos, settings.max_running)
+    else:
+        engine = build_paged_engine(settings, model, eos)
+    engine.grammars = grammar_cache(settings, model_path, model, eos)
+    return engine
+
+
+def grammar_cache(settings: SchedulerSettings, model_path: str, model, eos: set[int]):
+    """Structured outputs: grammars over the model's (padded) vocabulary, compiled off the step thread."""
+    from services.scheduler.engine.grammar import GrammarCache
+
+    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code)
 
 
 def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],

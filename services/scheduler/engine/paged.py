@@ -8,12 +8,15 @@ A request with n > 1 choices is prefilled once; its choices then share the promp
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
 
 from services.scheduler.engine.attention import AttentionBackend, RowSpec
 from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
 from services.scheduler.engine.prefix_cache import PrefixCache
@@ -26,6 +29,7 @@ from shared.messages import SamplingParams
 log = logging.getLogger(__name__)
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its prebuilt and JIT kernels are instantiated for
+GRAMMAR_WAIT_S = 0.02  # an idle step waits this long for a compiling grammar instead of spinning
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class PagedEngine:
         self.sampler = Sampler(self.eos_ids, param.device, config.seed)
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
+        self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
 
@@ -110,20 +115,55 @@ class PagedEngine:
         p = req.params
         prompt = list(req.input_ids)
         max_tokens = self._validate(req, prompt)
+        compiling = self._compile(p)
         resumed = [list(o) for o in req.output_ids]
         if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
-            seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1)
+            seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
+                      compiling=compiling)
             self.scheduler.waiting.append(seq)
             return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
-            seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens)
+            seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens,
+                      compiling=compiling)
             done = self._finish_reason(seq, prior[-1]) if prior else None
             if done:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
         return max_tokens
+
+    def _compile(self, p: SamplingParams) -> Future | None:
+        """Start (or find) the compile of the request's grammar; it waits in the queue until it is ready."""
+        if p.guided is None:
+            return None
+        if self.grammars is None:
+            raise RequestRejected("structured outputs are not available on this engine", param=p.guided.param)
+        return self.grammars.get(p.guided)
+
+    def _prepare_grammars(self) -> list[StepOutput]:
+        """Give each waiting sequence whose grammar just compiled its matcher (replaying the tokens it
+        already has, after a preemption or a crash); fail the requests whose grammar did not compile."""
+        failed: dict[str, str] = {}
+        for seq in self.scheduler.waiting:
+            if seq.grammar is not None or seq.compiling is None or not seq.compiling.done():
+                continue
+            try:
+                guided = seq.req.params.guided
+                assert guided is not None
+                seq.grammar = SeqGrammar(seq.compiling.result(), guided.after, seq.tokens[seq.prompt_len:],
+                                         guided.think)
+            except (GrammarError, RuntimeError, ValueError) as e:
+                failed.setdefault(seq.uid, f"structured output: {e}")
+        outputs = []
+        for uid, error in failed.items():
+            outputs += self._fail([s for s in self.scheduler.waiting if s.uid == uid][:1], error)
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        compiling = {s.compiling for s in self.scheduler.waiting if not s.ready}
+        if compiling:
+            wait_futures(compiling, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)  # type: ignore[arg-type]
 
     def _validate(self, req: EngineRequest, prompt: list[int]) -> int:
         """Refuse what can never be served; return max_tokens, resolving an omitted one."""
@@ -182,7 +222,7 @@ class PagedEngine:
     def room(self) -> int:
         """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
         s = self.scheduler
-        if s.waiting or self.pool.available() <= s.watermark + len(s.running):
+        if any(q.ready for q in s.waiting) or self.pool.available() <= s.watermark + len(s.running):
             return 0
         return max(0, s.max_running - len(s.running))
 
@@ -210,13 +250,17 @@ class PagedEngine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
         self._pending.clear()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ---- the step
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        outputs += self._prepare_grammars()
         batch = self.scheduler.schedule()
         if not batch:
+            self._wait_for_grammars()
             return outputs
         self.steps += 1
         sampling = [sc for sc in batch if sc.samples]
@@ -229,14 +273,39 @@ class PagedEngine:
         return outputs + self._sample(sampling, logits)
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
-        rows, ids, sample_idx = [], [], []
+        """Logits of the sampling rows; a sequence that scores its prompt also gets the logits of each
+        prompt position it computes (they score the next prompt token)."""
+        rows, ids, sample_idx, scored = [], [], [], []
         for sc in batch:
             seq = sc.seq
             rows.append(RowSpec(seq.pages, seq.num_computed, sc.num_new))
+            first = len(ids)
             ids.extend(seq.tokens[seq.num_computed:seq.num_computed + sc.num_new])
             if sc.samples:
                 sample_idx.append(len(ids) - 1)
-        return self.runner.forward(rows, ids, sample_idx)
+            if seq.scores_prompt:
+                positions = range(seq.num_computed, min(seq.num_computed + sc.num_new, seq.prompt_len - 1))
+                scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
+        extra = [i for _, idx, _ in scored for i in idx]
+        logits = self.runner.forward(rows, ids, sample_idx + extra)
+        if scored:
+            self._score_prompts(scored, logits[len(sample_idx):])
+        return logits[:len(sample_idx)]
+
+    @staticmethod
+    def _score_prompts(scored: list, logits: torch.Tensor) -> None:
+        lp = torch.log_softmax(logits, -1)
+        at = 0
+        for seq, idx, positions in scored:
+            rows = lp[at:at + len(idx)]
+            at += len(idx)
+            k = min(seq.req.params.prompt_logprobs or 0, rows.shape[-1])
+            nxt = torch.tensor([seq.tokens[p + 1] for p in positions], device=rows.device, dtype=torch.long)
+            chosen = rows.gather(-1, nxt[:, None])[:, 0].tolist()
+            tops = rows.topk(k, -1) if k else None
+            for j, p in enumerate(positions):  # by position: a preempted prefill scores the same again
+                top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist(), strict=True)) if tops else []
+                seq.scores[p] = (chosen[j], top)
 
     def _sample(self, sampling: list[Scheduled], logits: torch.Tensor) -> list[StepOutput]:
         seqs, logit_rows = [], []
@@ -247,27 +316,42 @@ class PagedEngine:
                 sc.seq.forks = 0
             seqs.extend(group)
             logit_rows.extend([j] * len(group))
-        rows = [SampleRow(s.req.params, s.index, s.completion_len, s.tokens, s.prompt_len) for s in seqs]
+        rows = [SampleRow(s.req.params, s.index, s.completion_len, s.tokens, s.prompt_len, s.grammar) for s in seqs]
         if len(logit_rows) != logits.shape[0]:
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         result = self.sampler(logits, rows)
-        outputs = []
+        outputs, refused = [], []
         for k, seq in enumerate(seqs):
             tok = result.ids[k]
             start = seq.completion_len
             seq.tokens.append(tok)
+            if seq.grammar is not None and not seq.grammar.accept(seq.tokens[seq.prompt_len:]):
+                refused.append(seq)  # nothing admissible was left (e.g. min_tokens banned the only end)
+                continue
             finish = self._finish_reason(seq, tok)
             lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
             top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
-            outputs.append(StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top))
+            out = StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top)
+            if start == 0:
+                out.cached_tokens = max(seq.cached_tokens, 0)
+                if seq.scores_prompt:
+                    out.prompt_logprobs = seq.prompt_logprobs = [seq.scores[p] for p in sorted(seq.scores)]
+                    seq.scores = {}
+            outputs.append(out)
             if finish:
                 self.scheduler.finish(seq)
+        if refused:
+            gone = {s.uid for s in refused}
+            outputs = [o for o in outputs if o.uid not in gone]
+            outputs += self._fail(refused, "structured output: the grammar admits no token the request allows")
         return outputs
 
     def _finish_reason(self, seq: Seq, tok: int) -> str | None:
         p = seq.req.params
         if seq.completion_len >= p.min_tokens and (
                 (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.done:
             return "stop"
         if seq.completion_len >= seq.max_tokens or len(seq.tokens) >= self.max_context:
             return "length"

@@ -1,4 +1,5 @@
-"""Batched per-request sampling: penalties, min_tokens, greedy, temperature, top_k, top_p, min_p, seeds.
+"""Batched per-request sampling: logit_bias, penalties, min_tokens, grammar masks (structured outputs),
+greedy, temperature, top_k, top_p, min_p, seeds.
 
 Every row is processed on its own terms whatever else is in the batch: masks are built per row, and
 a sampled token is the argmax of probs / E with E ~ Exp(1) noise drawn per row (the exponential race,
@@ -13,10 +14,14 @@ Logprobs are the log_softmax of the model's raw logits, before penalties, temper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.grammar import SeqGrammar
 
 _MIX1, _MIX2, _MASK63 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, (1 << 63) - 1
 
@@ -28,6 +33,7 @@ class SampleRow:
     step: int  # completion index of the token being sampled
     tokens: list[int]  # prompt + completion so far
     prompt_len: int
+    grammar: SeqGrammar | None = None  # structured outputs: only admitted tokens may be sampled
 
 
 @dataclass
@@ -45,6 +51,13 @@ def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def _modified(r: SampleRow) -> bool:
+    """Whether anything changes this row's logits before sampling (they are then copied first, since
+    logprobs report the model's raw logits)."""
+    return _penalized(r.params) or r.step < r.params.min_tokens or bool(r.params.logit_bias) or (
+        r.grammar is not None and r.grammar.active)
+
+
 class Sampler:
     def __init__(self, eos_ids: set[int], device: torch.device | str = "cpu", seed: int | None = None):
         self.eos_ids = sorted(eos_ids)
@@ -59,9 +72,14 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         raw = logits.float()
-        x = raw.clone() if any(_penalized(r.params) or r.step < r.params.min_tokens for r in rows) else raw
+        x = raw.clone() if any(_modified(r) for r in rows) else raw
+        self._apply_logit_bias(x, rows)
         self._apply_penalties(x, rows)
         self._apply_min_tokens(x, rows)
+        if any(r.grammar is not None for r in rows):
+            from services.scheduler.engine.grammar import apply_masks
+
+            apply_masks(x, [r.grammar for r in rows])
         ids = x.argmax(-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -69,6 +87,14 @@ class Sampler:
         out = ids.tolist()
         lps, tops = self._logprobs(raw, rows, out)
         return SampleResult(out, lps, tops)
+
+    @staticmethod
+    def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> None:
+        for i, r in enumerate(rows):
+            bias = r.params.logit_bias
+            if bias:
+                ids = [t for t in bias if 0 <= t < x.shape[-1]]
+                x[i, ids] += torch.tensor([bias[t] for t in ids], dtype=x.dtype, device=x.device)
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SampleRow]) -> None:
         for i, r in enumerate(rows):

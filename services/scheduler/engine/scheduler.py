@@ -2,9 +2,9 @@
 
 Each step takes every running decode (one token each, oldest first), then prompt tokens up to the
 per-step prefill budget: first the sequences already part-way through their prompt, then new ones
-from the waiting queue, in arrival order. A prompt longer than the budget is prefilled in chunks
-over several steps (with chunking off it goes whole, one over-budget prompt per step at most), so a
-long prompt never stalls running decodes for more than one budget's worth of work.
+from the waiting queue, by priority (lower value first), then arrival. A prompt longer than the budget
+is prefilled in chunks over several steps (with chunking off it goes whole, one over-budget prompt per
+step at most), so a long prompt never stalls running decodes for more than one budget's worth of work.
 
 Pages: a sequence holds pages for the tokens it has computed. A decode that needs a page when none
 is left preempts the youngest running sequence (its pages are freed and it goes back to the front
@@ -92,9 +92,16 @@ class BatchScheduler:
         first_prefill = all(sc.seq.is_decode for sc in batch)
         return seq.to_compute if seq.to_compute <= budget or first_prefill else 0
 
+    def next_waiting(self) -> Seq | None:
+        """The waiting sequence to admit next: lowest priority value first, then queue order (a preempted
+        sequence is at the front); one whose grammar is still compiling is passed over."""
+        return min((s for s in self.waiting if s.ready), key=lambda s: s.req.priority, default=None)
+
     def _admit(self, budget: int, batch: list[Scheduled]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_running:
+            seq = self.next_waiting()
+            if seq is None:
+                return
             hit = self._match_prefix(seq)
             n = self._chunk(seq, budget, batch)
             need = pages_for(seq.num_computed + n, self.page_size) - len(seq.pages)
@@ -102,9 +109,11 @@ class BatchScheduler:
             if n <= 0 or self.pool.available() - need < reserve:
                 self._unmatch(seq, hit)
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             self.prefix_hit_tokens += hit * self.page_size
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = hit * self.page_size
             self._grow(seq, n)
             batch.append(Scheduled(seq, n))
             budget -= n
@@ -127,7 +136,7 @@ class BatchScheduler:
 
     def _match_prefix(self, seq: Seq) -> int:
         """Share the cached pages of the sequence's longest cached prefix; always leave a token to run."""
-        if self.cache is None or seq.pages:
+        if self.cache is None or seq.pages or seq.scores_prompt:  # scoring the prompt computes all of it
             return 0
         limit = (len(seq.tokens) - 1) // self.page_size
         extend_digests(seq.digests, seq.tokens, self.page_size, limit)
@@ -191,7 +200,8 @@ class BatchScheduler:
             child = Seq(parent.req, parent.index + k, parent.tokens[:parent.prompt_len], parent.prompt_len,
                         self.next_arrival(), parent.max_tokens, num_computed=full * self.page_size,
                         pages=parent.pages[:full], digests=parent.digests[:full],
-                        num_cached_pages=min(parent.num_cached_pages, full))
+                        num_cached_pages=min(parent.num_cached_pages, full), compiling=parent.compiling,
+                        grammar=parent.grammar.fresh() if parent.grammar else None)
             self.pool.share(child.pages)
             children.append(child)
         self.running.extend(children)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.scheduler.engine.base import EngineRequest
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.grammar import SeqGrammar
 
 
 @dataclass(eq=False)
@@ -20,6 +25,22 @@ class Seq:
     digests: list[bytes] = field(default_factory=list)  # of full pages, for the prefix cache
     forks: int = 0  # sibling choices to spawn from this one's prompt at its first sample
     num_cached_pages: int = 0  # leading pages already named in the prefix cache
+    cached_tokens: int = -1  # prompt tokens found in the prefix cache at its first admission
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # echo: once delivered
+    scores: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)  # by position
+    compiling: Future | None = None  # the request's grammar while it compiles (structured outputs)
+    grammar: SeqGrammar | None = None  # this choice's matcher once compiled
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill must also score the prompt's tokens (echo with logprobs); the first choice does it."""
+        return (self.req.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None
+                and not any(self.req.output_ids))
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: unconstrained, or its grammar is compiled."""
+        return self.compiling is None or self.grammar is not None
 
     @property
     def uid(self) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.sampling import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class _Seq:
     index: int
     max_tokens: int
     out: list[int] = field(default_factory=list)
+    grammar: SeqGrammar | None = None
 
 
 class SimpleEngine:
@@ -34,6 +36,7 @@ class SimpleEngine:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.seqs: list[_Seq] = []
         self.sampler = Sampler(eos_ids, next(model.parameters()).device)
+        self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
 
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
@@ -45,10 +48,24 @@ class SimpleEngine:
                                   param="max_tokens")
         if p.min_tokens > max_tokens:
             raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
-        for i in range(p.n):
-            prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
-            self.seqs.append(_Seq(req, i, max_tokens, prior))
+        seqs = [_Seq(req, i, max_tokens, list(req.output_ids[i]) if i < len(req.output_ids) else [])
+                for i in range(p.n)]
+        if p.guided is not None:
+            self._constrain(seqs)
+        self.seqs.extend(seqs)
         return max_tokens
+
+    def _constrain(self, seqs: list[_Seq]) -> None:
+        """This fallback engine compiles in the caller's thread (the paged engine does not)."""
+        guided = seqs[0].req.params.guided
+        if self.grammars is None or guided is None:
+            raise RequestRejected("structured outputs are not available on this engine")
+        try:
+            compiled = self.grammars.get(guided).result()
+            for s in seqs:
+                s.grammar = SeqGrammar(compiled, guided.after, s.out, guided.think)
+        except GrammarError as e:
+            raise RequestRejected(str(e), param=guided.param) from None
 
     def abort(self, uid: str) -> bool:
         before = len(self.seqs)
@@ -67,6 +84,8 @@ class SimpleEngine:
 
     def close(self) -> None:
         self.seqs.clear()
+        if self.grammars is not None:
+            self.grammars.close()
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -82,7 +101,7 @@ class SimpleEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
         result = self.sampler(logits, [SampleRow(s.req.params, s.index, len(s.out), s.req.input_ids + s.out,
-                                                 len(s.req.input_ids)) for s in self.seqs])
+                                                 len(s.req.input_ids), s.grammar) for s in self.seqs])
         outputs, keep = [], []
         for k, s in enumerate(self.seqs):
             tok = result.ids[k]
@@ -90,8 +109,13 @@ class SimpleEngine:
             s.out.append(tok)
             p = s.req.params
             finish = None
-            if len(s.out) >= p.min_tokens and (
-                    (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            if s.grammar is not None and not s.grammar.accept(s.out):
+                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error",
+                                          error="structured output: the grammar admits no token the request allows"))
+                continue
+            ended = s.grammar is not None and s.grammar.done
+            if ended or (len(s.out) >= p.min_tokens and (
+                    (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids)):
                 finish = "stop"
             elif len(s.out) >= s.max_tokens:
                 finish = "length"

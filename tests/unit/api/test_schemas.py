@@ -29,7 +29,9 @@ def test_content_parts_and_developer_role():
     assert (msg.role, msg.content) == ("system", "be brief")
 
 
-@pytest.mark.parametrize("extra", [{"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}},
+@pytest.mark.parametrize("extra", [{"tools": [{"type": "function"}]}, {"response_format": {"type": "yaml"}},
+                                   {"regex": "a", "guided_choice": ["b"]}, {"guided_choice": []},
+                                   {"response_format": {"type": "json_schema"}},
                                    {"top_logprobs": 2}, {"stop": [""]}, {"n": 0}, {"max_tokens": 0}])
 def test_refused(extra):
     with pytest.raises((ValidationError, BadRequest)):
@@ -37,14 +39,32 @@ def test_refused(extra):
 
 
 def test_completion_prompts():
-    assert CompletionRequest(model="m", prompt="x").single_prompt() == ("x", None)
-    assert CompletionRequest(model="m", prompt=[1, 2]).single_prompt() == (None, [1, 2])
-    assert CompletionRequest(model="m", prompt=[[1, 2]]).single_prompt() == (None, [1, 2])
+    assert CompletionRequest(model="m", prompt="x").prompts() == [("x", None)]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [(None, [1, 2])]
+    assert CompletionRequest(model="m", prompt=[[1, 2], [3]]).prompts() == [(None, [1, 2]), (None, [3])]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == [("a", None), ("b", None)]
     with pytest.raises(BadRequest):
-        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+        CompletionRequest(model="m", prompt=[]).prompts()
+    with pytest.raises(ValidationError):  # best_of below n
+        CompletionRequest(model="m", prompt="x", n=3, best_of=2)
+    p = CompletionRequest(model="m", prompt="x", n=2, best_of=4, echo=True, logprobs=2,
+                          logit_bias={"7": -100}).params()
+    assert (p.n, p.logprobs, p.echo, p.prompt_logprobs, p.logit_bias) == (4, True, True, 2, {7: -100.0})
     assert CompletionRequest(model="m", prompt="x").params().max_tokens == 16
 
 
 def test_generate_sampling_params():
     g = GenerateRequest(text="hi", sampling_params={"max_new_tokens": 9, "temperature": 0})
     assert g.params().max_tokens == 9 and g.params().greedy
+
+
+def test_structured_output_fields_become_one_constraint():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, response_format=fmt)).params().guided
+    assert (g.kind, g.spec, g.param) == ("json_schema", '{"type":"object"}', "response_format")
+    g = CompletionRequest.model_validate(dict(model="m", prompt="x", json='{"type": "object"}')).params().guided
+    assert (g.kind, g.param) == ("json_schema", "json")
+    g = GenerateRequest(text="hi", sampling_params={"json_schema": '{"type": "object"}'}).params().guided
+    assert g.kind == "json_schema"
+    g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, guided_choice=["a", "b"])).params().guided
+    assert (g.kind, g.spec) == ("choice", '["a", "b"]')

@@ -25,7 +25,8 @@ def test_batch_mixes_chat_text_and_ids(encoder):
     a, b, c = encoder.encode(jobs)
     assert isinstance(a, ScheduleJob) and isinstance(b, ScheduleJob) and isinstance(c, ScheduleJob)
     tok = encoder.tokenizer
-    assert tok.decode(a.input_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    thinking_off = "<think>\n\n</think>\n\n"
+    assert tok.decode(a.input_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" + thinking_off
     assert tok.decode(b.input_ids) == "hello"
     assert c.input_ids == [1, 2, 3] and c.params.max_tokens == 5
     # unset max_tokens stays unset: the engine resolves it from the context and its KV pool
@@ -52,3 +53,67 @@ def test_min_tokens_must_fit_max_tokens_and_the_context(encoder):
     assert isinstance(over_context, ReplyError) and over_context.param == "min_tokens"
     assert over_context.code == "context_length_exceeded"
     assert isinstance(fine, ScheduleJob) and fine.params.max_tokens is None and fine.params.min_tokens == 40
+
+
+def test_a_constraint_that_cannot_compile_is_refused_naming_its_field(encoder):
+    from shared.messages import Guided
+
+    bad = SamplingParams(guided=Guided("regex", "(a|b", param="regex"))
+    good = SamplingParams(guided=Guided("json_schema", '{"type":"object"}', param="response_format"))
+    refused, ok = encoder.encode([job(prompt="hi", params=bad), job(prompt="hi", params=good)])
+    assert isinstance(refused, ReplyError) and refused.status == 400 and refused.param == "regex"
+    assert "unclosed group" in refused.message
+    assert isinstance(ok, ScheduleJob) and ok.params.guided == good.guided
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_formats_are_detected_from_the_chat_template(encoder):
+    assert encoder.parsers == {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+
+
+def test_tools_and_tool_calls_in_the_history_are_rendered(encoder, demo_model_dir):
+    big = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=4096)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [ChatMessage("user", "weather?"), ChatMessage("assistant", "", tool_calls=[call]),
+                ChatMessage("tool", "sunny", tool_call_id="c1")]
+    [out] = big.encode([job(messages=messages, tools=[WEATHER])])
+    text = big.tokenizer.decode(out.input_ids)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(demo_model_dir):
+    from shared.grammars import check
+    from shared.messages import Guided, ToolChoice
+
+    enc = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=4096)
+    msgs = [ChatMessage("user", "weather?")]
+    [out] = enc.encode([job(messages=msgs, tools=[WEATHER], tool_choice=ToolChoice("required"))])
+    g = out.params.guided
+    assert (g.kind, g.param, g.after) == ("lark", "tool_choice", []) and check(g) is None  # thinking off
+    fmt = SamplingParams(guided=Guided("json_object", param="response_format"))
+    thinking, regex = enc.encode([job(messages=msgs, params=fmt, chat_template_kwargs={"enable_thinking": True}),
+                                  job(messages=msgs, chat_template_kwargs={"enable_thinking": True},
+                                      params=SamplingParams(guided=Guided("regex", "a", param="regex")))])
+    ids = enc.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (thinking.params.guided.think, thinking.params.guided.after) == (ids[0], [ids[1]])
+    assert regex.params.guided.after == []  # an extension's regex covers the whole answer
+    [named] = enc.encode([job(messages=msgs, tools=[WEATHER], tool_choice=ToolChoice("function", "nope"))])
+    assert isinstance(named, ReplyError) and named.param == "tool_choice"
+
+
+def test_chat_template_kwargs_reach_the_template(encoder):
+    msgs = [ChatMessage("user", "hi")]
+    on, bad = encoder.encode([job(messages=msgs, chat_template_kwargs={"enable_thinking": True}),
+                              job(messages=msgs, chat_template_kwargs={"tokenize": True})])
+    assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n")
+    assert isinstance(bad, ReplyError) and bad.param == "chat_template_kwargs"
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(encoder):
+    [out] = encoder.encode([job(prompt="hi", params=SamplingParams(logit_bias={10**6: 5.0}))])
+    assert isinstance(out, ReplyError) and out.param == "logit_bias"
