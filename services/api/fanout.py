@@ -54,6 +54,10 @@ class FlightGroup:
         return self.order.done
 
     @property
+    def span(self):  # the first prompt's trace stands for the group's first token
+        return self.flights[0].span
+
+    @property
     def end_reason(self) -> str:
         return self.flights[0].end_reason
 

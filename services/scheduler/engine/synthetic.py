@@ -137,6 +137,12 @@ class SyntheticEngine:
             raise RequestRejected(f"input token ids must be in [0, {self.vocab_size})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
+        if p.guided is not None:  # its tokens are random: it cannot follow a grammar, so it must not pretend to
+            raise RequestRejected("the synthetic engine cannot constrain output (structured outputs, required "
+                                  "tools)", param="response_format")
+        if p.prompt_logprobs is not None:
+            raise RequestRejected("the synthetic engine does not score prompts (echo with logprobs)",
+                                  param="logprobs")
         context_left = self.max_context - len(prompt)
         if context_left < 1:
             raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "

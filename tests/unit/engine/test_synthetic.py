@@ -222,3 +222,16 @@ def test_factory_builds_it_from_config_and_tokenizer_without_weights(demo_model_
     assert eng.stats()["engine"] == "synthetic"
     eng.add(EngineRequest("f", tok.encode("hello world"), SamplingParams(max_tokens=5)))
     assert len(run(eng)[("f", 0)][0]) == 5
+
+
+def test_it_refuses_what_it_cannot_honour():
+    """Random tokens cannot follow a grammar or score a prompt: refused by name, not faked."""
+    from shared.messages import Guided
+
+    eng = make()
+    for params, param in ((SamplingParams(max_tokens=4, guided=Guided(kind="regex", spec="a+")), "response_format"),
+                          (SamplingParams(max_tokens=4, prompt_logprobs=1), "logprobs")):
+        with pytest.raises(RequestRejected) as e:
+            eng.add(EngineRequest("x", [5, 6], params))
+        assert e.value.param == param
+    assert not eng.has_work()
