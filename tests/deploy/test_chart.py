@@ -198,9 +198,11 @@ def test_ingress_and_service_monitor(render):
     (ing,) = kube.by_kind(docs, "Ingress").values()
     backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": "rs-rsinfer-api", "port": {"name": "http"}}
-    (sm,) = kube.by_kind(docs, "ServiceMonitor").values()
+    sm = kube.by_kind(docs, "ServiceMonitor")["rs-rsinfer-api"]
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     assert sm["metadata"]["labels"]["release"] == "prometheus"
+    api_services = [s for s in kube.by_kind(docs, "Service").values() if selects(sm["spec"]["selector"], s)]
+    assert [s["metadata"]["name"] for s in api_services] == ["rs-rsinfer-api"]
 
 
 def test_termination_grace_must_cover_drain_and_grace(render):
@@ -209,6 +211,123 @@ def test_termination_grace_must_cover_drain_and_grace(render):
     docs = render(sets=["api.terminationGracePeriodSeconds=120"])
     assert kube.pod_spec(kube.by_kind(docs, "Deployment")["rs-rsinfer-api"])[
         "terminationGracePeriodSeconds"] == 120
+
+
+# ---------- metrics and tracing ----------
+
+def selects(selector: dict, obj: dict) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects `obj`."""
+    labels = obj["metadata"].get("labels", {})
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def workers_of(docs: list[dict]) -> dict[str, dict]:
+    return {n: d for n, d in kube.by_kind(docs, "Deployment").items() if component(d) in STAGES}
+
+
+def metrics_port(container: dict) -> int | None:
+    ports = [p["containerPort"] for p in container.get("ports", []) if p["name"] == "metrics"]
+    return ports[0] if ports else None
+
+
+@CASES
+def test_every_worker_serves_metrics_on_its_named_port(render, case):
+    """metrics.workers is on by default: each worker gets RSINFER_METRICS_PORT and a `metrics` containerPort
+    on that port; the API (whose /metrics is on its http port) gets neither."""
+    docs = render(VALUES[case])
+    for name, dep in kube.by_kind(docs, "Deployment").items():
+        (c,) = kube.pod_spec(dep)["containers"]
+        env = kube.resolve_env(c, docs, "p")
+        if component(dep) == "api":
+            assert "RSINFER_METRICS_PORT" not in env and metrics_port(c) is None
+            continue
+        assert env["RSINFER_METRICS_PORT"] == "9100", name
+        assert metrics_port(c) == 9100, name
+
+
+def test_worker_metrics_port_is_configurable_and_can_be_turned_off(render):
+    docs = render(sets=["metrics.workers.port=9464", "metrics.serviceMonitor.enabled=true"])
+    for dep in workers_of(docs).values():
+        (c,) = kube.pod_spec(dep)["containers"]
+        assert kube.resolve_env(c, docs, "p")["RSINFER_METRICS_PORT"] == "9464"
+        assert metrics_port(c) == 9464
+    assert {s["spec"]["ports"][0]["port"] for s in kube.by_kind(docs, "Service").values()
+            if component(s) in STAGES} == {9464}
+
+    docs = render(sets=["metrics.workers.enabled=false", "metrics.serviceMonitor.enabled=true"])
+    for name, dep in workers_of(docs).items():
+        (c,) = kube.pod_spec(dep)["containers"]
+        assert "RSINFER_METRICS_PORT" not in kube.resolve_env(c, docs, "p"), name
+        assert "ports" not in c, name
+    assert set(kube.by_kind(docs, "ServiceMonitor")) == {"rs-rsinfer-api"}, "no worker targets to scrape"
+    assert all(component(s) not in STAGES for s in kube.by_kind(docs, "Service").values())
+
+
+def test_no_worker_services_without_the_service_monitor(render):
+    docs = render([])
+    assert not kube.by_kind(docs, "ServiceMonitor")
+    assert all(component(s) not in STAGES for s in kube.by_kind(docs, "Service").values())
+
+
+def test_service_monitor_scrapes_every_worker(render):
+    """With the ServiceMonitor on: a headless Service per stage Deployment selecting exactly its pods, with
+    a `metrics` port on the pods' `metrics` containerPort; a second ServiceMonitor selecting exactly these
+    Services, scraping /metrics on that port and labelling each series with the pod's pool."""
+    docs = render(VALUES["two-pools"], sets=["metrics.serviceMonitor.enabled=true",
+                                             "metrics.serviceMonitor.labels.release=prom"])
+    for doc in docs:
+        kube.validate(doc)
+    services = kube.by_kind(docs, "Service")
+    workers = workers_of(docs)
+    assert len(workers) == 6
+    for name, dep in workers.items():
+        svc = services[name]
+        assert svc["spec"]["clusterIP"] == "None", "headless: only for discovery"
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        assert selects({"matchLabels": svc["spec"]["selector"]}, dep["spec"]["template"])
+        (port,) = svc["spec"]["ports"]
+        assert (port["name"], port["targetPort"]) == ("metrics", "metrics")
+        assert port["port"] == metrics_port(kube.pod_spec(dep)["containers"][0])
+        # no other Deployment's pods behind this Service (pools and stages apart)
+        others = [n for n, d in kube.by_kind(docs, "Deployment").items()
+                  if n != name and selects({"matchLabels": svc["spec"]["selector"]}, d["spec"]["template"])]
+        assert not others, (name, others)
+
+    sm = kube.by_kind(docs, "ServiceMonitor")["rs-rsinfer-workers"]
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    scraped = {n for n, s in services.items() if selects(sm["spec"]["selector"], s)}
+    assert scraped == set(workers), "the worker Services, not the API's or Redis's"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("15s", "10s")
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_rsinfer_io_pool"], "targetLabel": "pool"} in \
+        endpoint["relabelings"]
+    assert all("rsinfer.io/pool" in d["spec"]["template"]["metadata"]["labels"] for d in workers.values())
+    api_sm = kube.by_kind(docs, "ServiceMonitor")["rs-rsinfer-api"]
+    assert {n for n, s in services.items() if selects(api_sm["spec"]["selector"], s)} == {"rs-rsinfer-api"}
+
+
+def test_tracing_endpoint_reaches_every_process(render):
+    endpoint = "http://otel-collector.observability:4318"
+    docs = render(sets=[f"tracing.otlpEndpoint={endpoint}"])
+    deployments = kube.by_kind(docs, "Deployment")
+    assert {component(d) for d in deployments.values()} == {"api", *STAGES}
+    for name, dep in deployments.items():
+        env = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")
+        assert env["RSINFER_OTLP_ENDPOINT"] == endpoint, name
+        SETTINGS[component(dep)](otlp_endpoint=env["RSINFER_OTLP_ENDPOINT"])
+    docs = render([])
+    for name, dep in kube.by_kind(docs, "Deployment").items():
+        assert "RSINFER_OTLP_ENDPOINT" not in kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p"), \
+            f"{name}: tracing is off by default"
 
 
 # ---------- scheduler: GPUs, model, shared memory ----------

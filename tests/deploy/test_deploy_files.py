@@ -32,6 +32,14 @@ METRICS = {
     "rsinfer_stage_workers", "rsinfer_stage_lag", "rsinfer_stage_pending", "rsinfer_scheduler_running",
     "rsinfer_scheduler_waiting", "rsinfer_kv_cache_usage_ratio",
 }
+# What each stream worker's own /metrics exposes (shared/metrics.py, WorkerMetrics: FastStream's Prometheus
+# middleware on the tokenizer's and detokenizer's subscribers, and our counters and step histogram).
+WORKER_METRICS = {
+    "faststream_received_messages_total", "faststream_received_messages_in_process",
+    "faststream_received_processed_messages_total", "faststream_received_processed_messages_duration_seconds",
+    "faststream_received_processed_messages_exceptions_total",
+    "rsinfer_stage_published_entries_total", "rsinfer_stage_consumed_entries_total", "rsinfer_scheduler_step_seconds",
+}
 
 
 def compose() -> dict:
@@ -72,11 +80,32 @@ def test_compose_runs_each_stage_with_settings_the_code_reads():
     assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
 
 
+def test_compose_passes_tracing_and_worker_metrics_through_like_the_chart():
+    """RSINFER_OTLP_ENDPOINT from the shell for every process (empty: off); each worker's metrics port
+    defaults to the chart's metrics.workers.port."""
+    services = compose()["services"]
+    chart = yaml.safe_load((ROOT / "helm" / "rsinfer" / "values.yaml").read_text())["metrics"]["workers"]
+    for role in SETTINGS:
+        env = services[role]["environment"]
+        assert env["RSINFER_OTLP_ENDPOINT"] == "${RSINFER_OTLP_ENDPOINT:-}", role
+        if role == "api":
+            assert "RSINFER_METRICS_PORT" not in env, "the API's metrics are on its own port"
+        else:
+            assert chart["enabled"] and env["RSINFER_METRICS_PORT"] == f"${{RSINFER_METRICS_PORT:-{chart['port']}}}"
+
+
 def test_compose_gpu_override_names_a_real_device_setting():
     gpu = yaml.safe_load((DEPLOY / "docker-compose.gpu.yml").read_text())["services"]["scheduler"]
     for key, value in gpu["environment"].items():
         field = SchedulerSettings.model_fields[key.removeprefix("RSINFER_").lower()]
         assert value in field.annotation.__args__
+
+
+def _image_extras(dockerfile: str, variant: str) -> set[str]:
+    """The extras the project is installed with in one variant: RSINFER_EXTRAS of its torch-<variant> stage."""
+    stage = dockerfile.split(f"AS torch-{variant}")[1].split("FROM ")[0]
+    (extras,) = re.findall(r'RSINFER_EXTRAS="\[?([^"\]]*)\]?"', stage)
+    return {e.strip() for e in extras.split(",") if e.strip()}
 
 
 def test_dockerfile_variants_user_and_install_steps():
@@ -85,11 +114,14 @@ def test_dockerfile_variants_user_and_install_steps():
     assert "AS base-cpu" in text and "AS base-cuda" in text and "FROM base-${VARIANT} AS runtime" in text
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    # torch before the project, as the README's install does; the cuda variant adds the gpu extra
+    # torch before the project, as the README's install does
     project_install = text.index('pip install --no-cache-dir ".${RSINFER_EXTRAS}"')
     assert text.index("torch==${TORCH_VERSION}") < project_install
-    assert 'RSINFER_EXTRAS="[gpu]"' in text
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = {variant: _image_extras(text, variant) for variant in ("cpu", "cuda")}
+    # the cuda variant adds the gpu extra; both carry tracing, so RSINFER_OTLP_ENDPOINT works in either
+    assert extras == {"cpu": {"tracing"}, "cuda": {"gpu", "tracing"}}, extras
+    assert set().union(*extras.values()) <= set(project["project"]["optional-dependencies"])
     for pkg in project["tool"]["setuptools"]["packages"]["find"]["include"]:
         top = pkg.rstrip("*")
         assert f"COPY {top} ./{top}" in text, f"the image must copy package {top}"
@@ -147,16 +179,30 @@ def test_dashboard_queries_only_exported_metrics():
     assert {v["name"] for v in dash["templating"]["list"]} >= {"datasource", "model"}
     used = set()
     for title, expr in _exprs(dash):
-        names = set(re.findall(r"\brsinfer_[a-z_]+", expr))
+        names = set(re.findall(r"\b(?:rsinfer|faststream)_[a-z_]+", expr))
         assert names, title
         used |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
-    assert used <= METRICS, used - METRICS
-    assert used == METRICS, f"not on the dashboard: {METRICS - used}"
+    exported = METRICS | WORKER_METRICS
+    assert used <= exported, used - exported
+    assert used == exported, f"not on the dashboard: {exported - used}"
     panel_ids = [p["id"] for p in dash["panels"]]
     assert len(panel_ids) == len(set(panel_ids))
     for panel in dash["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}"
+
+
+def test_dashboard_worker_metrics_are_what_a_worker_registers():
+    """Every WORKER_METRICS name is a metric a worker with --metrics-port registers, under that name."""
+    from shared.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("tokenizer", port=1)  # registers; serve() would start the HTTP server
+    metrics.faststream_middlewares()
+    registered = {family.name: family.type for family in metrics.registry.collect()}
+    for metric in WORKER_METRICS:
+        base = metric.removesuffix("_total")  # prometheus_client names a counter's family without it
+        assert base in registered, f"{metric} is not registered by shared/metrics.py WorkerMetrics"
+        assert (registered[base] == "counter") == metric.endswith("_total"), metric
 
 
 def test_dashboard_metrics_are_defined_by_the_api():

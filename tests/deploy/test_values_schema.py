@@ -48,6 +48,13 @@ BAD_VALUES = [
     ("kernel-cache-access-mode", {"stages": {"scheduler": {"kernelCache": {"accessModes": ["ReadOnlyMany"]}}}},
      "accessModes"),
     ("kernel-cache-on-tokenizer", {"stages": {"tokenizer": {"kernelCache": {"persistent": True}}}}, "kernelCache"),
+    ("worker-metrics-port-zero", {"metrics": {"workers": {"port": 0}}}, "metrics.workers.port"),
+    ("worker-metrics-port-string", {"metrics": {"workers": {"port": "9100"}}}, "metrics.workers.port"),
+    ("worker-metrics-typo", {"metrics": {"workers": {"enable": True}}}, "enable"),
+    ("worker-metrics-port-as-setting", {"stages": {"tokenizer": {"settings": {"metrics_port": 9100}}}},
+     "metrics_port"),
+    ("otlp-endpoint-without-scheme", {"tracing": {"otlpEndpoint": "otel-collector:4318"}}, "otlpEndpoint"),
+    ("otlp-endpoint-as-setting", {"settings": {"otlp_endpoint": "http://otel:4318"}}, "otlp_endpoint"),
     # the chart's `fail` checks: what a schema cannot say
     ("duplicate-pool-name", {"modelPools": [POOL, {**POOL, "servedModelName": "other"}]}, "used twice"),
     ("duplicate-served-name", {"modelPools": [POOL, {**POOL, "name": "other"}]}, "used twice"),

@@ -5,11 +5,14 @@ environment (ConfigMap and Secret references resolved from the rendered manifest
 the downward API) are started as they are, against a local redis-server that requires the password
 the chart generated. Only these differ from the pods:
   - RSINFER_REDIS_URL points at the local redis-server, RSINFER_MODEL/RSINFER_SERVED_MODEL_NAME at
-    the test's demo checkpoint, RSINFER_PORT at a free port (the rendered containerPort is checked);
+    the test's demo checkpoint, RSINFER_PORT and each worker's RSINFER_METRICS_PORT at free ports (pods
+    have a network each, local processes share one; the rendered containerPorts are checked), and
+    RSINFER_OTLP_ENDPOINT (rendered from tracing.otlpEndpoint) at a collector in the test;
   - the pods' emptyDir mounts (/tmp, the cache) become local temporary folders.
-Then the API must turn ready, answer a chat completion through the official openai client, and every
-worker's rendered liveness probe must pass; the preStop hook must turn the API unready. A flag or
-setting renamed in the code but not in the chart breaks this test.
+Then the API must turn ready, answer a chat completion through the official openai client, every
+process must export the request's spans, every worker must serve its /metrics, and every worker's
+rendered liveness probe must pass; the preStop hook must turn the API unready. A flag or setting
+renamed in the code but not in the chart breaks this test.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +35,8 @@ import redis
 from shared.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
+from tests.e2e.helpers import wait_for
+from tests.e2e.test_observability import SERVICES, Collector
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,8 +61,22 @@ def manifests():
         helmbin.find_helm()
     except helmbin.HelmUnavailable as exc:
         pytest.skip(f"chart smoke test skipped: no helm binary and none could be fetched ({exc})")
-    # Defaults, plus an API key (so the Secret's wiring is exercised) and a short preStop drain.
-    return helmbin.render(sets=[f"auth.apiKey={API_KEY}", "api.drainSeconds=1"])
+    # Defaults (worker metrics on), plus an API key (so the Secret's wiring is exercised), a short preStop
+    # drain and tracing on.
+    return helmbin.render(sets=[f"auth.apiKey={API_KEY}", "api.drainSeconds=1",
+                                "tracing.otlpEndpoint=http://otel-collector.observability:4318"])
+
+
+@pytest.fixture
+def collector():
+    server = Collector()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture
@@ -98,7 +118,7 @@ class Pod:
         (self.container,) = spec["containers"]
         env = kube.resolve_env(self.container, manifests, pod_name=self.name)
         # pydantic ignores unknown RSINFER_* variables: a renamed setting must fail here, not be dropped
-        role = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        self.role = role = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
         fields = {f"RSINFER_{f.upper()}" for f in SETTINGS[role].model_fields} | NON_SETTINGS_ENV
         unknown = sorted(k for k in env if k.startswith("RSINFER_") and k not in fields)
         assert not unknown, f"{self.name}: no {role} setting reads {unknown}"
@@ -155,20 +175,26 @@ def _get(url: str, timeout: float = 5) -> int:
         return exc.code
 
 
-def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, demo_model_dir, tmp_path):
+def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, demo_model_dir, tmp_path, collector,
+                                                      monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the SDK's export delay: spans within the test
     deployments = kube.by_kind(manifests, "Deployment")
     api_dep = deployments.pop("rs-rsinfer-api")
     assert sorted(deployments) == ["rs-rsinfer-demo-detokenizer", "rs-rsinfer-demo-scheduler",
                                    "rs-rsinfer-demo-tokenizer"]
     port = _free_port()
-    model = {"RSINFER_REDIS_URL": local_redis, "RSINFER_MODEL": str(demo_model_dir),
-             "RSINFER_SERVED_MODEL_NAME": "rsinfer-demo"}
-    api = Pod(api_dep, manifests, tmp_path, {"RSINFER_REDIS_URL": local_redis, "RSINFER_PORT": str(port)})
+    common = {"RSINFER_REDIS_URL": local_redis, "RSINFER_OTLP_ENDPOINT": collector.url}
+    model = {**common, "RSINFER_MODEL": str(demo_model_dir), "RSINFER_SERVED_MODEL_NAME": "rsinfer-demo"}
+    api = Pod(api_dep, manifests, tmp_path, {**common, "RSINFER_PORT": str(port)})
     assert str(api.container["ports"][0]["containerPort"]) == kube.resolve_env(
         api.container, manifests, "p")["RSINFER_PORT"], "the chart's containerPort is the port the API uses"
-    workers = [Pod(dep, manifests, tmp_path, model) for dep in deployments.values()]
+    workers = [Pod(dep, manifests, tmp_path, {**model, "RSINFER_METRICS_PORT": str(_free_port())})
+               for dep in deployments.values()]
     for w in workers:
         assert w.env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"  # as rendered: only the path moves
+        (metrics_port,) = [p["containerPort"] for p in w.container["ports"] if p["name"] == "metrics"]
+        assert str(metrics_port) == kube.resolve_env(w.container, manifests, "p")["RSINFER_METRICS_PORT"], \
+            f"{w.name}: the `metrics` containerPort is the port the worker serves on"
     pods = [*workers, api]
 
     def logs() -> str:
@@ -196,6 +222,19 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
+        # tracing.otlpEndpoint: every process exported its span of this request, all in one trace
+        uid = reply.id.removeprefix("chatcmpl-")
+        wait_for(lambda: {s["service"] for s in collector.of_request(uid)} >= SERVICES, timeout=20, every=0.1)
+        assert len({s["trace"] for s in collector.of_request(uid)}) == 1
+
+        # metrics.workers: each worker serves its own /metrics, counting the entry it took and passed on
+        for w in workers:
+            text = _scrape(w.env["RSINFER_METRICS_PORT"])
+            expected = {"tokenizer": 'faststream_received_messages_total{app_name="rsinfer-tokenizer"',
+                        "scheduler": 'rsinfer_stage_consumed_entries_total{role="scheduler",stream="schedule"} 1.0',
+                        "detokenizer": 'rsinfer_stage_published_entries_total{role="detokenizer",stream="reply"}'}
+            assert expected[w.role] in text, f"{w.name} /metrics:\n{text[-2000:]}"
+
         # the workers' rendered liveness probes (rsinfer healthcheck) pass against the live workers
         for w in workers:
             probe = w.exec_probe("livenessProbe")
@@ -216,6 +255,11 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
                 except subprocess.TimeoutExpired:
                     pod.proc.kill()
                     pod.proc.wait()
+
+
+def _scrape(port: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
 
 
 def _get_ready(base: str) -> int:

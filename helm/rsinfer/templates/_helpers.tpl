@@ -105,11 +105,21 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- toYaml $out }}
 {{- end }}
 
+{{/* The port each worker serves its own /metrics on; empty while metrics.workers.enabled is off. */}}
+{{- define "rsinfer.workerMetricsPort" -}}
+{{- if .Values.metrics.workers.enabled }}
+{{- toString (int .Values.metrics.workers.port) }}
+{{- end }}
+{{- end }}
+
 {{/* Every ConfigMap entry, as {scope: {ENV: value}}: "common", "api" and "<pool>.<stage>". */}}
 {{- define "rsinfer.configScopes" -}}
 {{- $common := include "rsinfer.settingsEnvMap" .Values.settings | fromYaml }}
 {{- $_ := set $common "RSINFER_REDIS_URL" (include "rsinfer.redisUrl" .) }}
 {{- $_ := set $common "RSINFER_NAMESPACE" (include "rsinfer.redisNamespace" .) }}
+{{- with .Values.tracing.otlpEndpoint }}
+{{- $_ := set $common "RSINFER_OTLP_ENDPOINT" . }}
+{{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
 {{- $scopes := dict "common" $common "api" $api }}
@@ -118,6 +128,9 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
 {{- $env := include "rsinfer.settingsEnvMap" $cfg.settings | fromYaml }}
 {{- $_ := set $env "RSINFER_SERVED_MODEL_NAME" $pool.servedModelName }}
+{{- with include "rsinfer.workerMetricsPort" $ }}
+{{- $_ := set $env "RSINFER_METRICS_PORT" . }}
+{{- end }}
 {{- with include "rsinfer.modelRef" $pool }}
 {{- $_ := set $env "RSINFER_MODEL" . }}
 {{- end }}
