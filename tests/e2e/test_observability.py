@@ -41,8 +41,7 @@ class _Receive(BaseHTTPRequestHandler):
             service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
             for ss in rs.scope_spans:
                 for sp in ss.spans:
-                    attrs = {a.key: a.value.string_value or a.value.int_value or a.value.bool_value
-                             for a in sp.attributes}
+                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in sp.attributes}
                     spans.append({"service": service, "name": sp.name, "trace": sp.trace_id.hex(),
                                   "id": sp.span_id.hex(), "parent": sp.parent_span_id.hex(), "attributes": attrs,
                                   "ms": (sp.end_time_unix_nano - sp.start_time_unix_nano) / 1e6})
