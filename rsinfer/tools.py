@@ -53,18 +53,22 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
 
 async def healthcheck(settings: CommonSettings, args: argparse.Namespace) -> int:
     """0 when this worker's heartbeat is fresh and its loop moved within max_stall_s. The heartbeat is
-    written by its own task, so a hung engine step shows as a fresh heartbeat with a stale loop."""
+    written by its own task, so a hung engine step shows as a fresh heartbeat with a stale loop. The probe runs
+    as another process, so it finds the worker by name: the newest heartbeat of `<role>:<name>@...`."""
     keys = Keys(settings.namespace)
     redis = connect(settings.redis_url, **settings.redis_options())
+    prefix = f"{args.role}:{settings.name()}@"
     try:
-        raw = await redis.hgetall(keys.worker(args.role, settings.identity()))
+        members = await redis.zrevrangebyscore(keys.workers(), "+inf", "-inf")
+        mine = next((m.decode() for m in members if m.decode().startswith(prefix)), None)
+        raw = await redis.hgetall(keys.worker(args.role, mine.split(":", 1)[1])) if mine else {}
     except Exception as e:
         print(f"unhealthy: redis: {e}")
         return 1
     finally:
         await redis.aclose()
     if not raw:
-        print(f"unhealthy: no heartbeat for {args.role}:{settings.identity()}")
+        print(f"unhealthy: no heartbeat for {prefix}*")
         return 1
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     now = time.time()

@@ -18,7 +18,16 @@ import yaml
 
 from shared import streams
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, TOKENIZER_GROUP, Keys
-from shared.messages import VERSION, DetokenizeBatch, ReplyError, ReplyEvent, ScheduleJob, TokenizeJob
+from shared.messages import (
+    VERSION,
+    DetokenizeBatch,
+    ReplyCheckpoint,
+    ReplyError,
+    ReplyEvent,
+    ReplyFence,
+    ScheduleJob,
+    TokenizeJob,
+)
 
 REF = "#/components/schemas/{name}"
 ENTRY = ("Each entry has one field, `data`, whose value is this message as UTF-8 JSON (`kind` names it, `v` is "
@@ -44,9 +53,11 @@ def stream_catalogue(keys: Keys) -> list[Stream]:
                "while their KV cache has room; an entry is acknowledged when its request ends)", SCHEDULER_GROUP),
         Stream("detokenize", keys.detokenize(model), (DetokenizeBatch,), "scheduler (one entry per engine step)",
                "detokenizer workers", DETOKENIZER_GROUP, True),
-        Stream("reply", keys.reply(uid), (ReplyEvent, ReplyError), "detokenizer (text ranges); tokenizer and "
-               "scheduler (errors)", "the API process that serves the request (XREAD, no group; any API process "
-               "when a client reattaches)"),
+        Stream("reply", keys.reply(uid), (ReplyEvent, ReplyError, ReplyFence, ReplyCheckpoint), "detokenizer (text "
+               "ranges); tokenizer and scheduler (errors); scheduler (fences when it takes a request over, "
+               "checkpoints of the tokens so far)",
+               "the API process that serves the request (XREAD, no group; any API process when a client "
+               "reattaches); a scheduler taking the request over"),
     ]
 
 

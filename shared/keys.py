@@ -34,6 +34,10 @@ class Keys:
     def abort(self, uid: str) -> str:
         return f"{self.namespace}:abort:{uid}"
 
+    def choice_stop(self, uid: str, index: int) -> str:
+        """A choice of an n > 1 request ended by a stop string: its scheduler stops generating it."""
+        return f"{self.namespace}:abort:{uid}:{index}"
+
     def request(self, uid: str) -> str:
         return f"{self.namespace}:req:{uid}"
 

@@ -143,6 +143,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int = 0
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py)
     trace: str | None = None  # the request's traceparent, on a choice's first and last delta when traced
 
 
@@ -184,6 +185,25 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py, fencing)
+    v: int = VERSION
+
+
+class ReplyFence(msgspec.Struct, frozen=True, tag_field="kind", tag="fence", omit_defaults=True):
+    """scheduler -> api (rsinfer:reply:<uid>): the request was taken over with this epoch; from here on,
+    events of older epochs are the taken-over scheduler's and are refused."""
+
+    epoch: int
+    scheduler: str = ""
+    v: int = VERSION
+
+
+class ReplyCheckpoint(msgspec.Struct, frozen=True, tag_field="kind", tag="checkpoint", omit_defaults=True):
+    """scheduler -> a peer resuming the request (rsinfer:reply:<uid>): every token of every choice so far, so
+    that resuming never depends on a reply stream that MAXLEN has trimmed. Readers that deliver skip it."""
+
+    epoch: int
+    outputs: list[list[int]]
     v: int = VERSION
 
 
@@ -198,7 +218,7 @@ class ReplyError(msgspec.Struct, frozen=True, tag_field="kind", tag="error", omi
     v: int = VERSION
 
 
-Reply = ReplyEvent | ReplyError
+Reply = ReplyEvent | ReplyError | ReplyFence | ReplyCheckpoint
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[object, msgspec.json.Decoder] = {}

@@ -58,6 +58,28 @@ def abort(pipe: Pipeline | Redis, keys: Keys, uid: str, reason: str, ttl: int) -
     return pipe.set(keys.abort(uid), reason, ex=ttl)
 
 
+def stop_choice(pipe: Pipeline, keys: Keys, uid: str, index: int, ttl: int) -> None:
+    pipe.set(keys.choice_stop(uid, index), "stop", ex=ttl)
+
+
+async def ended_elsewhere(redis: Redis, keys: Keys, uids: Iterable[str], choices: Iterable[tuple[str, int]]
+                          ) -> tuple[dict[str, str], set[tuple[str, int]]]:
+    """Abort reasons of `uids` (as abort_reasons) and which of `choices` a stop string ended, in one round
+    trip."""
+    uids, choices = list(uids), list(choices)
+    if not uids and not choices:
+        return {}, set()
+    async with redis.pipeline(transaction=False) as pipe:
+        for uid in uids:
+            pipe.get(keys.abort(uid))
+        for uid, index in choices:
+            pipe.exists(keys.choice_stop(uid, index))
+        values = await pipe.execute()
+    reasons = {uid: v.decode() for uid, v in zip(uids, values, strict=False) if v is not None}
+    stopped = {c for c, v in zip(choices, values[len(uids):], strict=True) if v}
+    return reasons, stopped
+
+
 async def abort_reasons(redis: Redis, keys: Keys, uids: Iterable[str]) -> dict[str, str]:
     """uid -> reason for each uid whose abort flag is set, in one round trip (cluster-safe pipeline)."""
     uids = list(uids)

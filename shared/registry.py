@@ -25,10 +25,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerInfo:
     role: str
-    id: str
+    id: str  # <name>@<process start>
     model: str
     updated_at: float
     load: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.id.split("@", 1)[0]
 
 
 class Heartbeat:
@@ -71,9 +75,11 @@ class Heartbeat:
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            for _ in range(3):  # again if it swallowed the cancellation (see shared/worker.py stop_task)
+                self._task.cancel()
+                done, _ = await asyncio.wait({self._task}, timeout=2.0)
+                if done:
+                    break
         with contextlib.suppress(RedisError, OSError):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import typing
 from typing import Literal
@@ -17,6 +18,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
+PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
 class CommonSettings(BaseSettings):
@@ -27,7 +29,8 @@ class CommonSettings(BaseSettings):
     redis_tls_ca: str | None = Field(None, description="CA bundle for rediss:// URLs")
     namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
     log_level: str = Field("INFO", description="logging level")
-    worker_id: str = Field("", description="this process's id in heartbeats and consumer groups (host-pid)")
+    worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
+                           "consumer groups is <name>@<start>, unique per process start (default name: host)")
     heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
     heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
     request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
@@ -43,8 +46,13 @@ class CommonSettings(BaseSettings):
             opts["ssl_ca_certs"] = self.redis_tls_ca
         return opts
 
+    def name(self) -> str:
+        return self.worker_id or socket.gethostname()
+
     def identity(self) -> str:
-        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        """`<name>@<pid>.<random>`: a process restarted under the same name (a pod's container restart) is
+        another worker, so its predecessor's requests are seen as orphaned and its consumer as gone."""
+        return f"{self.name()}@{PROCESS_START}"
 
 
 class StageSettings(CommonSettings):

@@ -95,6 +95,7 @@ class GroupConsumer(Generic[M]):
     def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str):
         self.redis, self.key, self.group, self.consumer = redis, key, group, consumer
         self.typ, self.dead_key = typ, dead_key
+        self.claim_cursor = "0-0"
 
     async def ensure_group(self) -> None:
         """Create the group at 0, not `$`, so a backlog written before the first worker is read."""
@@ -119,24 +120,37 @@ class GroupConsumer(Generic[M]):
         return await self.decode_all([(_s(eid), f) for eid, f in entries])
 
     async def claim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
-        """Take over entries another consumer has held longer than min_idle_ms (it died or hung)."""
+        """Take over entries another consumer has held longer than min_idle_ms (it died or hung).
+
+        XAUTOCLAIM scans at most count x 10 pending entries per call, so the cursor it returns is where the
+        next call goes on: starting every call at 0-0 would never get past live peers' many entries to a dead
+        one's behind them. It comes back to 0-0 when the scan has gone round."""
         try:
-            _next, entries, _deleted = await self.redis.xautoclaim(
-                self.key, self.group, self.consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count)
+            nxt, entries, _deleted = await self.redis.xautoclaim(
+                self.key, self.group, self.consumer, min_idle_time=min_idle_ms, start_id=self.claim_cursor,
+                count=count)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             await self.ensure_group()
             return []
+        self.claim_cursor = _s(nxt)
         live = [(_s(eid), f) for eid, f in entries if f is not None]
         return await self.decode_all(live)
 
-    async def touch(self, ids: Sequence[str]) -> None:
-        """Reset the idle time of entries we still work on (XCLAIM to ourselves, JUSTID), so that peers
-        claim only the entries of a consumer that died or hung."""
-        if ids:
-            await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_time=0,
-                                    message_ids=list(ids), justid=True)
+    async def touch(self, ids: Sequence[str]) -> list[str]:
+        """Reset the idle time of the entries we hold and still work on, so that peers claim only the entries
+        of a consumer that died or hung; returns those of `ids` no longer ours (a peer claimed them while we
+        were stalled). Only entries still ours are touched: XCLAIM would take a peer's entry back, and the
+        two owners would take it from each other for ever."""
+        if not ids:
+            return []
+        ours = set(await self.pending_ids(count=max(1000, 2 * len(ids))))
+        mine = [i for i in ids if i in ours]
+        if mine:
+            await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_time=0, message_ids=mine,
+                                    justid=True)
+        return [i for i in ids if i not in ours]
 
     async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
         """Give pending entries to another consumer name with idle time maxed, so a peer's claim
@@ -144,6 +158,23 @@ class GroupConsumer(Generic[M]):
         if ids:
             await self.redis.xclaim(self.key, self.group, to_consumer, min_idle_time=0,
                                     message_ids=list(ids), idle=10**9, justid=True)
+
+    async def remove_departed(self, alive: set[str], idle_ms: int) -> list[str]:
+        """XGROUP DELCONSUMER every consumer that holds nothing and is not alive (its process is gone; the
+        hand-back consumer once emptied), idle for `idle_ms` at least: group metadata would otherwise grow with
+        every process ever started. A consumer with pending entries is kept: deleting it would drop them."""
+        try:
+            consumers = await self.redis.xinfo_consumers(self.key, self.group)
+        except ResponseError:
+            return []
+        gone = [_s(c["name"]) for c in consumers
+                if not c["pending"] and _s(c["name"]) not in alive and int(c["idle"]) >= idle_ms]
+        if gone:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in gone:
+                    pipe.xgroup_delconsumer(self.key, self.group, name)
+                await pipe.execute()
+        return gone
 
     async def pending_ids(self, count: int = 1000) -> list[str]:
         rows = await self.redis.xpending_range(self.key, self.group, "-", "+", count,

@@ -23,7 +23,7 @@ from shared import streams
 from shared.keys import Keys
 from shared.metrics import WorkerMetrics
 from shared.redis_conn import connect
-from shared.registry import Heartbeat
+from shared.registry import Heartbeat, live_workers
 from shared.settings import StageSettings
 from shared.streams import Delivery, GroupConsumer
 from shared.tracing import Tracer
@@ -64,6 +64,8 @@ class StageWorker(Generic[M]):
         self.steps = 0
         self.last_step_at = time.time()
         self._last: dict[str, float] = {}
+        self.lost: set[str] = set()  # held entries a peer claimed from us (keep_alive finds them)
+        self._keep_alive: asyncio.Task | None = None
         self.model_info: dict = {}  # in the heartbeat: `root` (checkpoint) and `max_model_len`, for /v1/models
 
     # -- hooks for subclasses -------------------------------------------------------------------------
@@ -90,7 +92,21 @@ class StageWorker(Generic[M]):
         await self.source.ensure_group()
         await self.heartbeat.beat()
         self.heartbeat.start()
+        self._keep_alive = asyncio.create_task(self.keep_alive(), name=f"keep-alive-{self.role}")
         log.info("%s ready: model=%s stream=%s", self.role, self.model_name, self.source.key)
+
+    async def keep_alive(self) -> None:
+        """Every claim_idle_ms / 3, in its own task (so however long a step runs in its thread): reset the idle
+        time of the entries this worker holds on purpose, and note those a peer took while we were stalled
+        (`lost`), so the loop drops them before its next step."""
+        while True:
+            await asyncio.sleep(self.settings.claim_idle_ms / 3000)
+            try:
+                self.lost.update(await self.source.touch(self.held_entries()))
+            except (RedisError, OSError) as e:
+                log.warning("keep-alive failed: %s", e)
+            except Exception:  # a dead keep-alive would let peers take live requests: never let it die
+                log.exception("keep-alive failed")
 
     async def loop(self) -> None:
         await self.retrying(self.iteration, until=self.stopping)
@@ -135,10 +151,13 @@ class StageWorker(Generic[M]):
         return await self.source.read(count, block_ms), False
 
     async def housekeeping(self) -> None:
-        if self.due("touch", self.settings.claim_idle_ms / 3000):
-            await self.source.touch(self.held_entries())
         if self.due("trim", TRIM_EVERY_S):
             await self.source.trim_acknowledged()
+            ttl = self.settings.heartbeat_ttl_s
+            alive = {w.id for w in await live_workers(self.redis, self.keys, ttl) if w.role == self.role}
+            gone = await self.source.remove_departed(alive | {self.id}, idle_ms=int(2000 * ttl))
+            if gone:
+                log.info("removed consumers of processes that are gone: %s", ", ".join(gone))
 
     async def drain(self) -> None:
         """After SIGTERM: finish in-flight work within the grace period, then hand back the rest.
@@ -152,6 +171,8 @@ class StageWorker(Generic[M]):
                 log.info("handed %d entries back to the group", len(left))
 
     async def close(self) -> None:
+        if self._keep_alive is not None:
+            await stop_task(self._keep_alive)
         await self.heartbeat.stop()
         await self.redis.aclose()
         self.tracer.shutdown()
@@ -240,6 +261,19 @@ class SubscribedWorker(StageWorker[M]):
         with contextlib.suppress(Exception):
             await self.broker.stop()
         await super().close()
+
+
+async def stop_task(task: asyncio.Task, patience_s: float = 2.0) -> None:
+    """Cancel a background task and wait for it, cancelling again if it swallowed the first cancellation
+    (Python 3.11's asyncio.wait_for, which redis-py's blocking pool uses, can), never hanging a shutdown."""
+    for _ in range(3):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=patience_s)
+        if done:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
+            return
+    log.warning("task %s did not stop", task.get_name())
 
 
 def run_stage(settings: StageSettings, build: Callable[[str, str], Awaitable[StageWorker]]) -> int:

@@ -1,9 +1,6 @@
-"""From raw reply-stream entries to ordered events: per choice, in token-index order, each range once.
-
-Stages may write a range twice (a peer replica redoing a dead one's work) or out of order (a gap a peer
-fills after claiming it); events carry [start, end) token ranges, so the API delivers each choice's
-events in order, holds early ones and drops what it already delivered.
-"""
+"""From raw reply-stream entries to ordered events, by shared/replies.py's OrderedReplies: per choice, in
+token-index order, each range once, and nothing of a scheduler that was taken over once its successor's
+fence is in the stream."""
 
 from __future__ import annotations
 
@@ -15,7 +12,8 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from services.api.replies import Subscription
-from shared.messages import Reply, ReplyError, ReplyEvent, decode
+from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, decode
+from shared.replies import OrderedReplies
 
 log = logging.getLogger(__name__)
 
@@ -30,57 +28,6 @@ class StageFailed(Exception):
 
 class DeadlineExceeded(Exception):
     pass
-
-
-class OrderedReplies:
-    def __init__(self, n: int):
-        self.next = [0] * n  # next token index to deliver, per choice
-        self.held: list[dict[int, ReplyEvent]] = [{} for _ in range(n)]
-        self.finished: dict[int, str] = {}
-        self.prompt_tokens = 0
-        self.cached_tokens = 0  # of the prompt, read from the engine's prefix cache
-
-    @property
-    def done(self) -> bool:
-        return len(self.finished) == len(self.next)
-
-    def accept(self, ev: ReplyEvent) -> list[ReplyEvent]:
-        """Events now deliverable, in order, after receiving `ev`."""
-        i = ev.index
-        if not 0 <= i < len(self.next) or i in self.finished:
-            return []
-        self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
-        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
-        if ev.finish_reason is not None and not ev.ids and ev.start <= self.next[i]:
-            self.finished[i] = ev.finish_reason  # an abort or error ends the choice where it stands
-            self.held[i].clear()
-            return [ev]
-        if ev.end < self.next[i] or (ev.end == self.next[i] and ev.finish_reason is None):
-            return []  # already delivered
-        if ev.start > self.next[i]:
-            self.held[i][ev.start] = ev  # a gap before it: wait for the range a peer will redo
-            return []
-        if ev.start < self.next[i]:
-            # Overlaps what was delivered; its text cannot be split by token. Whoever wrote the part we
-            # have also writes the rest in step-sized ranges, which do fit.
-            log.warning("dropping reply range [%d, %d) overlapping delivered %d", ev.start, ev.end, self.next[i])
-            return []
-        out = [ev]
-        self._advance(ev)
-        while i not in self.finished and (nxt := self.held[i].pop(self.next[i], None)) is not None:
-            out.append(nxt)
-            self._advance(nxt)
-        return out
-
-    def _advance(self, ev: ReplyEvent) -> None:
-        self.next[ev.index] = max(self.next[ev.index], ev.end)
-        if ev.finish_reason is not None:
-            self.finished[ev.index] = ev.finish_reason
-            self.held[ev.index].clear()
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(self.next)
 
 
 async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: float
@@ -121,6 +68,9 @@ async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: fl
                 if pairs:
                     yield pairs
                 raise StageFailed(msg)
-            pairs.extend((entry_id, ev) for ev in order.accept(msg))
+            if isinstance(msg, ReplyFence):
+                order.fence(msg.epoch)
+            elif not isinstance(msg, ReplyCheckpoint):  # checkpoints are for a resuming scheduler
+                pairs.extend((entry_id, ev) for ev in order.accept(msg))
         if pairs:
             yield pairs

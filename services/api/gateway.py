@@ -25,11 +25,12 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from services.api.flow import OrderedReplies, ordered_entries, ordered_events
+from services.api.flow import ordered_entries, ordered_events
 from services.api.replies import ReplyHub, Subscription
 from shared import records, streams
 from shared.keys import Keys
 from shared.messages import TokenizeJob
+from shared.replies import OrderedReplies
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN
 

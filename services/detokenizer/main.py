@@ -35,16 +35,17 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
     def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
-        # Where choices this replica ended: later steps (the scheduler's, made before it saw a stop string's
-        # abort flag) are dropped, earlier ones (a claimed entry handled after newer ones) still rendered.
-        # Bounded; the API also ignores anything after a choice's final entry.
-        self.finished: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # Where choices this replica ended, and by which scheduler's epoch: that scheduler's later steps (made
+        # before it saw a stop string's flag) are dropped; earlier ones (a claimed entry handled after newer
+        # ones) and a successor's (after a takeover) still rendered. Bounded; the API also ignores anything
+        # after a choice's final entry.
+        self.finished: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
 
     def load(self) -> dict:
         return {**super().load(), "finished_tracked": len(self.finished)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
-        items = [it for d in batch for it in d.msg.items if it.start < self.finished.get((it.uid, it.index), 1 << 62)]
+        items = [it for d in batch for it in d.msg.items if not self._after_end(it)]
         # Claimed entries are rendered one step at a time: a dead peer may have written some of them
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
@@ -69,13 +70,13 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
                            index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
-                           **self.detok.first_range(it))
+                           epoch=it.epoch, **self.detok.first_range(it))
         mark = it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
         records.reply(pipe, self.keys, it.uid, event, self.ttl, self.maxlen, refresh_ttl=mark)
         if finish is not None:
             records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
                                finish_reason=finish, completion_tokens=end)
-            self._remember(it.uid, it.index, end)
+            self._remember(it, end)
             if r.stopped and it.finish is None:
                 log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
                 self._stop_engine(pipe, it)
@@ -83,13 +84,19 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             records.set_status(pipe, self.keys, it.uid, self.ttl, completion_tokens=end)
 
     def _stop_engine(self, pipe, it: TokenDelta) -> None:
-        """Tell the scheduler to stop spending compute: the abort flag with reason "stop". With n > 1
-        one flag would stop every choice, so there the choice's later tokens are dropped instead."""
+        """Tell the scheduler to stop spending compute on this choice: the request's abort flag with reason
+        "stop" when it has one choice, else the choice's own stop flag (one flag would stop them all)."""
         if it.n == 1:
             records.abort(pipe, self.keys, it.uid, "stop", self.ttl)
+        else:
+            records.stop_choice(pipe, self.keys, it.uid, it.index, self.ttl)
 
-    def _remember(self, uid: str, index: int, end: int) -> None:
-        self.finished[(uid, index)] = end
+    def _after_end(self, it: TokenDelta) -> bool:
+        epoch, end = self.finished.get((it.uid, it.index), (-1, 0))
+        return it.epoch <= epoch and it.start >= end
+
+    def _remember(self, it: TokenDelta, end: int) -> None:
+        self.finished[(it.uid, it.index)] = (it.epoch, end)
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 

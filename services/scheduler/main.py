@@ -10,11 +10,13 @@ request has ended, so that a peer can resume it from its reply stream if this pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
@@ -22,7 +24,17 @@ from services.scheduler.engine.base import Engine, EngineRequest, RequestRejecte
 from services.scheduler.engine.factory import build_engine
 from shared import records, streams
 from shared.keys import SCHEDULER_GROUP
-from shared.messages import DetokenizeBatch, Reply, ReplyError, ReplyEvent, ScheduleJob, TokenDelta, decode
+from shared.messages import (
+    DetokenizeBatch,
+    Reply,
+    ReplyCheckpoint,
+    ReplyError,
+    ReplyFence,
+    ScheduleJob,
+    TokenDelta,
+    decode,
+)
+from shared.replies import ProducedTokens
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
 from shared.tracing import NO_SPAN, Span
@@ -47,6 +59,8 @@ class Running:
     done: set[int] = field(default_factory=set)
     span: Span = NO_SPAN  # from admission to the request's end, when traced
     steps: int = 0  # engine steps that produced tokens for it
+    epoch: int = 0  # raised by every takeover; on every delta, so a successor's fence refuses ours
+    checkpointed: int = 0  # tokens (all choices) at the last checkpoint written to the reply stream
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
 
     @property
@@ -77,7 +91,8 @@ class Running:
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
                           index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
-                          top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None, **first)
+                          top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None,
+                          epoch=self.epoch, **first)
 
     def end_span(self, outcome: str, error: str | None = None) -> None:
         self.span.set(outcome=outcome, steps=self.steps, completion_tokens=sum(len(o) for o in self.outputs))
@@ -86,24 +101,17 @@ class Running:
     def abort_deltas(self) -> list[TokenDelta]:
         """A final "abort" for every choice still open, so the client's reply ends in order."""
         return [TokenDelta(uid=self.job.uid, start=len(seq), ids=[], prompt_tokens=len(self.job.input_ids),
-                           index=i, n=self.job.params.n, finish="abort")
+                           index=i, n=self.job.params.n, finish="abort", epoch=self.epoch)
                 for i, seq in enumerate(self.outputs) if i not in self.done]
 
-
-def produced_so_far(entries: list[tuple[str, dict[bytes, bytes]]], n: int) -> tuple[list[list[int]], set[int], bool]:
-    """From a reply stream: the tokens each choice has, which choices finished, and whether it failed."""
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    done: set[int] = set()
-    for _, fields in entries:
-        msg = decode(streams.payload(fields), Reply)
-        if isinstance(msg, ReplyError):
-            return outputs, done, True
-        assert isinstance(msg, ReplyEvent)
-        if msg.index < n and msg.start <= len(outputs[msg.index]) < msg.end:
-            outputs[msg.index].extend(msg.ids[len(outputs[msg.index]) - msg.start:])
-        if msg.finish_reason is not None and msg.index < n:
-            done.add(msg.index)
-    return outputs, done, False
+    def checkpoint_due(self, every: int) -> ReplyCheckpoint | None:
+        """After `every` more tokens (of all choices; at least 16 per choice), all tokens so far: a successor
+        resumes from the newest one, so resuming never depends on the head of a capped reply stream."""
+        total = sum(len(o) for o in self.outputs)
+        if total - self.checkpointed < max(every, 16 * self.job.params.n):
+            return None
+        self.checkpointed = total
+        return ReplyCheckpoint(epoch=self.epoch, outputs=[list(o) for o in self.outputs])
 
 
 class SchedulerWorker(StageWorker[ScheduleJob]):
@@ -115,6 +123,9 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         super().__init__(settings, model_name)
         self.engine = engine
         self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
+        # Tokens between checkpoints: at most a quarter of the reply stream's cap lies after the newest one
+        # (one entry per token at most), so MAXLEN never trims it away.
+        self.checkpoint_every = settings.reply_maxlen // 4
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
@@ -181,11 +192,14 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 owner, owner_entry = owners[job.uid]
                 if job.uid in self.running:
                     continue  # delivered twice to us: already running
-                if not claimed and owner:
-                    if owner_entry == d.entry_id:  # we were hung; a peer claimed this very entry: it is theirs
-                        log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
-                        continue
+                if owner and owner_entry and owner_entry != d.entry_id:
+                    # Another schedule entry of the same request was admitted (the tokenizer forwarded it
+                    # twice): acknowledge this one, or every claim interval a peer would resume the request
+                    # from it and take it from its owner, back and forth.
                     log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
+                elif not claimed and owner:  # we were hung; a peer claimed this very entry: it is theirs
+                    log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
+                    continue
                 elif job.uid in aborted:
                     records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
                                         self.maxlen, len(job.input_ids))
@@ -199,12 +213,13 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     async def _start(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool) -> bool:
         """Hand a request to the engine (resuming from its reply stream when claimed); False if it ended."""
         job, n = d.msg, d.msg.params.n
-        outputs, done, failed = [[] for _ in range(n)], set(), False
+        outputs, done, epoch = [[] for _ in range(n)], set(), 0
         if claimed:
-            outputs, done, failed = produced_so_far(await streams.read_range(self.redis, self.keys.reply(job.uid)), n)
-            if failed or len(done) == n:
+            produced, epoch = await self._take_over(job)
+            if produced.failed or produced.done:
                 return False
-            log.info("uid=%s resumed after %s tokens", job.uid, [len(o) for o in outputs])
+            outputs, done = produced.outputs, set(produced.finished)
+            log.info("uid=%s resumed after %s tokens (epoch %d)", job.uid, [len(o) for o in outputs], epoch)
         try:
             max_tokens = self.engine.add(EngineRequest(job.uid, job.input_ids, job.params,
                                                        outputs if claimed else []))
@@ -216,10 +231,28 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             return False
         span = self.tracer.start("schedule", job.trace, uid=job.uid, scheduler=self.id, resumed=claimed,
                                  prompt_tokens=len(job.input_ids))
-        self.running[job.uid] = Running(d.entry_id, job, outputs, done, span)
+        self.running[job.uid] = Running(d.entry_id, job, outputs, done, span, epoch=epoch,
+                                        checkpointed=sum(len(o) for o in outputs))
         records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id,
                            max_tokens=max_tokens)
         return True
+
+    async def _take_over(self, job: ScheduleJob) -> tuple[ProducedTokens, int]:
+        """Raise the request's epoch, put a fence with it into the reply stream, and read what came before
+        the fence: that is exactly what clients get of the previous owners (shared/replies.py)."""
+        epoch = await self.redis.hincrby(self.keys.request(job.uid), "epoch", 1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            records.reply(pipe, self.keys, job.uid, ReplyFence(epoch=epoch, scheduler=self.id), self.ttl, self.maxlen)
+            pipe.xrange(self.keys.reply(job.uid))
+            fence_id, _, entries = await pipe.execute()
+        produced = ProducedTokens(job.params.n)
+        for entry_id, fields in entries:
+            if entry_id == fence_id:
+                break
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                produced.add(decode(streams.payload(fields), Reply))
+        produced.fence(epoch)
+        return produced, epoch
 
     async def _record_fields(self, uids: list[str], *names: str) -> dict[str, list[str | None]]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -232,7 +265,15 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     async def drop_ended(self) -> None:
         if not self.running:
             return
-        ended = await records.abort_reasons(self.redis, self.keys, self.running)
+        stoppable = [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop
+                     for i in range(r.job.params.n) if i not in r.done]
+        ended, stopped = await records.ended_elsewhere(self.redis, self.keys, self.running, stoppable)
+        for uid, index in stopped:
+            self._stop_choice(uid, index)
+        if self.lost:  # our entries a peer claimed while we were stalled (keep_alive found them)
+            lost, self.lost = self.lost, set()
+            ended |= {uid: "taken_over" for uid, r in self.running.items() if r.entry_id in lost}
+        ended = {uid: why for uid, why in ended.items() if uid in self.running}
         now = time.time()
         ended |= {uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now and uid not in ended}
         if self.due("sweep", SWEEP_EVERY_S):
@@ -265,6 +306,20 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             elif r.job.pod not in alive and not r.job.background:
                 out[r.job.uid] = "owner_gone"
         return out
+
+    def _stop_choice(self, uid: str, index: int) -> None:
+        """A stop string ended this choice in the detokenizer (which wrote its last range): stop generating it,
+        and end the request if it was the last one open."""
+        run = self.running.get(uid)
+        if run is None or index in run.done:
+            return
+        self.engine.abort(uid, index)
+        run.done.add(index)
+        log.info("uid=%s choice=%d stopped by a stop string", uid, index)
+        if len(run.done) == run.job.params.n:
+            del self.running[uid]
+            run.end_span("finished")
+            self.outbox.append(lambda pipe: self.source.ack_in(pipe, [run.entry_id]))
 
     def _drop(self, uid: str, reason: str) -> None:
         run = self.running.pop(uid)
@@ -309,10 +364,14 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                     run.end_span("finished")
         batch = DetokenizeBatch(self.id, self.steps, items) if items else None
         self.metrics.published("detokenize", int(batch is not None))
+        checkpoints = [(uid, ck) for uid in {it.uid for it in items}
+                       if uid in self.running and (ck := self.running[uid].checkpoint_due(self.checkpoint_every))]
 
         def write(pipe: Pipeline) -> None:
             if batch:
                 streams.add(pipe, self.detokenize_key, batch)
+            for uid, ck in checkpoints:
+                records.reply(pipe, self.keys, uid, ck, self.ttl, self.maxlen, refresh_ttl=False)
             self.source.ack_in(pipe, ended)
 
         self.outbox.append(write)

@@ -68,6 +68,7 @@ class Stack:
         # Its own process group, so stop() reaches whatever it started too (`up`'s children).
         proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        STARTED.append(proc)
         self.procs[name] = proc
         return proc
 
@@ -110,6 +111,20 @@ class Stack:
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+STARTED: list[subprocess.Popen] = []  # every process a Stack started, whoever stops it (or forgets to)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_run() -> Iterator[None]:
+    """A test that takes a process out of its Stack (to stop it itself) and fails before it does leaves it
+    running: at the end of the run every process group a Stack started is killed."""
+    yield
+    for proc in STARTED:
+        _signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

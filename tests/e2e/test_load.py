@@ -56,7 +56,7 @@ def test_slow_client_is_aborted_and_slows_nobody(loaded):
 
 def test_backlog_past_max_queued_gets_429(loaded):
     s = loaded
-    [tok] = [w.id for w in workers(s, "tokenizer")]
+    [tok] = [w.name for w in workers(s, "tokenizer")]
     s.procs[tok].send_signal(signal.SIGSTOP)  # nothing gets tokenized: the backlog grows
     runs = []
     try:
@@ -79,7 +79,7 @@ def test_backlog_past_max_queued_gets_429(loaded):
 def test_tokenizer_skips_requests_aborted_while_queued(loaded):
     s = loaded
     r = s.redis()
-    [tok] = [w.id for w in workers(s, "tokenizer")]
+    [tok] = [w.name for w in workers(s, "tokenizer")]
     s.procs[tok].send_signal(signal.SIGSTOP)
     try:
         run = Streamer(s.base_url, body(300, 50))

@@ -41,7 +41,7 @@ def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
     assert s.procs.pop("scheduler-old").wait(30) == 0
     assert [r.result() for r in runs] == expected
     assert time.monotonic() - t0 < 15  # the peer never claims idle entries: only the hand-back moved them
-    assert all(s.redis().hget(s.keys.request(r.uid), "scheduler") == "scheduler-peer" for r in runs)
+    assert all(s.redis().hget(s.keys.request(r.uid), "scheduler").startswith("scheduler-peer@") for r in runs)
     wait_for(lambda: engines_idle(s), timeout=10)
 
 

@@ -58,8 +58,9 @@ class Engine(Protocol):
         """Queue a request and return its max_tokens (an omitted one resolved to what the context and the
         engine's KV cache allow); raises RequestRejected if it can never be served."""
 
-    def abort(self, uid: str) -> bool:
-        """Drop a request (running or waiting) and free its KV pages; True if it was known."""
+    def abort(self, uid: str, index: int | None = None) -> bool:
+        """Drop a request (running or waiting), or only its choice `index` (a stop string ended it), and
+        free its KV pages; True if it was known."""
 
     def step(self) -> list[StepOutput]:
         """Run one batch step (prefill chunks and decodes) and return what it produced."""

@@ -214,10 +214,10 @@ class PagedEngine:
                                   code="context_length_exceeded", param="min_tokens")
         return max(p.min_tokens, min(context_left, together if together >= 1 else alone))
 
-    def abort(self, uid: str) -> bool:
+    def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self._pending)
-        self._pending = [o for o in self._pending if o.uid != uid]
-        return bool(self.scheduler.drop(uid)) or len(self._pending) != before
+        self._pending = [o for o in self._pending if not (o.uid == uid and index in (None, o.index))]
+        return bool(self.scheduler.drop(uid, index)) or len(self._pending) != before
 
     def room(self) -> int:
         """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""

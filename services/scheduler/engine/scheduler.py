@@ -212,11 +212,15 @@ class BatchScheduler:
             self.running.remove(seq)
         self._free(seq)
 
-    def drop(self, uid: str) -> list[Seq]:
-        """Remove every sequence of a request (abort), freeing its pages."""
-        gone = [s for s in self.running if s.uid == uid] + [s for s in self.waiting if s.uid == uid]
-        self.running = [s for s in self.running if s.uid != uid]
-        self.waiting = deque(s for s in self.waiting if s.uid != uid)
+    def drop(self, uid: str, index: int | None = None) -> list[Seq]:
+        """Remove every sequence of a request (abort), or its choice `index` only, freeing their pages."""
+
+        def ours(s: Seq) -> bool:
+            return s.uid == uid and index in (None, s.index)
+
+        gone = [s for s in self.running if ours(s)] + [s for s in self.waiting if ours(s)]
+        self.running = [s for s in self.running if not ours(s)]
+        self.waiting = deque(s for s in self.waiting if not ours(s))
         for seq in gone:
             self._free(seq)
         return gone

@@ -67,9 +67,9 @@ class SimpleEngine:
         except GrammarError as e:
             raise RequestRejected(str(e), param=guided.param) from None
 
-    def abort(self, uid: str) -> bool:
+    def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.seqs)
-        self.seqs = [s for s in self.seqs if s.req.uid != uid]
+        self.seqs = [s for s in self.seqs if not (s.req.uid == uid and index in (None, s.index))]
         return len(self.seqs) != before
 
     def room(self) -> int:

@@ -164,11 +164,15 @@ class SyntheticEngine:
                                   param="min_tokens")
         return p.max_tokens
 
-    def abort(self, uid: str) -> bool:
+    def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.running) + len(self.waiting) + len(self._pending)
-        self.running = [s for s in self.running if s.uid != uid]
-        self.waiting = deque(s for s in self.waiting if s.uid != uid)
-        self._pending = [o for o in self._pending if o.uid != uid]
+
+        def ours(uid_: str, index_: int) -> bool:
+            return uid_ == uid and index in (None, index_)
+
+        self.running = [s for s in self.running if not ours(s.uid, s.index)]
+        self.waiting = deque(s for s in self.waiting if not ours(s.uid, s.index))
+        self._pending = [o for o in self._pending if not ours(o.uid, o.index)]
         return len(self.running) + len(self.waiting) + len(self._pending) != before
 
     def room(self) -> int:

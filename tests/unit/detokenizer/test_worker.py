@@ -41,7 +41,16 @@ async def test_a_claimed_earlier_step_is_rendered_after_its_choice_finished(work
 async def test_steps_after_a_stop_string_are_dropped(worker):
     first = DetokenizeBatch("s", 1, [TokenDelta(uid="u", start=0, ids=[69, 70], prompt_tokens=3, stop=["\x00"])])
     await worker.handle([Delivery("1-0", first)], claimed=False)
-    worker._remember("u", 0, 2)  # as a stop string found in [0, 2) does
+    worker._remember(delta(0, [69, 70]), 2)  # as a stop string found in [0, 2) does
     await worker.handle([Delivery("2-0", DetokenizeBatch("s", 2, [delta(2, [71])]))], claimed=False)
     entries = await worker.redis.xrange(worker.keys.reply("u"))
     assert [decode(f[FIELD], ReplyEvent).start for _, f in entries] == [0]
+
+
+async def test_a_successors_steps_after_a_taken_over_schedulers_end_still_render(worker):
+    """A stop string a taken-over scheduler's tokens hit says nothing of its successor's (epoch 1) tokens."""
+    worker._remember(delta(0, [69, 70]), 2)
+    late = DetokenizeBatch("s2", 1, [TokenDelta(uid="u", start=2, ids=[71], prompt_tokens=3, epoch=1)])
+    await worker.handle([Delivery("3-0", late)], claimed=False)
+    entries = await worker.redis.xrange(worker.keys.reply("u"))
+    assert [(e.start, e.epoch) for e in (decode(f[FIELD], ReplyEvent) for _, f in entries)] == [(2, 1)]

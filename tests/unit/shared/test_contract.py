@@ -40,6 +40,6 @@ def test_every_stream_is_documented_with_its_group_and_message():
         refs = [message["payload"]] if "$ref" in message["payload"] else message["payload"]["oneOf"]
         kinds[name.split(":")[0]] = {r["$ref"].rsplit("/", 1)[1] for r in refs}
     assert kinds == {"tokenize": {"TokenizeJob"}, "schedule": {"ScheduleJob"}, "detokenize": {"DetokenizeBatch"},
-                     "reply": {"ReplyEvent", "ReplyError"}}
+                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint"}}
     tokenize = doc["components"]["schemas"]["TokenizeJob"]
     assert tokenize["properties"]["kind"] == {"enum": ["tokenize"]} and "uid" in tokenize["required"]

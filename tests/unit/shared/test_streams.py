@@ -95,3 +95,52 @@ async def test_trim_keeps_what_is_pending(env):
     remaining = [e[0].decode() for e in await redis.xrange(keys.schedule("m"))]
     assert all(d.entry_id in remaining for d in got[250:])  # pending entries survive
     assert len(remaining) < 300
+
+
+async def test_claims_reach_a_dead_consumers_entries_behind_many_live_ones(env):
+    """200 entries held by a live peer (kept fresh), then 50 of a dead one: XAUTOCLAIM scans COUNT x 10
+    entries per call, so only a claimer that goes on from the returned cursor ever reaches the 50."""
+    redis, keys = env
+    for i in range(250):
+        await streams.add(redis, keys.schedule("m"), job(f"u{i}"))
+    live, dead, claimer = (consumer(redis, keys, n) for n in ("live", "dead", "claimer"))
+    await live.ensure_group()
+    held = [d.entry_id for d in await live.read(200, None)]
+    await dead.read(50, None)
+    await asyncio.sleep(0.3)
+    claimed: list[str] = []
+    for _ in range(6):
+        await live.touch(held)  # the live peer keeps its entries fresh between our claims
+        claimed += [d.msg.uid for d in await claimer.claim(min_idle_ms=200, count=16)]
+    assert sorted(claimed) == sorted(f"u{i}" for i in range(200, 250))
+
+
+async def test_touch_keeps_only_our_entries_and_reports_the_ones_a_peer_took(env):
+    """A stalled owner that comes back must not take its entry back from the peer that claimed it (the two
+    would take it from each other for ever): touch refreshes what is still ours and names what is not."""
+    redis, keys = env
+    for i in range(2):
+        await streams.add(redis, keys.schedule("m"), job(f"u{i}"))
+    owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
+    await owner.ensure_group()
+    ids = [d.entry_id for d in await owner.read(2, None)]
+    await asyncio.sleep(0.3)
+    taken = await peer.claim(min_idle_ms=200, count=1)
+    assert [d.entry_id for d in taken] == ids[:1]
+    assert await owner.touch(ids) == ids[:1]  # lost to the peer
+    assert await owner.pending_ids() == ids[1:] and await peer.pending_ids() == ids[:1]
+
+
+async def test_departed_consumers_are_removed_unless_they_hold_entries(env):
+    redis, keys = env
+    await streams.add(redis, keys.schedule("m"), job("u0"))
+    gone, holder, me = (consumer(redis, keys, n) for n in ("gone@1", "holder@2", "me@3"))
+    await me.ensure_group()
+    await gone.read(1, None)  # creates the consumer (reads nothing further)
+    await gone.ack([d for d in await gone.pending_ids()])
+    await streams.add(redis, keys.schedule("m"), job("u1"))
+    await holder.read(1, None)
+    removed = await me.remove_departed(alive={"me@3"}, idle_ms=0)
+    assert removed == ["gone@1"]
+    names = {c["name"].decode() for c in await redis.xinfo_consumers(keys.schedule("m"), "scheduler")}
+    assert names == {"holder@2"}  # it holds an entry: deleting it would lose it

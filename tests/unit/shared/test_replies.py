@@ -1,0 +1,55 @@
+"""Reading a reply stream in order with fences and checkpoints (shared/replies.py)."""
+
+from __future__ import annotations
+
+from shared.messages import ReplyCheckpoint, ReplyEvent, ReplyFence
+from shared.replies import OrderedReplies, ProducedTokens
+
+
+def ev(start: int, ids: list[int], epoch: int = 0, finish: str | None = None, index: int = 0) -> ReplyEvent:
+    return ReplyEvent(start=start, end=start + len(ids), text="".join(f"<{i}>" for i in ids), prompt_tokens=1,
+                      index=index, ids=ids, finish_reason=finish, epoch=epoch)
+
+
+def delivered(order: OrderedReplies, messages: list) -> list[int]:
+    out: list[int] = []
+    for m in messages:
+        if isinstance(m, ReplyFence):
+            order.fence(m.epoch)
+        else:
+            out += [t for e in order.accept(m) for t in e.ids]
+    return out
+
+
+def test_a_taken_over_schedulers_tokens_after_the_fence_never_reach_the_client():
+    """Owner 0 stalls after token 2; owner 1 resumes from what lies before its fence and samples other
+    tokens. Owner 0 wakes and publishes its token 3 after the fence: refused, so the text is one sequence."""
+    stream = [ev(0, [10]), ev(1, [11]), ev(2, [12]), ReplyFence(epoch=1),
+              ev(3, [99]),  # the stalled owner's step, made before it noticed
+              ev(3, [13], epoch=1), ev(4, [14], epoch=1, finish="length")]
+    order = OrderedReplies(1)
+    assert delivered(order, stream) == [10, 11, 12, 13, 14]
+    assert order.refused == 1 and order.done
+
+
+def test_held_ranges_of_an_older_epoch_are_forgotten_at_the_fence():
+    """A range after a gap was never part of the successor's resume point, so it must not fill the gap."""
+    stream = [ev(0, [10]), ev(2, [99]), ReplyFence(epoch=1), ev(1, [11], epoch=1), ev(2, [12], epoch=1)]
+    assert delivered(OrderedReplies(1), stream) == [10, 11, 12]
+
+
+def test_a_resume_reads_the_tokens_before_the_fence_and_past_the_cap_from_a_checkpoint():
+    """The stream's head was trimmed (MAXLEN): the checkpoint has every token up to 6, then ranges follow."""
+    produced = ProducedTokens(2)
+    for m in [ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3, 4, 5, 6], [7, 8]]), ev(5, [6]),  # already covered
+              ev(6, [20]), ev(2, [30], index=1), ev(7, [21]), ReplyFence(epoch=1), ev(8, [98])]:
+        produced.add(m)
+    assert produced.outputs == [[1, 2, 3, 4, 5, 6, 20, 21], [7, 8, 30]]
+    assert not produced.failed and not produced.done
+
+
+def test_an_older_checkpoint_after_a_fence_is_ignored():
+    produced = ProducedTokens(1)
+    for m in [ev(0, [1]), ReplyFence(epoch=2), ReplyCheckpoint(epoch=1, outputs=[[1, 9, 9, 9]])]:
+        produced.add(m)
+    assert produced.outputs == [[1]]
