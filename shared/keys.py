@@ -34,6 +34,11 @@ class Keys:
     def abort(self, uid: str) -> str:
         return f"{self.namespace}:abort:{uid}"
 
+    def aborts(self, model: str) -> str:
+        """Stream of abort notifications of a model's requests (`uid`, `reason`, `choice`): its schedulers
+        read it once per step instead of every running request's flag."""
+        return f"{self.namespace}:aborts:{model}"
+
     def choice_stop(self, uid: str, index: int) -> str:
         """A choice of an n > 1 request ended by a stop string: its scheduler stops generating it."""
         return f"{self.namespace}:abort:{uid}:{index}"

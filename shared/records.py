@@ -53,13 +53,29 @@ def attach(pipe: Pipeline | Redis, keys: Keys, uid: str, delta: int) -> Any:
 TERMINAL = ("finished", "aborted", "failed")
 
 
-def abort(pipe: Pipeline | Redis, keys: Keys, uid: str, reason: str, ttl: int) -> Any:
-    """Set the abort flag: every stage drops the request at its next look. The value is the reason."""
-    return pipe.set(keys.abort(uid), reason, ex=ttl)
+ABORTS_MAXLEN = 10_000
 
 
-def stop_choice(pipe: Pipeline, keys: Keys, uid: str, index: int, ttl: int) -> None:
+def abort(pipe: Pipeline, keys: Keys, uid: str, reason: str, ttl: int, model: str | None) -> None:
+    """Set the abort flag (every stage drops the request at its next look; the value is the reason) and tell
+    the schedulers of `model` at once through its aborts stream. They also read the flags of their requests
+    once a second, which is how an operator's `SET rsinfer:abort:<uid>` takes effect."""
+    pipe.set(keys.abort(uid), reason, ex=ttl)
+    if model:
+        streams.add_fields(pipe, keys.aborts(model), {"uid": uid, "reason": reason}, maxlen=ABORTS_MAXLEN)
+
+
+async def abort_now(redis: Redis, keys: Keys, uid: str, reason: str, ttl: int, model: str | None) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        abort(pipe, keys, uid, reason, ttl, model)
+        await pipe.execute()
+
+
+def stop_choice(pipe: Pipeline, keys: Keys, uid: str, index: int, ttl: int, model: str) -> None:
+    """A stop string ended choice `index` of an n > 1 request: its own flag, and a notification."""
     pipe.set(keys.choice_stop(uid, index), "stop", ex=ttl)
+    streams.add_fields(pipe, keys.aborts(model), {"uid": uid, "reason": "stop", "choice": index},
+                       maxlen=ABORTS_MAXLEN)
 
 
 async def ended_elsewhere(redis: Redis, keys: Keys, uids: Iterable[str], choices: Iterable[tuple[str, int]]

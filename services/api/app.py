@@ -146,8 +146,8 @@ def create_app(settings: ApiSettings) -> Guard:
     async def abort_request(uid: str):
         from shared import records
 
-        await _record(svc, uid)
-        await records.abort(svc.redis, svc.keys, _bare(uid), "api", settings.request_ttl_s)
+        record = await _record(svc, uid)
+        await records.abort_now(svc.redis, svc.keys, _bare(uid), "api", settings.request_ttl_s, record.get("model"))
         return {"id": _bare(uid), "object": "request.abort", "aborted": True}
 
     @app.get("/v1/requests/{uid}/stream")
@@ -160,7 +160,7 @@ def create_app(settings: ApiSettings) -> Guard:
                        if record.get("kind") == "chat" else CompletionFormat(*head, echo=record.get("echo") == "1"))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
         model = record.get("model", "")
-        flight = await svc.gateway.attach(_bare(uid), n, deadline, bool(int(record.get("background", 0))))
+        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))))
         last = request.headers.get("last-event-id")
         return await svc.start_stream(
             request, flight, lambda first, rest: svc.stream_chunks(flight, fmt, model, first, rest, skip_until=last),

@@ -46,9 +46,9 @@ def new_uid() -> str:
 
 
 class Inflight:
-    def __init__(self, gateway: Gateway, uid: str, sub: Subscription, n: int, deadline: float,
+    def __init__(self, gateway: Gateway, uid: str, sub: Subscription, n: int, deadline: float, model: str,
                  owner: bool = True, resume_window: float = 0.0, background: bool = False):
-        self.gateway, self.uid, self.sub, self.deadline = gateway, uid, sub, deadline
+        self.gateway, self.uid, self.sub, self.deadline, self.model = gateway, uid, sub, deadline, model
         self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
         self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
         self.background = background
@@ -112,12 +112,12 @@ class Gateway:
             self.hub.unsubscribe(sub)
             raise
         window = self.settings.resume_window_s if stream else 0.0
-        flight = self.inflight[job.uid] = Inflight(self, job.uid, sub, job.params.n, job.deadline,
+        flight = self.inflight[job.uid] = Inflight(self, job.uid, sub, job.params.n, job.deadline, job.model,
                                                    resume_window=window, background=job.background)
         log.info("uid=%s queued for %s", job.uid, job.model)
         return flight
 
-    async def attach(self, uid: str, n: int, deadline: float, background: bool) -> Inflight:
+    async def attach(self, uid: str, n: int, deadline: float, model: str, background: bool) -> Inflight:
         """Follow an existing request's reply stream (resumable streams). It counts as a client of the
         request: one that leaves is treated like the submitter's stream leaving (resume window)."""
         sub = self.hub.register(uid)
@@ -129,8 +129,8 @@ class Gateway:
         except BaseException:
             self.hub.unsubscribe(sub)
             raise
-        return Inflight(self, uid, sub, n, deadline, owner=False, resume_window=self.settings.resume_window_s,
-                        background=background)
+        return Inflight(self, uid, sub, n, deadline, model, owner=False,
+                        resume_window=self.settings.resume_window_s, background=background)
 
     async def left(self, flight: Inflight) -> None:
         """A client stopped following an unfinished request: abort it now, later, or never (module doc)."""
@@ -151,16 +151,17 @@ class Gateway:
         if not flight.owner:
             return  # a follower's deadline or shutdown: the submitter's process or the stages decide
         log.info("uid=%s ended early: %s", uid, reason)
-        await records.abort(self.redis, self.keys, uid, reason, self.settings.request_ttl_s)
+        await records.abort_now(self.redis, self.keys, uid, reason, self.settings.request_ttl_s, flight.model)
 
     async def _abort_unless_reattached(self, uid: str, delay: float) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(delay)
-        attached, status = await self.redis.hmget(self.keys.request(uid), ["attached", "status"])
+        attached, status, model = await self.redis.hmget(self.keys.request(uid), ["attached", "status", "model"])
         if int(attached or 0) > 0 or status is None or status.decode() in records.TERMINAL:
             return
         log.info("uid=%s ended early: %s (no client reattached)", uid, CLIENT_GONE)
-        await records.abort(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s)
+        await records.abort_now(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s,
+                                model.decode() if model else None)
 
     async def close(self) -> None:
         """Shutdown: requests waiting for a reattach are decided now (nobody here will wait any longer)."""

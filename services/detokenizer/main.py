@@ -80,16 +80,16 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             if r.stopped and it.finish is None:
                 log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
                 self._stop_engine(pipe, it)
-        elif mark:
+        elif mark and it.start:  # the scheduler wrote the record as the request started
             records.set_status(pipe, self.keys, it.uid, self.ttl, completion_tokens=end)
 
     def _stop_engine(self, pipe, it: TokenDelta) -> None:
         """Tell the scheduler to stop spending compute on this choice: the request's abort flag with reason
         "stop" when it has one choice, else the choice's own stop flag (one flag would stop them all)."""
         if it.n == 1:
-            records.abort(pipe, self.keys, it.uid, "stop", self.ttl)
+            records.abort(pipe, self.keys, it.uid, "stop", self.ttl, self.model_name)
         else:
-            records.stop_choice(pipe, self.keys, it.uid, it.index, self.ttl)
+            records.stop_choice(pipe, self.keys, it.uid, it.index, self.ttl, self.model_name)
 
     def _after_end(self, it: TokenDelta) -> bool:
         epoch, end = self.finished.get((it.uid, it.index), (-1, 0))

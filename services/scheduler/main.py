@@ -46,7 +46,29 @@ log = logging.getLogger(__name__)
 # held-back tail (up to 3 U+FFFD) plus a character cut at the window's start (or one the prompt left
 # unfinished): 8 do.
 CONTEXT_TOKENS = 8
-SWEEP_EVERY_S = 1.0  # how often owners' heartbeats and request records are checked
+SWEEP_EVERY_S = 1.0  # how often abort flags, owners' heartbeats and request records are checked
+ABORTS_PER_READ = 1000
+
+
+@dataclass
+class Ends:
+    """Requests to drop (uid -> reason) and choices a stop string ended, learned between two steps."""
+
+    requests: dict[str, str] = field(default_factory=dict)
+    choices: set[tuple[str, int]] = field(default_factory=set)
+
+    def add_note(self, note: dict[str, str], running: dict) -> None:
+        """An abort notification (shared/records.py `abort`, `stop_choice`) about one of ours, if it is."""
+        uid = note.get("uid", "")
+        if uid not in running:
+            return
+        if "choice" in note:
+            self.choices.add((uid, int(note["choice"])))
+        else:
+            self.requests[uid] = note.get("reason", "aborted")
+
+    def __or__(self, other: Ends) -> Ends:
+        return Ends({**other.requests, **self.requests}, self.choices | other.choices)
 
 
 @dataclass
@@ -128,6 +150,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.checkpoint_every = settings.reply_maxlen // 4
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
+        self.aborts_key = self.keys.aborts(model_name)
+        self.aborts_cursor = "0-0"  # set to the stream's tip at start
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
         self.outbox: list[Callable[[Pipeline], None]] = []
         # Read between steps only: the heartbeat runs while a step mutates the engine in its thread.
@@ -143,32 +167,61 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         return [r.entry_id for r in self.running.values()]
 
     async def iteration(self) -> None:
-        """Receive (only while there is room), drop what ended elsewhere, step, send, acknowledge."""
-        await self.flush()
-        batch, claimed = await self.receive(block_ms=None if self.engine.has_work() else 1000)
+        """One engine step, the Redis I/O overlapped with it (`work`), then between steps: end what ended
+        elsewhere and admit new requests (read only while the engine has room)."""
+        batch, claimed = await self.work(receive=True)
         if batch:
             await self.admit(batch, claimed)
-        await self.work()
         await self.housekeeping()
 
-    async def work(self) -> None:
-        await self.drop_ended()
-        if self.engine.has_work():
-            began = time.perf_counter()
-            outputs = await asyncio.to_thread(self.engine.step)
-            self.metrics.step(time.perf_counter() - began)
-            self.steps += 1
-            self.queue_outputs(outputs)
+    async def work(self, receive: bool = False) -> tuple[list[Delivery[ScheduleJob]], bool]:
+        """While the engine computes a step in its thread, one pipeline sends what the previous step produced
+        and reads the model's abort notifications, and (with `receive`) new requests are read. So Redis costs
+        the step no time, and learning of aborts costs one command per step, not one per running request."""
+        step = asyncio.ensure_future(self._step()) if self.engine.has_work() else None
+        batch: list[Delivery[ScheduleJob]] = []
+        claimed, ends = False, Ends()
+        try:
+            ends = await self.exchange()
+            if receive:
+                batch, claimed = await self.receive(block_ms=None if step else 1000)
+        finally:
+            if step is not None:  # even when Redis failed: what it made waits in the outbox
+                self.queue_outputs(await step)
+        await self.end(ends | await self.ends_due())
         self.engine_stats = self.engine.stats()
-        await self.flush()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
+        return batch, claimed
+
+    async def _step(self) -> list[StepOutput]:
+        began = time.perf_counter()
+        outputs = await asyncio.to_thread(self.engine.step)
+        self.metrics.step(time.perf_counter() - began)
+        self.steps += 1
+        return outputs
+
+    async def exchange(self) -> Ends:
+        """Send every queued write and read new abort notifications, in one round trip. On failure the writes
+        stay queued for the next try."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for write in self.outbox:
+                write(pipe)
+            pipe.xread({self.aborts_key: self.aborts_cursor}, count=ABORTS_PER_READ)
+            *_, notes = await pipe.execute()
+        self.outbox.clear()
+        ends = Ends()
+        for _key, entries in notes or []:
+            self.aborts_cursor = entries[-1][0]
+            for _, fields in entries:
+                ends.add_note({k.decode(): v.decode() for k, v in fields.items()}, self.running)
+        return ends
 
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: no new requests; step the running ones toward their end until the deadline (or a
         second signal), and send everything already produced before the rest is handed back."""
         while self.engine.has_work() and not self.forced.is_set() and time.monotonic() < deadline:
             try:
-                await self.work()
+                await self.work(receive=False)
             except (RedisError, OSError) as e:
                 log.warning("redis unavailable while draining (%s)", e)
                 await asyncio.sleep(0.5)
@@ -262,24 +315,31 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         return {u: [v.decode() if v is not None else None for v in row] for u, row in zip(uids, rows, strict=True)}
 
     # -- ending requests that ended elsewhere ---------------------------------------------------------------
-    async def drop_ended(self) -> None:
+    async def ends_due(self) -> Ends:
+        """What ended without a notification: deadlines, entries a peer claimed from us, and, once a second,
+        the abort flags of every running request (an operator's `SET rsinfer:abort:<uid>`, or a notification
+        lost in a Redis outage) and requests whose client or record is gone."""
+        ends = Ends()
         if not self.running:
-            return
-        stoppable = [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop
-                     for i in range(r.job.params.n) if i not in r.done]
-        ended, stopped = await records.ended_elsewhere(self.redis, self.keys, self.running, stoppable)
-        for uid, index in stopped:
-            self._stop_choice(uid, index)
+            return ends
+        now = time.time()
+        ends.requests |= {uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now}
         if self.lost:  # our entries a peer claimed while we were stalled (keep_alive found them)
             lost, self.lost = self.lost, set()
-            ended |= {uid: "taken_over" for uid, r in self.running.items() if r.entry_id in lost}
-        ended = {uid: why for uid, why in ended.items() if uid in self.running}
-        now = time.time()
-        ended |= {uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now and uid not in ended}
+            ends.requests |= {uid: "taken_over" for uid, r in self.running.items() if r.entry_id in lost}
         if self.due("sweep", SWEEP_EVERY_S):
-            ended |= {uid: why for uid, why in (await self._orphans()).items() if uid not in ended}
-        for uid, reason in ended.items():
-            self._drop(uid, reason)
+            stoppable = [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop
+                         for i in range(r.job.params.n) if i not in r.done]
+            flagged, ends.choices = await records.ended_elsewhere(self.redis, self.keys, self.running, stoppable)
+            ends.requests = {**await self._orphans(), **flagged, **ends.requests}
+        return ends
+
+    async def end(self, ends: Ends) -> None:
+        for uid, index in ends.choices:
+            self._stop_choice(uid, index)
+        for uid, reason in ends.requests.items():
+            if uid in self.running:
+                self._drop(uid, reason)
 
     async def _orphans(self) -> dict[str, str]:
         """Requests nobody can receive or that are no longer ours: the API process died (unless they run
@@ -397,6 +457,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 write(pipe)
             await pipe.execute()
         self.outbox.clear()
+
+    async def start(self) -> None:
+        tip = await self.redis.xrevrange(self.aborts_key, count=1)
+        self.aborts_cursor = tip[0][0].decode() if tip else "0-0"  # older notifications: the sweep's job
+        await super().start()
 
     async def close(self) -> None:
         self.engine.close()

@@ -102,7 +102,7 @@ async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
     for _ in range(5):
         await w.work()
     async with w.redis.pipeline(transaction=False) as pipe:
-        records.stop_choice(pipe, w.keys, "u3", 0, 60)  # as the detokenizer does for choice 0
+        records.stop_choice(pipe, w.keys, "u3", 0, 60, "demo")  # as the detokenizer does for choice 0
         await pipe.execute()
     await w.work()
     assert w.running["u3"].done == {0}
