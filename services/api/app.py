@@ -21,6 +21,7 @@ from services.api.formats import ChatFormat, CompletionFormat, Format
 from services.api.native import generate as native_generate
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
+from services.api.sse import RAW_SEND
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -39,6 +40,7 @@ class Guard:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
+            scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
             headers = dict(scope["headers"])
             error = None
             auth = headers.get(b"authorization", b"")

@@ -1,8 +1,8 @@
 """The API process's state and how one request is answered, streamed or not.
 
 Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
-(stream: `OwnedEventSource`), so client disconnects, deadlines and errors all release the request's
-state here and abort it in every stage.
+(stream: services/api/sse.py `SSEResponse`), so client disconnects, deadlines and errors all release the
+request's state here and abort it in every stage.
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 import msgspec
 import orjson
 from fastapi import Request
-from fastapi.responses import Response
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import SendTimeoutError
 
 from services.api.errors import ApiError, redis_down
 from services.api.fanout import FlightGroup
@@ -30,6 +26,7 @@ from services.api.gateway import Gateway, Inflight, new_uid
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
+from services.api.sse import SSEResponse, sse_event
 from shared.keys import Keys
 from shared.messages import ReplyEvent, TokenizeJob
 from shared.redis_conn import connect
@@ -39,53 +36,11 @@ from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Replies = AsyncIterator[list[tuple[str, ReplyEvent]]]
 ChunkSource = Callable[[list[tuple[str, ReplyEvent]], Replies], AsyncIterator[bytes]]
 
 
-def sse_event(data: bytes, event_id: str | None = None) -> bytes:
-    head = f"id: {event_id}\n".encode() if event_id else b""
-    return head + b"data: " + data + b"\n\n"
-
-
 DONE = sse_event(b"[DONE]")
-
-
-# A keep-alive is one comment line with no blank line after it. A blank line would end an "event" with no
-# data, and the openai SDK decodes such an event (once any event had an `id:`) as JSON and raises; a comment
-# line alone is ignored by every SSE parser and still keeps proxies from closing an idle connection.
-PING = b": ping\n"
-
-
-class OwnedEventSource(EventSourceResponse):
-    """An SSE response that runs `on_close(reason)` when it ends for any reason, even if its generator
-    never started (a client that left before the first byte). A client that accepts nothing for
-    `send_timeout` seconds ends it with reason "slow_client"."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
-                 ping_s: float, **kw: Any):
-        super().__init__(content, sep="\n", ping=ping_s, ping_message_factory=lambda: PING, headers=SSE_HEADERS,
-                         **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        reason = None
-        try:
-            await super().__call__(scope, receive, send)
-        except Exception as e:
-            if not _has(e, SendTimeoutError):
-                raise
-            reason = "slow_client"
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close(reason)
-
-
-def _has(e: BaseException, kind: type[BaseException]) -> bool:
-    if isinstance(e, kind):
-        return True
-    return isinstance(e, BaseExceptionGroup) and any(_has(x, kind) for x in e.exceptions)
 
 
 def stage_error(e: StageFailed) -> ApiError:
@@ -149,6 +104,7 @@ class ApiService:
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
                                    settings.heartbeat_ttl_s, self.load)
         self.draining = False
+        self.closing = asyncio.Event()  # set once open streams must end (shutdown after the grace period)
 
     def load(self) -> dict:
         return {"inflight": len(self.gateway.inflight), "subscriptions": self.hub.subscriptions,
@@ -254,7 +210,7 @@ class ApiService:
             await finish_all()
 
     async def start_stream(self, request: Request, flight: Inflight, chunks: ChunkSource,
-                           on_close: Callable[[str | None], Awaitable[None]]) -> Response | None:
+                           on_close: Callable[[str | None], Awaitable[None]]) -> SSEResponse | None:
         """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
         so that an error known before generation gets its HTTP status rather than a 200 and an error event.
         The stream then starts with those entries at once: waiting costs the first token nothing."""
@@ -265,8 +221,8 @@ class ApiService:
             if not connected:
                 return None
             started = True
-            return OwnedEventSource(chunks(first, replies), on_close=on_close, ping_s=self.settings.sse_ping_s,
-                                    send_timeout=self.settings.slow_client_timeout_s)
+            return SSEResponse(chunks(first, replies), on_close, self.settings.sse_ping_s,
+                               self.settings.slow_client_timeout_s, self.closing)
         finally:
             if not started:
                 await on_close(None)
