@@ -114,6 +114,11 @@ class ApiSettings(CommonSettings):
     sse_ping_s: float = Field(15.0, gt=0, description="seconds between keep-alive comments on an idle stream")
     resume_window_s: float = Field(5.0, ge=0, description="a stream whose client went away is aborted only "
                                    "if no client reattaches within this many seconds; 0 = at once")
+    models: str = Field("", description="served names of models to accept requests for even while they have "
+                        "no worker (comma-separated); stage workers declare theirs in Redis too")
+
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
 
 
 class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):

@@ -127,15 +127,17 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.get("/v1/models")
     async def models():
+        """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
+        (`partial`, `scaled_to_zero`), when its requests wait for workers."""
         snap = svc.stages.snapshot
-        return {"object": "list", "data": [snap.model_card(m) for m in snap.servable()]}
+        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         snap = svc.stages.snapshot
         if model not in snap.servable() and time.time() - snap.at > 0.25:
-            snap = await svc.stages.refresh()  # a worker may have come up since the last refresh
-        if model not in snap.servable():
+            snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
+        if model not in snap.models:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return snap.model_card(model)
 
@@ -174,6 +176,9 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.get("/ready")
     async def ready():
+        """This process can take requests: Redis answers and it is not draining. The models' workers are
+        not needed (a request waits for them), so a model scaled to zero keeps the API in its Service;
+        `models` shows the live workers per stage of each model for operators."""
         snap = svc.stages.snapshot
         body = {"ready": snap.ready() and not svc.draining, "redis": snap.redis_ok, "draining": svc.draining,
                 "models": snap.models}
@@ -220,7 +225,7 @@ def answer_parsing(model_info: dict, tools: bool) -> dict:
 
 
 def _only_model(svc: ApiService) -> str:
-    models = svc.stages.snapshot.servable()
+    models = svc.stages.snapshot.known()
     if len(models) != 1:
         raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"), param="model")
     return models[0]

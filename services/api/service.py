@@ -98,7 +98,7 @@ class ApiService:
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
                             settings.reply_shard_keys)
         self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
-        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s)
+        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
@@ -134,11 +134,13 @@ class ApiService:
 
     # -- admission --------------------------------------------------------------------------------------
     async def admit(self, model: str) -> None:
+        """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
+        request waits in the model's streams, within its deadline, for workers (scale from zero)."""
         if self.draining:
             raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
         snap = self.stages.snapshot
         if model not in snap.models and time.time() - snap.at > 0.25:
-            snap = await self.stages.refresh()  # a worker may have come up since the last refresh
+            snap = await self.stages.refresh()  # it may have been declared since the last refresh
         if not snap.redis_ok:
             raise redis_down()
         if model not in snap.models:

@@ -85,6 +85,32 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- default (include "rsinfer.fullname" .) .Values.auth.existingSecret }}
 {{- end }}
 
+{{/* One redis-streams trigger of a KEDA ScaledObject; call with (dict "name" "url" (parsed Redis URL) "auth"
+(TriggerAuthentication name, or false) "stream" "group" "target" ({lagCount: n} or {pendingEntriesCount: n})
+"activation" (activationLagCount, optional)). */}}
+{{- define "rsinfer.kedaTrigger" -}}
+- type: redis-streams
+  name: {{ .name }}
+  metadata:
+    address: {{ ternary .url.host (printf "%s:6379" .url.host) (contains ":" .url.host) | quote }}
+    databaseIndex: {{ trimPrefix "/" .url.path | default "0" | quote }}
+    {{- if eq .url.scheme "rediss" }}
+    enableTLS: "true"
+    {{- end }}
+    stream: {{ .stream | quote }}
+    consumerGroup: {{ .group | quote }}
+    {{- range $k, $v := .target }}
+    {{ $k }}: {{ $v | toString | quote }}
+    {{- end }}
+    {{- if hasKey . "activation" }}
+    activationLagCount: {{ .activation | toString | quote }}
+    {{- end }}
+  {{- if .auth }}
+  authenticationRef:
+    name: {{ .auth }}
+  {{- end }}
+{{- end }}
+
 {{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
 
 {{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
@@ -122,6 +148,12 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
+{{- /* the API takes requests for every pool's model even while its stages are scaled to zero */}}
+{{- $served := list }}
+{{- range .Values.modelPools }}
+{{- $served = append $served .servedModelName }}
+{{- end }}
+{{- $_ := set $api "RSINFER_MODELS" (join "," $served) }}
 {{- $scopes := dict "common" $common "api" $api }}
 {{- range $pool := .Values.modelPools }}
 {{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
@@ -295,6 +327,18 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- end }}
 {{- if and .Values.redis.external.tlsCaSecret (eq .Values.redis.mode "external") (not (include "rsinfer.redisTls" .)) }}
 {{- fail "redis.external.tlsCaSecret is set but redis.external.url is not a rediss:// URL" }}
+{{- end }}
+{{- range $pool := .Values.modelPools }}
+{{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
+{{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
+{{- $drain := $cfg.settings.grace_period_s | default 20 }}
+{{- if le (float64 $cfg.terminationGracePeriodSeconds) (float64 $drain) }}
+{{- fail (printf "modelPools %s, %s: terminationGracePeriodSeconds (%v) must exceed settings.grace_period_s (%v): a worker removed by a scale-down drains for the grace period, then hands back what it still holds, before Kubernetes kills it" $pool.name $stage $cfg.terminationGracePeriodSeconds $drain) }}
+{{- end }}
+{{- if gt (int $cfg.keda.minReplicaCount) (int $cfg.keda.maxReplicaCount) }}
+{{- fail (printf "modelPools %s, %s: keda.minReplicaCount (%v) exceeds keda.maxReplicaCount (%v)" $pool.name $stage $cfg.keda.minReplicaCount $cfg.keda.maxReplicaCount) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- with .Values.api.terminationGracePeriodSeconds }}
 {{- $need := add (int $.Values.api.drainSeconds) (int (default 20 $.Values.api.settings.grace_period_s)) }}
