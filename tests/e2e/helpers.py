@@ -51,6 +51,17 @@ def workers(stack, role: str) -> list[WorkerInfo]:
     return out
 
 
+def worker_name(worker_id: str) -> str:
+    """The process name a worker id was started under: ids are `<name>@<process start>` (a restarted
+    process is another worker), or the bare name where ids carry no start."""
+    return worker_id.split("@", 1)[0]
+
+
+def live_names(stack, role: str) -> list[str]:
+    """Names of the live workers of a role (as `Stack.start` named them), from their heartbeats."""
+    return [worker_name(w.id) for w in workers(stack, role)]
+
+
 def engines_idle(stack) -> bool:
     """Every live scheduler has no request and every KV page back (cached prefix pages count as free)."""
     loads = [w.load for w in workers(stack, "scheduler")]
