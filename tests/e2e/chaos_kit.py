@@ -3,8 +3,8 @@
 - `Clients`: streaming chat requests over httpx that record text per choice, event ids and chunk times; when
   the API process of a `background` request dies mid-stream they reattach to another one with Last-Event-ID
   (or resubmit, when the stream broke before its first chunk gave them the request's id).
-- `ReplyRecorder`: reads every entry of the followed reply streams as it is written, before the reply-stream
-  cap (MAXLEN) trims it, so that a whole reply can be checked afterwards.
+- `ReplyRecorder`: a process that reads every entry of every new request's reply stream as it is written,
+  before the reply-stream cap (MAXLEN) trims it, so that whole replies can be checked afterwards.
 - `deliverable`: what the API would deliver from those entries, applying epoch fencing, and every token index
   two surviving entries disagree on.
 - `Chaos`: the disruptions (SIGSTOP past the claim idle time then SIGCONT, SIGKILL and a replacement, an API
@@ -25,7 +25,6 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +35,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, STAGES, TOKENIZER_GROUP, Keys
 from tests.e2e.conftest import MODEL, Stack
-from tests.e2e.helpers import api_ready, worker_name, workers
+from tests.e2e.helpers import api_ready, sse_lines, worker_name, workers
 
 GROUPS = {"tokenizer": TOKENIZER_GROUP, "scheduler": SCHEDULER_GROUP, "detokenizer": DETOKENIZER_GROUP}
 HANDOFF = "handoff"  # shared/worker.py HANDOFF_CONSUMER: not a process; entries handed back wait there
@@ -114,8 +113,8 @@ class Clients:
     """Streams jobs through the API processes at `urls`. New requests go around the ones in `unready` (a load
     balancer routes only to ready instances); one that refuses connections is left for another at once."""
 
-    def __init__(self, urls: list[str], on_uid: Callable[[str], None] = lambda uid: None):
-        self.urls, self.on_uid = urls, on_uid
+    def __init__(self, urls: list[str]):
+        self.urls = urls
         self.unready: set[int] = set()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
                                       limits=httpx.Limits(max_connections=2000, max_keepalive_connections=400))
@@ -178,7 +177,7 @@ class Clients:
                 out.errors.append(f"{method} {url}: {resp.status_code} {(await resp.aread())[:300]!r}")
                 return
             event_id = None
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if line.startswith("id: "):
                     event_id = line[4:]
                 elif line.startswith("data: "):
@@ -191,9 +190,7 @@ class Clients:
         if "error" in chunk:
             out.errors.append(json.dumps(chunk["error"])[:300])
             return
-        if out.uid is None:
-            out.uid = chunk["id"].removeprefix("chatcmpl-")
-            self.on_uid(out.uid)
+        out.uid = out.uid or chunk["id"].removeprefix("chatcmpl-")
         for c in chunk["choices"]:
             out.texts[c["index"]] += c["delta"].get("content") or ""
             out.finish[c["index"]] = c["finish_reason"] or out.finish[c["index"]]
@@ -464,13 +461,13 @@ class Chaos:
         proc.send_signal(signal.SIGSTOP)
         return held
 
-    async def kill(self, role: str, name: str, frozen_s: float = 0.0) -> Disruption:
-        """SIGKILL a stage worker (first frozen for `frozen_s`, so that it holds entries it will never finish),
-        then start a replacement under a new name."""
-        proc = self.stack.procs[name]
-        if frozen_s:
-            proc.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(frozen_s)
+    async def kill_holding(self, role: str, name: str, timeout: float = 3.0) -> Disruption:
+        """Freeze a stage worker the moment it holds entries (it will never finish them), then kill it."""
+        await asyncio.to_thread(self.freeze_once_holding, role, name, timeout)
+        return await self.kill(role, name)
+
+    async def kill(self, role: str, name: str) -> Disruption:
+        """SIGKILL a stage worker, then start a replacement under a new name."""
         victims = await self.held_uids(role, name)
         at = time.time()
         await asyncio.to_thread(self.stack.kill, name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -34,6 +34,17 @@ def raw_post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> soc
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a streamed SSE response, split at "\n" only. httpx's aiter_lines also splits at U+2028,
+    U+0085 and the other str.splitlines breaks, which JSON leaves unescaped inside strings (and the demo model's
+    text contains); a line cut short when the connection drops is not yielded."""
+    buffer = b""
+    async for data in resp.aiter_bytes():
+        *lines, buffer = (buffer + data).split(b"\n")
+        for line in lines:
+            yield line.decode().removesuffix("\r")
 
 
 def sse_payloads(raw: str) -> list[str]:

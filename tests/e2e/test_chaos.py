@@ -11,9 +11,14 @@ other one with Last-Event-ID). Then:
 - afterwards every group's pending list is empty, no consumer of a dead process remains, every per-request key
   has a TTL and every scheduler has all its KV pages free.
 
+Fencing as the checks read it: every reply entry may carry an `epoch` (none = 0); an entry whose epoch is below
+that of an entry before it in the stream (a `fence`, or any other) is stale and never delivered. Entries of kinds
+other than `delta` and `error` (fences, checkpoints) deliver nothing.
+
 The figures (requests, kills, stops, takeovers, refused entries, time to resume p50/p99) are printed and written
-to chaos.json in the test's tmp dir. RSINFER_CHAOS_LONG=1 runs 300+ requests under repeated disruptions and
-writes bench/results/chaos.json.
+to chaos.json in the test's tmp dir, next to replies.json (every recorded reply entry) and outcomes.json (what
+each client saw). RSINFER_CHAOS_LONG=1 runs 320 requests under disruptions repeated until they end and writes
+bench/results/chaos.json.
 """
 
 from __future__ import annotations
@@ -114,8 +119,7 @@ class Run:
             proc.send_signal(signal.SIGSTOP)
         try:
             self.submit(wave)
-            await asyncio.to_thread(self.chaos.freeze_once_holding, "tokenizer", name, 3.0)
-            await self.chaos.kill("tokenizer", name)
+            await self.chaos.kill_holding("tokenizer", name)
         finally:
             for proc in others:
                 proc.send_signal(signal.SIGCONT)
@@ -149,7 +153,7 @@ class Run:
         await asyncio.sleep(1.5)
         await self.chaos.kill("scheduler", "scheduler2")
         await asyncio.sleep(1.5)
-        await self.chaos.kill("detokenizer", "detokenizer1", frozen_s=0.5)
+        await self.chaos.kill_holding("detokenizer", "detokenizer1")
         await first_stop
         await asyncio.sleep(1.5)
         await self.chaos.stop("scheduler1", STOP_S)
@@ -181,7 +185,7 @@ class Run:
         elif step == 1 and (schedulers := [n for n in await self.ready("scheduler") if n != stopped]):
             await self.chaos.kill("scheduler", schedulers[cycle % len(schedulers)])
         elif step == 2 and (detokenizers := await self.ready("detokenizer")):
-            await self.chaos.kill("detokenizer", detokenizers[cycle % len(detokenizers)], frozen_s=0.5)
+            await self.chaos.kill_holding("detokenizer", detokenizers[cycle % len(detokenizers)])
         elif step == 3:
             await self.restart_second_api()
 
@@ -299,15 +303,16 @@ def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_
         }
         print(json.dumps(figures, indent=1))
         (tmp_path / "chaos.json").write_text(json.dumps(figures, indent=1))
+        (tmp_path / "outcomes.json").write_text(json.dumps(  # what each client saw, next to replies.json
+            [{**vars(o), "job": vars(o.job), "reference": reference.get(o.job.key)} for o in outcomes]))
         if LONG:
             (ROOT / "bench" / "results" / "chaos.json").write_text(json.dumps(figures, indent=1) + "\n")
 
         # The harness itself: it saw every entry, and the disruptions hit requests (else the run proves nothing).
         assert not run.missing, f"the recorder missed reply entries: {run.missing}"
         assert run.trimmed > 0, "no reply stream went past the cap"
-        hit = [bool(e.victims) for e in events if e.role == "scheduler"]
+        hit = [bool(e.victims) for e in events]
         assert (any if LONG else all)(hit), [(e.kind, e.target, len(e.victims)) for e in events]
-        assert any(e.victims for e in events if e.kind == "api_restart")
         assert not failures and not problems, json.dumps({"failures": {k: v[:5] for k, v in failures.items()},
                                                           "problems": problems}, indent=1)
     finally:
