@@ -111,6 +111,8 @@ class ApiSettings(CommonSettings):
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")
+    broker_outage_s: float = Field(10.0, gt=0, description="how long open streams wait out an unreachable Redis "
+                                   "before they end with broker_unavailable (one restarted with its AOF resumes them)")
     sse_ping_s: float = Field(15.0, gt=0, description="seconds between keep-alive comments on an idle stream")
     resume_window_s: float = Field(5.0, ge=0, description="a stream whose client went away is aborted only "
                                    "if no client reattaches within this many seconds; 0 = at once")

@@ -60,6 +60,20 @@ return #KEYS
 """
 
 
+_TOUCH = """
+local mine, lost = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}, {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then table.insert(mine, ARGV[i]) else table.insert(lost, ARGV[i]) end
+end
+if #mine > 5 then
+  table.insert(mine, 'JUSTID')
+  redis.call(unpack(mine))
+end
+return lost
+"""
+
+
 class Appender:
     """Appends entries to many streams in one EVALSHA per hash slot (a standalone Redis has one slot)."""
 
@@ -116,6 +130,26 @@ async def read_range(redis: Redis, key: str, after: str = "-", count: int | None
 def _id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def id_after(entry_id: str, other: str) -> bool:
+    """`entry_id` comes later in a stream than `other` (which, unreadable, counts as before everything)."""
+    try:
+        return _id_tuple(entry_id) > _id_tuple(other)
+    except ValueError:
+        return True
+
+
+async def trimmed_head(redis: Redis, key: str) -> str | None:
+    """The id of the oldest entry a capped stream still has if MAXLEN trimmed entries off its head; None if it
+    has every entry ever added (or does not exist)."""
+    try:
+        info = await redis.xinfo_stream(key)
+    except ResponseError:
+        return None
+    if int(info["entries-added"]) <= int(info["length"]) or not info.get("first-entry"):
+        return None
+    return _s(info["first-entry"][0])
 
 
 def payload(fields: dict[bytes, bytes]) -> bytes:
@@ -184,16 +218,14 @@ class GroupConsumer(Generic[M]):
     async def touch(self, ids: Sequence[str]) -> list[str]:
         """Reset the idle time of the entries we hold and still work on, so that peers claim only the entries
         of a consumer that died or hung; returns those of `ids` no longer ours (a peer claimed them while we
-        were stalled). Only entries still ours are touched: XCLAIM would take a peer's entry back, and the
-        two owners would take it from each other for ever."""
+        were stalled). Only entries still ours are touched, checked and claimed in one script: XCLAIM would
+        take a peer's entry back (a SIGSTOP between a check and a claim is enough), and the two owners would
+        take it from each other for ever."""
         if not ids:
             return []
-        ours = set(await self.pending_ids(count=max(1000, 2 * len(ids))))
-        mine = [i for i in ids if i in ours]
-        if mine:
-            await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_time=0, message_ids=mine,
-                                    justid=True)
-        return [i for i in ids if i not in ours]
+        # EVAL, not EVALSHA, as in Appender.queue
+        lost = await self.redis.eval(_TOUCH, 1, self.key, self.group, self.consumer, *ids)
+        return [_s(i) for i in lost]
 
     async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
         """Give pending entries to another consumer name with idle time maxed, so a peer's claim

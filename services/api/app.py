@@ -22,6 +22,7 @@ from services.api.native import generate as native_generate
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
+from shared import streams
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -164,8 +165,14 @@ def create_app(settings: ApiSettings) -> Guard:
                        if record.get("kind") == "chat" else CompletionFormat(*head, echo=record.get("echo") == "1"))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
         model = record.get("model", "")
-        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))))
         last = request.headers.get("last-event-id")
+        kept_from = await streams.trimmed_head(svc.redis, svc.keys.reply(_bare(uid)))
+        if kept_from is not None and (last is None or streams.id_after(kept_from, last)):
+            raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last or 'its start'} (it keeps the "
+                           f"last --reply-maxlen entries); what came before {kept_from} is gone",
+                           param="Last-Event-ID", code="reply_trimmed")
+        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))),
+                                          headless=kept_from is not None)
         return await svc.start_stream(
             request, flight, lambda first, rest: svc.stream_chunks(flight, fmt, model, first, rest, skip_until=last),
             lambda reason: svc.finish(flight, model, "reattach", reason))

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 2000
 CONTROL_TTL_S = 3600
-FAIL_AFTER_S = 2.0  # Redis unreachable this long: fail every subscription rather than hang
 
 
 class HubError(Exception):
@@ -97,7 +96,7 @@ class _Shard:
                 failing_since = None
             except (RedisError, OSError) as e:
                 failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > FAIL_AFTER_S:
+                if time.monotonic() - failing_since > self.hub.outage_s:  # rather than hang
                     self._fail_all(HubError(f"reply stream unreadable: {e}"))
                 await asyncio.sleep(0.2)
                 continue
@@ -138,10 +137,11 @@ class _Shard:
 
 class ReplyHub:
     def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, shard_keys: int = 256,
-                 high_water: int = 256):
+                 high_water: int = 256, outage_s: float = 10.0):
         self.url, self.redis_options, self.redis = url, redis_options, redis
         self.keys, self.pod = keys, pod
         self.shard_keys, self.high_water = shard_keys, high_water
+        self.outage_s = outage_s  # Redis unreachable this long: fail every subscription
         self.shards: list[_Shard] = []
 
     @property

@@ -27,6 +27,7 @@ from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
 from services.api.sse import SSEResponse, sse_event
+from shared import streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, TokenizeJob
 from shared.redis_conn import connect
@@ -96,7 +97,7 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            settings.reply_shard_keys)
+                            settings.reply_shard_keys, outage_s=settings.broker_outage_s)
         self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
@@ -253,8 +254,8 @@ class ApiService:
                     continue  # nothing arrived for a while (pings keep the connection)
                 self._first_token(flight, model)
                 if skip_until:  # replay what the client already has into the formatter, unsent
-                    fmt.chunks([ev for eid, ev in pairs if not _after(eid, skip_until)])
-                    pairs = [(eid, ev) for eid, ev in pairs if _after(eid, skip_until)]
+                    fmt.chunks([ev for eid, ev in pairs if not streams.id_after(eid, skip_until)])
+                    pairs = [(eid, ev) for eid, ev in pairs if streams.id_after(eid, skip_until)]
                 if not pairs:
                     continue
                 last_id = pairs[-1][0]
@@ -299,14 +300,3 @@ async def chain_replies(first: list[tuple[str, ReplyEvent]], rest: Replies) -> R
     yield first
     async for pairs in rest:
         yield pairs
-
-
-def _after(entry_id: str, other: str) -> bool:
-    def parts(x: str) -> tuple[int, int]:
-        ms, _, seq = x.partition("-")
-        return int(ms), int(seq or 0)
-
-    try:
-        return parts(entry_id) > parts(other)
-    except ValueError:
-        return True

@@ -448,17 +448,25 @@ class Chaos:
         return event
 
     def freeze_once_holding(self, role: str, name: str, timeout: float) -> bool:
-        """SIGSTOP `name` the moment it holds an entry of its group (polled every few ms from a thread: between a
-        read and its acknowledgement there are only milliseconds); False if it held none within `timeout`."""
+        """SIGSTOP `name` holding an entry of its group; False if it held none within `timeout`. Polling a running
+        worker misses the few milliseconds between a read and its acknowledgement on a loaded machine, so it is
+        frozen first and let run a couple of milliseconds at a time: an entry that arrives while it is frozen
+        in its blocking XREADGROUP, or that it reads in one of those slices, is pending in its name."""
         r, key, group = self.stack.redis(), self.stack.keys.stage_stream(role, MODEL), GROUPS[role]
         proc = self.stack.procs[name]
         deadline = time.monotonic() + timeout
-        held = False
-        while not held and time.monotonic() < deadline:
+
+        def holds() -> bool:
             with contextlib.suppress(redis.ResponseError):
-                held = any(worker_name(c["name"]) == name and c["pending"] for c in r.xinfo_consumers(key, group))
-            time.sleep(0 if held else 0.002)
+                return any(worker_name(c["name"]) == name and c["pending"] for c in r.xinfo_consumers(key, group))
+            return False
+
         proc.send_signal(signal.SIGSTOP)
+        while not (held := holds()) and time.monotonic() < deadline:
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.002)
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.01)
         return held
 
     async def kill_holding(self, role: str, name: str, timeout: float = 3.0) -> Disruption:

@@ -53,7 +53,9 @@ from tests.e2e.helpers import api_ready, live_names, wait_for
 LONG = os.environ.get("RSINFER_CHAOS_LONG") == "1"
 pytestmark = pytest.mark.timeout(3600 if LONG else 300)
 
-REPLY_MAXLEN = 64  # entries: a 300-token reply (about one entry per token) goes well past it
+# Entries: a 300-token reply (about one entry per token) goes well past it, while a client whose API process
+# died finds its Last-Event-ID still there when it reattaches a second or two later (else: 410 reply_trimmed).
+REPLY_MAXLEN = 200
 CLAIM_IDLE_S = int(LIFECYCLE_ENV["RSINFER_CLAIM_IDLE_MS"]) / 1000
 STOP_S = CLAIM_IDLE_S + 2.0  # a frozen scheduler stays frozen well past the claim idle time
 # Eight running requests per scheduler: the 100 streams stay open long enough for every disruption to hit some.
