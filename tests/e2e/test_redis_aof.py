@@ -90,7 +90,7 @@ async def through_a_restart(s: Stack, server: AofRedis, jobs: list[Job], outage_
         await asyncio.to_thread(server.stop)
         in_flight = sum(not o.done for o in clients.outcomes)
         await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
-        await asyncio.to_thread(server.start)
+        server.start()  # from this thread: the kernel's PDEATHSIG fires when the spawning *thread* ends
         outage = time.monotonic() - began
         return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
     finally:
