@@ -27,6 +27,8 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
     redis_password: str | None = Field(None, description="Redis password (overrides one in the URL)")
     redis_tls_ca: str | None = Field(None, description="CA bundle for rediss:// URLs")
+    redis_cluster: Literal["auto", "yes", "no"] = Field("auto", description="whether --redis-url is a node of a "
+                                                        "Redis Cluster; auto = ask the server")
     namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
     log_level: str = Field("INFO", description="logging level")
     worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
@@ -39,7 +41,8 @@ class CommonSettings(BaseSettings):
                                       "http://otel-collector:4318); none = tracing off")
 
     def redis_options(self) -> dict:
-        opts: dict = {}
+        """What shared/redis_conn.py connects with: password, CA bundle and cluster mode."""
+        opts: dict = {"cluster": self.redis_cluster}
         if self.redis_password:
             opts["password"] = self.redis_password
         if self.redis_tls_ca:
@@ -108,6 +111,9 @@ class ApiSettings(CommonSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of every request")
     max_queued: int = Field(1024, ge=1, description="backlog of a model past which requests get 429")
     reply_shard_keys: int = Field(256, ge=8, description="reply streams per XREAD connection")
+    redis_outage_s: float | None = Field(None, gt=0, description="how long the replies of open requests may be "
+                                         "unreadable before they end with an error; default 2 on a standalone "
+                                         "Redis, 30 on a cluster (to ride out a failover)")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")

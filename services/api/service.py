@@ -26,7 +26,7 @@ from services.api.errors import ApiError, redis_down
 from services.api.fanout import FlightGroup
 from services.api.flow import DeadlineExceeded, StageFailed
 from services.api.formats import Format, usage
-from services.api.gateway import Gateway, Inflight, new_uid
+from services.api.gateway import Gateway, Inflight
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
@@ -141,7 +141,7 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            settings.reply_shard_keys)
+                            settings.reply_shard_keys, outage_s=settings.redis_outage_s)
         self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s)
         self.metrics = Metrics(self.stages)
@@ -173,7 +173,7 @@ class ApiService:
         self.tracer.shutdown()
 
     def new_job(self, model: str, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
-        return TokenizeJob(uid=new_uid(), model=model, pod=self.pod, created_at=time.time(),
+        return TokenizeJob(uid=self.hub.new_uid(), model=model, pod=self.pod, created_at=time.time(),
                            deadline=self.gateway.deadline(timeout), background=bool(background), **fields)
 
     # -- admission --------------------------------------------------------------------------------------
