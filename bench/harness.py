@@ -26,6 +26,7 @@ from pathlib import Path
 import orjson
 
 from bench.report import Span, command_calls, error_counts, percentile, proc_cpu_ticks, proc_status_kb
+from rsinfer.up import serving
 from shared import children
 from shared.redis_server import RedisServer, free_port
 
@@ -96,9 +97,8 @@ class BenchStack:
             dead = [n for n, p in self.procs if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"{dead} exited; logs in {self.log_dir}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
+            if serving(url, self.name):  # the API up and every stage of the model live
+                return
             time.sleep(0.3)
         raise TimeoutError(f"{url} not ready; logs in {self.log_dir}")
 

@@ -14,9 +14,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from rsinfer.up import serving
 from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,12 +27,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("rsinfer up exited")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
+        if serving(url):  # the API up and every stage of the model live
+            return
+        time.sleep(0.5)
     raise TimeoutError("not ready")
 
 

@@ -11,7 +11,7 @@ import urllib.request
 
 from shared.keys import STAGES, Keys
 from shared.redis_conn import connect
-from shared.registry import live_workers
+from shared.registry import declared_models, live_workers
 from shared.settings import ApiSettings, CommonSettings
 
 
@@ -31,7 +31,8 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         for w in sorted(workers, key=lambda w: (w.role, w.id)):
             print(f"{w.role:12} {w.id:32} {w.model:20} {json.dumps(w.load)}")
         print(f"\n{'MODEL':20} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
-        for model in sorted({w.model for w in workers if w.model}):
+        # declared models too: one scaled to zero has requests waiting for its workers
+        for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
             for stage in STAGES:
                 try:
                     groups = await redis.xinfo_groups(keys.stage_stream(stage, model))

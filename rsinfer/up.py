@@ -3,6 +3,7 @@ own process talking only through Redis; stopped together on Ctrl-C/SIGTERM, in r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -70,17 +71,29 @@ class Stack:
                 proc.wait()
 
 
-def wait_ready(url: str, stack: Stack, timeout: float = 300.0) -> bool:
+def serving(url: str, model: str | None = None) -> bool:
+    """The API at `url` is ready and `model` (or every model it knows, at least one) has a live worker in
+    every stage. `/ready` alone says only that the API takes requests: they would wait for the workers."""
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+            if resp.status != 200:
+                return False
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+            cards = json.loads(resp.read())["data"]
+    except (OSError, ValueError, KeyError):
+        return False
+    states = {c.get("id"): c.get("state") for c in cards}
+    wanted = [model] if model else list(states)
+    return bool(wanted) and all(states.get(m) == "ready" for m in wanted)
+
+
+def wait_ready(url: str, stack: Stack, model: str, timeout: float = 300.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if stack.dead():
             return False
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
+        if serving(url, model):
+            return True
         time.sleep(0.3)
     return False
 
@@ -101,7 +114,8 @@ def run_up(settings: UpSettings) -> int:
     try:
         model_path, model_name = resolve_model(settings)
         common = {"RSINFER_REDIS_URL": redis_url, "RSINFER_MODEL": model_path,
-                  "RSINFER_SERVED_MODEL_NAME": model_name}
+                  "RSINFER_SERVED_MODEL_NAME": model_name,
+                  "RSINFER_MODELS": ",".join(dict.fromkeys([*settings.model_names(), model_name]))}
         single = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         for role, cls in ROLES.items():
             stack.spawn(role, child_env(settings, cls, {**common, **({} if role == "scheduler" else single)}))
@@ -110,7 +124,7 @@ def run_up(settings: UpSettings) -> int:
         print(f"rsinfer: redis at {redis_url} (redis-cli -u {redis_url}), namespace '{settings.namespace}'",
               flush=True)
         print(f"rsinfer: serving model '{model_name}' from {model_path}", flush=True)
-        if not wait_ready(api_url, stack):
+        if not wait_ready(api_url, stack, model_name):
             print(f"rsinfer: failed to start: {', '.join(stack.dead()) or 'not ready in time'}", flush=True)
             return 1
         print(f"rsinfer: ready on {api_url}  (OpenAI base URL {api_url}/v1)", flush=True)

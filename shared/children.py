@@ -15,7 +15,9 @@ PR_SET_PDEATHSIG = 1
 
 
 def spawn(argv: list[str], **kw: Any) -> subprocess.Popen:
-    """subprocess.Popen whose child gets SIGTERM when this process dies (on Linux; elsewhere a plain Popen)."""
+    """subprocess.Popen whose child gets SIGTERM when this process dies (on Linux; elsewhere a plain Popen).
+    Linux sends it when the *thread* that spawned the child ends: spawn from the main thread, never from a
+    pool thread (asyncio.to_thread), or the child is terminated when that thread is retired."""
     if sys.platform.startswith("linux"):
         kw.setdefault("preexec_fn", _terminate_with(os.getpid()))
     return subprocess.Popen(argv, **kw)

@@ -64,6 +64,11 @@ class Keys:
         """Sorted set of `role:id` scored by last heartbeat: lists workers without SCAN."""
         return f"{self.namespace}:workers"
 
+    def models(self) -> str:
+        """Hash of declared models, field `<role>:<model>` = JSON of what that stage reports of the model.
+        No TTL: a declaration is configuration, not liveness, so a model stays known at zero workers."""
+        return f"{self.namespace}:models"
+
     def dead(self) -> str:
         return f"{self.namespace}:dead"
 

@@ -36,6 +36,12 @@ def _field(v: Any) -> str | int | float:
     return v if isinstance(v, str | int | float) and not isinstance(v, bool) else str(v)
 
 
+def replies(pipe: Pipeline, appender: streams.Appender, keys: Keys, events: list[tuple[str, msgspec.Struct, bool]],
+            ttl: int, maxlen: int) -> None:
+    """Many requests' reply entries, (uid, message, refresh the TTL), in one call (shared/streams.py Appender)."""
+    appender.queue(pipe, [(keys.reply(uid), msg, refresh) for uid, msg, refresh in events], maxlen, ttl)
+
+
 def reply(pipe: Pipeline, keys: Keys, uid: str, msg: msgspec.Struct, ttl: int, maxlen: int,
           refresh_ttl: bool = True) -> None:
     """XADD to the request's reply stream; EXPIRE with it because XADD alone neither sets nor keeps one."""

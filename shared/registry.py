@@ -1,7 +1,10 @@
-"""Worker heartbeats (`rsinfer:worker:<role>:<id>`, a hash with a TTL) and who is alive.
+"""Worker heartbeats (`rsinfer:worker:<role>:<id>`, a hash with a TTL), who is alive, and which models
+are declared.
 
 A sorted set (`rsinfer:workers`, member `role:id`, score = last beat) indexes the heartbeats so that
-listing the live workers needs no SCAN over the whole keyspace.
+listing the live workers needs no SCAN over the whole keyspace. Stage workers also declare their model
+(`rsinfer:models`, no TTL) with every beat: the declaration outlives them, so a model scaled to zero is
+still known, and comes back by itself after Redis restarted empty.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ class Heartbeat:
     """Refreshes this process's heartbeat every `interval` seconds until stopped; deletes it on close."""
 
     def __init__(self, redis: Redis, keys: Keys, role: str, worker_id: str, model: str,
-                 interval: float, ttl: float, load: Callable[[], dict]):
+                 interval: float, ttl: float, load: Callable[[], dict], card: Callable[[], dict] | None = None):
         self.redis, self.keys, self.role, self.id, self.model = redis, keys, role, worker_id, model
         self.interval, self.ttl, self.load = interval, ttl, load
+        self.card = card  # what this stage knows of its model (`root`, `max_model_len`, ...): declares it
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
 
@@ -58,6 +62,9 @@ class Heartbeat:
             pipe.pexpire(self.key, int(self.ttl * 1000))
             pipe.zadd(self.keys.workers(), {f"{self.role}:{self.id}": now})
             pipe.zremrangebyscore(self.keys.workers(), "-inf", now - 10 * self.ttl)
+            if self.card is not None and self.model:
+                pipe.hset(self.keys.models(), f"{self.role}:{self.model}",
+                          json.dumps(self.card(), separators=(",", ":"), sort_keys=True))
             await pipe.execute()
 
     def start(self) -> None:
@@ -116,3 +123,31 @@ def servable_models(workers: list[WorkerInfo]) -> dict[str, dict[str, int]]:
 
 def complete(counts: dict[str, int]) -> bool:
     return all(counts.get(stage, 0) > 0 for stage in STAGES)
+
+
+def model_state(counts: dict[str, int]) -> str:
+    """`ready` (a live worker in every stage), `scaled_to_zero` (none in any) or `partial` (some stages
+    have workers: starting up, or scaling down)."""
+    if complete(counts):
+        return "ready"
+    return "partial" if any(counts.get(stage, 0) for stage in STAGES) else "scaled_to_zero"
+
+
+async def declared_models(redis: Redis, keys: Keys) -> dict[str, dict]:
+    """model -> what its stages declared of it, merged (a scheduler's word first, as for live workers)."""
+    raw = await redis.hgetall(keys.models())
+    by_model: dict[str, list[tuple[str, dict]]] = {}
+    for field_, value in raw.items():
+        role, _, model = (field_.decode() if isinstance(field_, bytes) else field_).partition(":")
+        try:
+            card = json.loads(value)
+        except ValueError:
+            card = {}  # a hand-written declaration: the model is known, its card empty
+        by_model.setdefault(model, []).append((role, card if isinstance(card, dict) else {}))
+    out: dict[str, dict] = {}
+    for model, cards in by_model.items():
+        info: dict = {}
+        for _, card in sorted(cards, key=lambda rc: rc[0] != "scheduler"):
+            info = {**card, **info}
+        out[model] = info
+    return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from shared.messages import ReplyCheckpoint, ReplyEvent
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,12 @@ class OrderedReplies:
         self.cached_tokens = 0  # of the prompt, read from the engine's prefix cache
         self.epoch = 0  # the newest fence passed
         self.refused = 0  # events of a taken-over scheduler, refused after its successor's fence
+        self.headless: set[int] | None = None  # choices not seen yet, when the stream's head was trimmed
+
+    def start_headless(self) -> None:
+        """Read a stream whose head MAXLEN trimmed away: each choice starts where its first range seen starts
+        (what came before was delivered to the client, which reattaches after it)."""
+        self.headless = set(range(len(self.next)))
 
     @property
     def done(self) -> bool:
@@ -54,6 +62,11 @@ class OrderedReplies:
         if ev.epoch < self.epoch:
             self.refused += 1
             return []
+        if ev.epoch > self.epoch:  # its fence came first in the stream, even if MAXLEN trimmed it away since
+            self.fence(ev.epoch)
+        if self.headless and i in self.headless:
+            self.headless.discard(i)
+            self.next[i] = max(self.next[i], ev.start)
         self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         if ev.finish_reason is not None and not ev.ids and ev.start <= self.next[i]:
@@ -107,8 +120,17 @@ class ProducedTokens(OrderedReplies):
         elif isinstance(msg, ReplyCheckpoint):
             self.checkpoint(msg)
         elif isinstance(msg, ReplyEvent):
-            for ev in self.accept(msg):
+            for ev in self.accept(self._beyond_next(msg)):
                 self.outputs[ev.index].extend(ev.ids[len(self.outputs[ev.index]) - ev.start:])
+
+    def _beyond_next(self, ev: ReplyEvent) -> ReplyEvent:
+        # A checkpoint may land in the stream after deltas that straddle it (the scheduler writes checkpoints,
+        # the detokenizer writes deltas, later): the tokens past the checkpoint are still needed, and only ids
+        # matter here, not text.
+        i = ev.index
+        if 0 <= i < len(self.next) and ev.start < self.next[i] < ev.end and ev.ids:
+            return msgspec.structs.replace(ev, start=self.next[i], ids=ev.ids[self.next[i] - ev.start:])
+        return ev
 
     def checkpoint(self, ck: ReplyCheckpoint) -> None:
         if ck.epoch < self.epoch:
@@ -118,7 +140,9 @@ class ProducedTokens(OrderedReplies):
                 self.outputs[i] = list(ids)
                 self.next[i] = len(ids)
                 for start in [s for s in self.held[i] if s < len(ids)]:
-                    del self.held[i][start]
+                    ev = self.held[i].pop(start)
+                    if ev.end > len(ids):
+                        self.held[i][len(ids)] = self._beyond_next(ev)
                 while (nxt := self.held[i].pop(self.next[i], None)) is not None:
                     self.outputs[i].extend(nxt.ids)
                     self._advance(nxt)

@@ -111,15 +111,20 @@ class ApiSettings(CommonSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of every request")
     max_queued: int = Field(1024, ge=1, description="backlog of a model past which requests get 429")
     reply_shard_keys: int = Field(256, ge=8, description="reply streams per XREAD connection")
-    redis_outage_s: float | None = Field(None, gt=0, description="how long the replies of open requests may be "
-                                         "unreadable before they end with an error; default 2 on a standalone "
-                                         "Redis, 30 on a cluster (to ride out a failover)")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")
+    broker_outage_s: float | None = Field(None, gt=0, description="how long open streams wait out an unreachable "
+                                          "Redis before they end with broker_unavailable (one restarted with its "
+                                          "AOF resumes them); default 10 s, 30 s on a cluster (a failover)")
     sse_ping_s: float = Field(15.0, gt=0, description="seconds between keep-alive comments on an idle stream")
     resume_window_s: float = Field(5.0, ge=0, description="a stream whose client went away is aborted only "
                                    "if no client reattaches within this many seconds; 0 = at once")
+    models: str = Field("", description="served names of models to accept requests for even while they have "
+                        "no worker (comma-separated); stage workers declare theirs in Redis too")
+
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
 
 
 class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):

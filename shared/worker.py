@@ -55,7 +55,8 @@ class StageWorker(Generic[M]):
         self.source = GroupConsumer[M](self.redis, self.keys.stage_stream(self.role, model_name), self.group,
                                        self.id, self.message_type, self.keys.dead())
         self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
-                                   settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load)
+                                   settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load,
+                                   card=lambda: self.model_info)
         self.tracer = Tracer(self.role, settings.otlp_endpoint)
         self.metrics = WorkerMetrics(self.role, settings.metrics_port)
         self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen
@@ -66,7 +67,8 @@ class StageWorker(Generic[M]):
         self._last: dict[str, float] = {}
         self.lost: set[str] = set()  # held entries a peer claimed from us (keep_alive finds them)
         self._keep_alive: asyncio.Task | None = None
-        self.model_info: dict = {}  # in the heartbeat: `root` (checkpoint) and `max_model_len`, for /v1/models
+        # in the heartbeat and the model's declaration: `root` (checkpoint) and `max_model_len`, for /v1/models
+        self.model_info: dict = {}
 
     # -- hooks for subclasses -------------------------------------------------------------------------
     async def handle(self, batch: list[Delivery[M]], claimed: bool) -> None:

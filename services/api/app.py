@@ -21,6 +21,8 @@ from services.api.formats import ChatFormat, CompletionFormat, Format
 from services.api.native import generate as native_generate
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
+from services.api.sse import RAW_SEND
+from shared import streams
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -39,6 +41,7 @@ class Guard:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
+            scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
             headers = dict(scope["headers"])
             error = None
             auth = headers.get(b"authorization", b"")
@@ -125,15 +128,17 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.get("/v1/models")
     async def models():
+        """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
+        (`partial`, `scaled_to_zero`), when its requests wait for workers."""
         snap = svc.stages.snapshot
-        return {"object": "list", "data": [snap.model_card(m) for m in snap.servable()]}
+        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         snap = svc.stages.snapshot
         if model not in snap.servable() and time.time() - snap.at > 0.25:
-            snap = await svc.stages.refresh()  # a worker may have come up since the last refresh
-        if model not in snap.servable():
+            snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
+        if model not in snap.models:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return snap.model_card(model)
 
@@ -160,8 +165,14 @@ def create_app(settings: ApiSettings) -> Guard:
                        if record.get("kind") == "chat" else CompletionFormat(*head, echo=record.get("echo") == "1"))
         deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
         model = record.get("model", "")
-        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))))
         last = request.headers.get("last-event-id")
+        kept_from = await streams.trimmed_head(svc.redis, svc.keys.reply(_bare(uid)))
+        if kept_from is not None and (last is None or streams.id_after(kept_from, last)):
+            raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last or 'its start'} (it keeps the "
+                           f"last --reply-maxlen entries); what came before {kept_from} is gone",
+                           param="Last-Event-ID", code="reply_trimmed")
+        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))),
+                                          headless=kept_from is not None)
         return await svc.start_stream(
             request, flight, lambda first, rest: svc.stream_chunks(flight, fmt, model, first, rest, skip_until=last),
             lambda reason: svc.finish(flight, model, "reattach", reason))
@@ -172,6 +183,9 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.get("/ready")
     async def ready():
+        """This process can take requests: Redis answers and it is not draining. The models' workers are
+        not needed (a request waits for them), so a model scaled to zero keeps the API in its Service;
+        `models` shows the live workers per stage of each model for operators."""
         snap = svc.stages.snapshot
         body = {"ready": snap.ready() and not svc.draining, "redis": snap.redis_ok, "draining": svc.draining,
                 "models": snap.models}
@@ -218,7 +232,7 @@ def answer_parsing(model_info: dict, tools: bool) -> dict:
 
 
 def _only_model(svc: ApiService) -> str:
-    models = svc.stages.snapshot.servable()
+    models = svc.stages.snapshot.known()
     if len(models) != 1:
         raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"), param="model")
     return models[0]

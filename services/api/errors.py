@@ -16,8 +16,8 @@ from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
 log = logging.getLogger(__name__)
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+         404: "invalid_request_error", 405: "invalid_request_error", 410: "invalid_request_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class ApiError(Exception):

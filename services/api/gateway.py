@@ -114,9 +114,11 @@ class Gateway:
         log.info("uid=%s queued for %s", job.uid, job.model)
         return flight
 
-    async def attach(self, uid: str, n: int, deadline: float, model: str, background: bool) -> Inflight:
+    async def attach(self, uid: str, n: int, deadline: float, model: str, background: bool,
+                     headless: bool = False) -> Inflight:
         """Follow an existing request's reply stream (resumable streams). It counts as a client of the
-        request: one that leaves is treated like the submitter's stream leaving (resume window)."""
+        request: one that leaves is treated like the submitter's stream leaving (resume window). `headless`:
+        the stream's head was trimmed (streams.trimmed_head)."""
         sub = self.hub.register(uid)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -126,8 +128,11 @@ class Gateway:
         except BaseException:
             self.hub.unsubscribe(sub)
             raise
-        return Inflight(self, uid, sub, n, deadline, model, owner=False,
-                        resume_window=self.settings.resume_window_s, background=background)
+        flight = Inflight(self, uid, sub, n, deadline, model, owner=False,
+                          resume_window=self.settings.resume_window_s, background=background)
+        if headless:
+            flight.order.start_headless()
+        return flight
 
     async def left(self, flight: Inflight) -> None:
         """A client stopped following an unfinished request: abort it now, later, or never (module doc)."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import uvicorn
-from sse_starlette.sse import AppStatus
 
 from services.api.app import create_app
 from shared.settings import ApiSettings
@@ -26,7 +26,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.draining or not self.started:
-            AppStatus.should_exit = True
+            self._end_streams()
             return super().handle_exit(sig, frame)
         self.draining = True
         asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
@@ -39,13 +39,15 @@ class DrainingServer(uvicorn.Server):
                  self.settings.grace_period_s)
         while svc.gateway.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        AppStatus.should_exit = True  # ends streams still open (their requests are aborted)
+        self._end_streams()  # streams still open end (their requests are aborted unless in the background)
         self.should_exit = True
+
+    def _end_streams(self) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop yet: nothing is streaming
+            asyncio.get_event_loop().call_soon_threadsafe(self.service.closing.set)
 
 
 def run(settings: ApiSettings) -> int:
-    # We end SSE streams ourselves after the grace period, not the moment uvicorn starts shutting down.
-    AppStatus.disable_automatic_graceful_drain()
     # Long keep-alive: load generators and proxies reuse connections; 5 s broke reused ones
     # (docs/design.md, "Measured facts behind the design").
     app = create_app(settings)

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 2000
 CONTROL_TTL_S = 3600
-FAIL_AFTER_S = 2.0  # Redis unreachable this long: fail every subscription rather than hang
+OUTAGE_S = 10.0  # Redis unreachable this long: fail every subscription rather than hang
 CLUSTER_OUTAGE_S = 30.0  # a cluster failover: cluster-node-timeout (15 s by default) plus the election
 
 
@@ -151,7 +151,7 @@ class ReplyHub:
         self.cluster = is_cluster_client(redis)
         # How long a shard's Redis may be unreachable before its subscriptions fail: on a cluster, long enough
         # for a replica to take over a failed primary.
-        self.outage_s = outage_s if outage_s is not None else CLUSTER_OUTAGE_S if self.cluster else FAIL_AFTER_S
+        self.outage_s = outage_s if outage_s is not None else CLUSTER_OUTAGE_S if self.cluster else OUTAGE_S
         self.shards: list[_Shard] = []
         self.created = 0
         self.turn = 0

@@ -1,8 +1,8 @@
 """The API process's state and how one request is answered, streamed or not.
 
 Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
-(stream: `OwnedEventSource`), so client disconnects, deadlines and errors all release the request's
-state here and abort it in every stage.
+(stream: services/api/sse.py `SSEResponse`), so client disconnects, deadlines and errors all release the
+request's state here and abort it in every stage.
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 import msgspec
 import orjson
 from fastapi import Request
-from fastapi.responses import Response
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import SendTimeoutError
 
 from services.api.errors import ApiError, redis_down
 from services.api.fanout import FlightGroup
@@ -30,6 +26,8 @@ from services.api.gateway import Gateway, Inflight
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
+from services.api.sse import SSEResponse, sse_event
+from shared import streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, TokenizeJob
 from shared.redis_conn import connect
@@ -39,53 +37,11 @@ from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Replies = AsyncIterator[list[tuple[str, ReplyEvent]]]
 ChunkSource = Callable[[list[tuple[str, ReplyEvent]], Replies], AsyncIterator[bytes]]
 
 
-def sse_event(data: bytes, event_id: str | None = None) -> bytes:
-    head = f"id: {event_id}\n".encode() if event_id else b""
-    return head + b"data: " + data + b"\n\n"
-
-
 DONE = sse_event(b"[DONE]")
-
-
-# A keep-alive is one comment line with no blank line after it. A blank line would end an "event" with no
-# data, and the openai SDK decodes such an event (once any event had an `id:`) as JSON and raises; a comment
-# line alone is ignored by every SSE parser and still keeps proxies from closing an idle connection.
-PING = b": ping\n"
-
-
-class OwnedEventSource(EventSourceResponse):
-    """An SSE response that runs `on_close(reason)` when it ends for any reason, even if its generator
-    never started (a client that left before the first byte). A client that accepts nothing for
-    `send_timeout` seconds ends it with reason "slow_client"."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
-                 ping_s: float, **kw: Any):
-        super().__init__(content, sep="\n", ping=ping_s, ping_message_factory=lambda: PING, headers=SSE_HEADERS,
-                         **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        reason = None
-        try:
-            await super().__call__(scope, receive, send)
-        except Exception as e:
-            if not _has(e, SendTimeoutError):
-                raise
-            reason = "slow_client"
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._on_close(reason)
-
-
-def _has(e: BaseException, kind: type[BaseException]) -> bool:
-    if isinstance(e, kind):
-        return True
-    return isinstance(e, BaseExceptionGroup) and any(_has(x, kind) for x in e.exceptions)
 
 
 def stage_error(e: StageFailed) -> ApiError:
@@ -141,14 +97,15 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            settings.reply_shard_keys, outage_s=settings.redis_outage_s)
+                            settings.reply_shard_keys, outage_s=settings.broker_outage_s)
         self.gateway = Gateway(settings, self.redis, self.hub, self.keys, self.pod)
-        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s)
+        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
                                    settings.heartbeat_ttl_s, self.load)
         self.draining = False
+        self.closing = asyncio.Event()  # set once open streams must end (shutdown after the grace period)
 
     def load(self) -> dict:
         return {"inflight": len(self.gateway.inflight), "subscriptions": self.hub.subscriptions,
@@ -178,11 +135,13 @@ class ApiService:
 
     # -- admission --------------------------------------------------------------------------------------
     async def admit(self, model: str) -> None:
+        """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
+        request waits in the model's streams, within its deadline, for workers (scale from zero)."""
         if self.draining:
             raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
         snap = self.stages.snapshot
         if model not in snap.models and time.time() - snap.at > 0.25:
-            snap = await self.stages.refresh()  # a worker may have come up since the last refresh
+            snap = await self.stages.refresh()  # it may have been declared since the last refresh
         if not snap.redis_ok:
             raise redis_down()
         if model not in snap.models:
@@ -254,7 +213,7 @@ class ApiService:
             await finish_all()
 
     async def start_stream(self, request: Request, flight: Inflight, chunks: ChunkSource,
-                           on_close: Callable[[str | None], Awaitable[None]]) -> Response | None:
+                           on_close: Callable[[str | None], Awaitable[None]]) -> SSEResponse | None:
         """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
         so that an error known before generation gets its HTTP status rather than a 200 and an error event.
         The stream then starts with those entries at once: waiting costs the first token nothing."""
@@ -265,8 +224,8 @@ class ApiService:
             if not connected:
                 return None
             started = True
-            return OwnedEventSource(chunks(first, replies), on_close=on_close, ping_s=self.settings.sse_ping_s,
-                                    send_timeout=self.settings.slow_client_timeout_s)
+            return SSEResponse(chunks(first, replies), on_close, self.settings.sse_ping_s,
+                               self.settings.slow_client_timeout_s, self.closing)
         finally:
             if not started:
                 await on_close(None)
@@ -295,8 +254,8 @@ class ApiService:
                     continue  # nothing arrived for a while (pings keep the connection)
                 self._first_token(flight, model)
                 if skip_until:  # replay what the client already has into the formatter, unsent
-                    fmt.chunks([ev for eid, ev in pairs if not _after(eid, skip_until)])
-                    pairs = [(eid, ev) for eid, ev in pairs if _after(eid, skip_until)]
+                    fmt.chunks([ev for eid, ev in pairs if not streams.id_after(eid, skip_until)])
+                    pairs = [(eid, ev) for eid, ev in pairs if streams.id_after(eid, skip_until)]
                 if not pairs:
                     continue
                 last_id = pairs[-1][0]
@@ -341,14 +300,3 @@ async def chain_replies(first: list[tuple[str, ReplyEvent]], rest: Replies) -> R
     yield first
     async for pairs in rest:
         yield pairs
-
-
-def _after(entry_id: str, other: str) -> bool:
-    def parts(x: str) -> tuple[int, int]:
-        ms, _, seq = x.partition("-")
-        return int(ms), int(seq or 0)
-
-    try:
-        return parts(entry_id) > parts(other)
-    except ValueError:
-        return True

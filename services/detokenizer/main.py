@@ -12,7 +12,7 @@ import logging
 from collections import OrderedDict
 
 from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
-from shared import records
+from shared import records, streams
 from shared.keys import DETOKENIZER_GROUP
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
@@ -35,6 +35,7 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
     def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
+        self.appender = streams.Appender(self.redis)
         # Where choices this replica ended, and by which scheduler's epoch: that scheduler's later steps (made
         # before it saw a stop string's flag) are dropped; earlier ones (a claimed entry handled after newer
         # ones) and a successor's (after a takeover) still rendered. Bounded; the API also ignores anything
@@ -56,8 +57,11 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         try:
             rendered = await asyncio.to_thread(self.detok.render, items) if items else []
             async with self.redis.pipeline(transaction=False) as pipe:
-                for it, r in zip(items, rendered, strict=True):
-                    self._send(pipe, it, r)
+                pairs = list(zip(items, rendered, strict=True))
+                records.replies(pipe, self.appender, self.keys, [self._event(it, r) for it, r in pairs], self.ttl,
+                                self.maxlen)
+                for it, r in pairs:
+                    self._record(pipe, it, r)
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
             self.metrics.published("reply", len(items))
@@ -65,14 +69,26 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             for span in spans:
                 span.end()
 
-    def _send(self, pipe, it: TokenDelta, r: Rendered) -> None:
+    def _event(self, it: TokenDelta, r: Rendered) -> tuple[str, ReplyEvent, bool]:
+        """The reply entry for `it`, and whether it refreshes the stream's TTL (a request's first and last
+        entries, and one every REFRESH_EVERY_TOKENS tokens: not one EXPIRE per token)."""
         finish = "stop" if r.stopped else it.finish
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
                            index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
                            epoch=it.epoch, **self.detok.first_range(it))
-        mark = it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
-        records.reply(pipe, self.keys, it.uid, event, self.ttl, self.maxlen, refresh_ttl=mark)
+        return it.uid, event, self._marks(it, finish)
+
+    @staticmethod
+    def _marks(it: TokenDelta, finish: str | None) -> bool:
+        end = it.start + len(it.ids)
+        return it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
+
+    def _record(self, pipe, it: TokenDelta, r: Rendered) -> None:
+        """The request record (and, on a stop string, the engine) after `it`'s entry."""
+        finish = "stop" if r.stopped else it.finish
+        end = it.start + len(it.ids)
+        mark = self._marks(it, finish)
         if finish is not None:
             records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
                                finish_reason=finish, completion_tokens=end)

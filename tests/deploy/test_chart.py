@@ -30,6 +30,7 @@ VALUES = {
     "cpu": [CI / "cpu-values.yaml"],
     "keda-external-tls": [CI / "keda-values.yaml", CI / "external-redis-values.yaml"],
     "redis-cluster": [CI / "redis-cluster-values.yaml"],
+    "scale-to-zero": [CI / "scale-to-zero-values.yaml"],
 }
 CASES = pytest.mark.parametrize("case", list(VALUES))
 STAGES = ("tokenizer", "scheduler", "detokenizer")
@@ -463,31 +464,96 @@ def test_keda_scaled_objects(render, case):
         assert stage in STAGES
         assert "replicas" not in dep["spec"], f"{target} is scaled by KEDA: no fixed replicas"
         assert target not in hpa_targets, f"{target} is scaled by KEDA: no HPA"
-        (trigger,) = so["spec"]["triggers"]
+        trigger = so["spec"]["triggers"][0]
         cluster = cfg["RSINFER_REDIS_CLUSTER"] == "yes"
-        assert trigger["type"] == ("redis-cluster-streams" if cluster else "redis-streams")
+        assert trigger["name"] == "backlog"
         meta = trigger["metadata"]
-        assert all(isinstance(v, str) for v in meta.values()), meta
         served = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")["RSINFER_SERVED_MODEL_NAME"]
         assert meta["stream"] == f"{cfg['RSINFER_NAMESPACE']}:{STREAMS[stage]}:{served}"
         assert meta["consumerGroup"] == stage
         assert int(meta["lagCount"]) >= 1, "lagCount mode (scale to zero capable, Redis 7+)"
-        host = url.netloc.rsplit("@", 1)[-1]
-        if cluster:  # the scaler finds each stream's node from these; a cluster has database 0 only
-            assert meta["addresses"] and "databaseIndex" not in meta
-        else:
-            assert meta["address"] == (host if url.port else f"{host}:6379")
-            assert meta["databaseIndex"] == (url.path.strip("/") or "0")
-        assert (meta.get("enableTLS") == "true") == (url.scheme == "rediss")
-        if "authenticationRef" in trigger:
-            assert trigger["authenticationRef"]["name"] in auths
+        for trigger in so["spec"]["triggers"]:
+            meta = trigger["metadata"]
+            assert trigger["type"] == ("redis-cluster-streams" if cluster else "redis-streams")
+            assert all(isinstance(v, str) for v in meta.values()), meta
+            host = url.netloc.rsplit("@", 1)[-1]
+            if cluster:  # the scaler finds each stream's node from these; a cluster has database 0 only
+                assert meta["addresses"] and "databaseIndex" not in meta
+            else:
+                assert meta["address"] == (host if url.port else f"{host}:6379")
+                assert meta["databaseIndex"] == (url.path.strip("/") or "0")
+            assert (meta.get("enableTLS") == "true") == (url.scheme == "rediss")
+            if "authenticationRef" in trigger:
+                assert trigger["authenticationRef"]["name"] in auths
     for name, dep in deployments.items():
         if name not in {so["spec"]["scaleTargetRef"]["name"] for so in scaled.values()}:
             assert "replicas" in dep["spec"] or name in hpa_targets, name
-    expect_keda = "keda" in case or case == "redis-cluster"
+    expect_keda = "keda" in case or case in ("scale-to-zero", "redis-cluster")
     assert bool(scaled) == (expect_keda or case == "two-pools")
     if expect_keda:
         assert len(scaled) == 3 * len(pools_of(case))
+
+
+def test_scale_to_zero_scaled_objects(render):
+    """minReplicaCount 0 on every stage: each ScaledObject validates against KEDA's CRD; its backlog trigger
+    activates it above activationLagCount; a request waiting for a tokenizer wakes the scheduler and the
+    detokenizer too (arrivals); requests a scheduler holds keep every stage active (in-flight, XPENDING of
+    the schedule stream), so KEDA never takes the last pod from under a running request; and the HPA
+    scales down one pod per termination grace after a window as long as the cooldown, the grace outlasting
+    the worker's drain (settings.grace_period_s) so that it hands back what it holds before it is killed."""
+    docs = render(VALUES["scale-to-zero"])
+    deployments = kube.by_kind(docs, "Deployment")
+    scaled = kube.by_kind(docs, "ScaledObject")
+    assert len(scaled) == 3
+    prefix = config(docs)["RSINFER_NAMESPACE"]
+    for so in scaled.values():
+        kube.validate(so)
+        spec = so["spec"]
+        dep = deployments[spec["scaleTargetRef"]["name"]]
+        stage = component(dep)
+        assert spec["minReplicaCount"] == 0
+        triggers = {t["name"]: t["metadata"] for t in spec["triggers"]}
+        assert set(triggers) == {"backlog", "in-flight"} | ({"arrivals"} if stage != "tokenizer" else set())
+        assert triggers["backlog"]["activationLagCount"] == "0"
+        if stage != "tokenizer":
+            assert (triggers["arrivals"]["stream"], triggers["arrivals"]["consumerGroup"]) == (
+                f"{prefix}:tokenize:rsinfer-demo", "tokenizer")
+            assert triggers["arrivals"]["activationLagCount"] == "0"
+        held = triggers["in-flight"]
+        assert (held["stream"], held["consumerGroup"]) == (f"{prefix}:schedule:rsinfer-demo", "scheduler")
+        assert "lagCount" not in held, "pending entries (XPENDING), not lag: requests already in an engine"
+        assert int(held["pendingEntriesCount"]) == SchedulerSettings.model_fields["max_running"].default
+        scale_down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        assert scale_down["stabilizationWindowSeconds"] >= spec["cooldownPeriod"]
+        grace = kube.pod_spec(dep)["terminationGracePeriodSeconds"]
+        assert scale_down["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": grace}]
+        env = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")
+        assert grace > float(env.get("RSINFER_GRACE_PERIOD_S", SETTINGS[stage].model_fields["grace_period_s"].default))
+    assert kube.pod_spec(scheduler(docs))["terminationGracePeriodSeconds"] == 90
+    assert config(docs)["demo.scheduler.RSINFER_GRACE_PERIOD_S"] == "60"
+
+
+def test_scale_down_behavior_merges_with_the_users(render):
+    """ci/keda-values.yaml gives the scheduler's scale-down window only: the chart's one-pod policy stays;
+    a stage kept at one pod or more has only its backlog trigger (nothing to wake)."""
+    docs = render(VALUES["keda"])
+    so = kube.by_kind(docs, "ScaledObject")["rs-rsinfer-demo-scheduler"]
+    scale_down = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert scale_down == {"stabilizationWindowSeconds": 600,
+                          "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}
+    for so in kube.by_kind(docs, "ScaledObject").values():
+        assert so["spec"]["minReplicaCount"] == 1
+        assert [t["name"] for t in so["spec"]["triggers"]] == ["backlog"]
+
+
+@CASES
+def test_the_api_knows_every_pools_model(render, case):
+    """RSINFER_MODELS: the API takes requests for every pool's model, even one whose stages are at zero."""
+    docs = render(VALUES[case])
+    api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
+    env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
+    assert ApiSettings(models=env["RSINFER_MODELS"]).model_names() == tuple(p["servedModelName"]
+                                                                          for p in pools_of(case))
 
 
 def test_keda_auth_uses_the_release_secrets(render):

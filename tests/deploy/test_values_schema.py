@@ -67,6 +67,13 @@ BAD_VALUES = [
     ("redis-cluster-database", {"redis": {"mode": "external", "external": {
         "url": "redis://cfg:6379/2", "cluster": True}}}, "database 0"),
     ("grace-too-short", {"api": {"terminationGracePeriodSeconds": 5}}, "terminationGracePeriodSeconds"),
+    ("worker-grace-not-above-drain", {"stages": {"scheduler": {"terminationGracePeriodSeconds": 20}}},
+     "must exceed settings.grace_period_s"),
+    ("pool-worker-grace-not-above-drain", {"modelPools": [{**POOL, "tokenizer": {"settings": {
+        "grace_period_s": 45}}}]}, "terminationGracePeriodSeconds (30) must exceed settings.grace_period_s (45)"),
+    ("keda-min-above-max", {"stages": {"tokenizer": {"keda": {"minReplicaCount": 9, "maxReplicaCount": 8}}}},
+     "minReplicaCount"),
+    ("models-as-api-setting", {"api": {"settings": {"models": "a,b"}}}, "models"),
     ("kernel-cache-without-size", {"stages": {"scheduler": {"kernelCache": {"persistent": True, "size": ""}}}},
      "kernelCache"),
 ]

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,8 +19,10 @@ import openai
 import pytest
 import redis
 
+from rsinfer.up import serving
 from shared.keys import Keys
 from shared.redis_server import RedisServer, free_port
+from tests.e2e.helpers import api_ready
 
 MODEL = "rsinfer-demo"
 
@@ -80,18 +81,16 @@ class Stack:
         if sig == signal.SIGKILL:
             stop_group(proc, grace=0)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 120.0, model: str | None = MODEL) -> None:
+        """Until the API takes requests and `model` has a live worker in every stage. `/ready` alone says
+        only the former (a request would wait for the workers); `model=None` waits for the API alone."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"processes died: {dead}; logs in {self.log_dir}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
+            if serving(self.base_url, model) if model else api_ready(self.base_url):
+                return
             time.sleep(0.2)
         raise TimeoutError(f"stack not ready; logs in {self.log_dir}")
 

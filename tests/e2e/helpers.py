@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -36,6 +36,17 @@ def raw_post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> soc
     return sock
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a streamed SSE response, split at "\n" only. httpx's aiter_lines also splits at U+2028,
+    U+0085 and the other str.splitlines breaks, which JSON leaves unescaped inside strings (and the demo model's
+    text contains); a line cut short when the connection drops is not yielded."""
+    buffer = b""
+    async for data in resp.aiter_bytes():
+        *lines, buffer = (buffer + data).split(b"\n")
+        for line in lines:
+            yield line.decode().removesuffix("\r")
+
+
 def sse_payloads(raw: str) -> list[str]:
     return [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
 
@@ -49,6 +60,17 @@ def workers(stack, role: str) -> list[WorkerInfo]:
         if mrole == role and fields:
             out.append(WorkerInfo(role, wid, fields["model"], float(fields["updated_at"]), json.loads(fields["load"])))
     return out
+
+
+def worker_name(worker_id: str) -> str:
+    """The process name a worker id was started under: ids are `<name>@<process start>` (a restarted
+    process is another worker), or the bare name where ids carry no start."""
+    return worker_id.split("@", 1)[0]
+
+
+def live_names(stack, role: str) -> list[str]:
+    """Names of the live workers of a role (as `Stack.start` named them), from their heartbeats."""
+    return [worker_name(w.id) for w in workers(stack, role)]
 
 
 def engines_idle(stack) -> bool:

@@ -9,7 +9,8 @@ the chart generated. Only these differ from the pods:
     have a network each, local processes share one; the rendered containerPorts are checked), and
     RSINFER_OTLP_ENDPOINT (rendered from tracing.otlpEndpoint) at a collector in the test;
   - the pods' emptyDir mounts (/tmp, the cache) become local temporary folders.
-Then the API must turn ready, answer a chat completion through the official openai client, every
+Then the API must turn ready on its own (no worker yet) and list the pool's model, the workers must come
+up, the API must answer a chat completion through the official openai client, every
 process must export the request's spans, every worker must serve its /metrics, and every worker's
 rendered liveness probe must pass; the preStop hook must turn the API unready. A flag or setting
 renamed in the code but not in the chart breaks this test.
@@ -202,18 +203,26 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
                          for p in pods)
 
     base = f"http://127.0.0.1:{port}"
-    try:
-        for pod in pods:
-            pod.start()
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def wait(what: str, check) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while _get_ready(base) != 200:
-            dead = [p.name for p in pods if p.proc.poll() is not None]
+        while not check():
+            dead = [p.name for p in pods if p.proc and p.proc.poll() is not None]
             assert not dead, f"processes exited: {dead}\n{logs()}"
-            assert time.monotonic() < deadline, f"/ready not 200 after {READY_TIMEOUT_S}s\n{logs()}"
+            assert time.monotonic() < deadline, f"{what} not within {READY_TIMEOUT_S}s\n{logs()}"
             time.sleep(0.5)
+
+    try:
+        # the API alone is ready (its readinessProbe needs no worker) and knows the pool's model (RSINFER_MODELS)
+        api.start()
+        wait("/ready 200", lambda: _get_ready(base) == 200)
+        assert client.models.retrieve("rsinfer-demo").state == "scaled_to_zero"
+        for w in workers:
+            w.start()
+        wait("every stage of rsinfer-demo live", lambda: client.models.retrieve("rsinfer-demo").state == "ready")
         assert _get(f"{base}{api.container['livenessProbe']['httpGet']['path']}") == 200
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         reply = client.chat.completions.create(
             model="rsinfer-demo", messages=[{"role": "user", "content": "Hello from Kubernetes"}],
             max_tokens=8, temperature=0)

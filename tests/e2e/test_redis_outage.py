@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from rsinfer.up import serving
 from shared.redis_server import RedisServer
 from tests.e2e.conftest import MODEL, new_stack, start_pipeline
 from tests.e2e.helpers import wait_for
@@ -47,7 +48,9 @@ def test_redis_outage_and_recovery(own_redis, demo_model_dir, tmp_path_factory):
 
         restarted = RedisServer(port=own_redis.port).start()  # same address, empty data
         try:
+            # every stage back: /ready is the API and Redis; the workers come back on their own
             wait_for(lambda: httpx.get(f"{s.base_url}/ready").status_code == 200, timeout=30)
+            wait_for(lambda: serving(s.base_url, MODEL), timeout=30)
             r = httpx.post(f"{s.base_url}/v1/chat/completions", json=b, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected
             groups = {g["name"] for g in s.redis().xinfo_groups(s.keys.schedule(MODEL))}

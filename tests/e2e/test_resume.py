@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from shared.redis_server import free_port
+from shared.streams import id_after
 from tests.e2e.conftest import MODEL, Stack
 from tests.e2e.helpers import api_ready, engines_idle, sse_payloads, wait_for
 
@@ -137,3 +138,40 @@ def test_background_request_runs_to_the_end_unattended_then_reads_in_full(stack,
     assert r.hget(stack.keys.request(uid), "status") == "finished"
     assert r.get(stack.keys.abort(uid)) is None
     assert reattach(stack.base_url, uid) == expected
+
+
+
+def events_with_ids(base_url: str, payload: dict) -> tuple[str, list[tuple[str, str]]]:
+    """Stream `payload` to its end: the request's uid and (event id, content) per content event."""
+    out, last, uid = [], "", ""
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**payload, "stream": True},
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                uid = chunk["id"].removeprefix("chatcmpl-")
+                out.append((last, "".join(c["delta"].get("content") or "" for c in chunk["choices"])))
+    return uid, out
+
+
+def test_reattach_to_a_stream_whose_head_was_trimmed(stack):
+    """Past --reply-maxlen entries a reply stream's head is gone: a reattach after an id it still has gets
+    exactly the rest (the first range it reads says where the choice stands); one from before its head gets a
+    410 before any byte of stream (the text in between is gone), and so does one with no Last-Event-ID."""
+    uid, events = events_with_ids(stack.base_url, chat(4, 300))
+    r = stack.redis()
+    key = stack.keys.reply(uid)
+    assert r.xlen(key) > 200
+    r.xtrim(key, maxlen=120, approximate=False)  # as MAXLEN ~ does to a longer stream
+    first_kept = r.xrange(key, count=1)[0][0]
+    ids = [eid for eid, _ in events]
+    at = next(k for k, eid in enumerate(ids) if id_after(eid, first_kept)) + 20
+    assert reattach(stack.base_url, uid, ids[at]) == "".join(text for _, text in events[at + 1:])
+
+    before = ids[next(k for k, eid in enumerate(ids) if not id_after(first_kept, eid)) - 5]
+    for headers in ({"Last-Event-ID": before}, {}):
+        resp = httpx.get(f"{stack.base_url}/v1/requests/{uid}/stream", headers=headers, timeout=30)
+        assert resp.status_code == 410, resp.text
+        assert resp.json()["error"]["code"] == "reply_trimmed"

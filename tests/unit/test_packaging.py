@@ -16,7 +16,6 @@ REQUIREMENT = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*(.*)$")
 
 # The oldest versions that have what rsinfer calls; a bound below one of these lets pip install a broken server.
 KNOWN_BREAKING = {
-    "sse-starlette": "3.2.0",  # AppStatus.disable_automatic_graceful_drain (services/api/main.py)
     "openai": "1.40.0",
 }
 

@@ -90,6 +90,39 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- default (include "rsinfer.fullname" .) .Values.auth.existingSecret }}
 {{- end }}
 
+{{/* One redis-streams trigger of a KEDA ScaledObject; call with (dict "name" "url" (parsed Redis URL) "auth"
+(TriggerAuthentication name, or false) "stream" "group" "target" ({lagCount: n} or {pendingEntriesCount: n})
+"activation" (activationLagCount, optional)). */}}
+{{- define "rsinfer.kedaTrigger" -}}
+{{- if .nodes }}
+- type: redis-cluster-streams
+  name: {{ .name }}
+  metadata:
+    addresses: {{ .nodes | quote }}
+{{- else }}
+- type: redis-streams
+  name: {{ .name }}
+  metadata:
+    address: {{ .address | quote }}
+    databaseIndex: {{ trimPrefix "/" .url.path | default "0" | quote }}
+{{- end }}
+    {{- if eq .url.scheme "rediss" }}
+    enableTLS: "true"
+    {{- end }}
+    stream: {{ .stream | quote }}
+    consumerGroup: {{ .group | quote }}
+    {{- range $k, $v := .target }}
+    {{ $k }}: {{ $v | toString | quote }}
+    {{- end }}
+    {{- if hasKey . "activation" }}
+    activationLagCount: {{ .activation | toString | quote }}
+    {{- end }}
+  {{- if .auth }}
+  authenticationRef:
+    name: {{ .auth }}
+  {{- end }}
+{{- end }}
+
 {{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
 
 {{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
@@ -129,6 +162,12 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
+{{- /* the API takes requests for every pool's model even while its stages are scaled to zero */}}
+{{- $served := list }}
+{{- range .Values.modelPools }}
+{{- $served = append $served .servedModelName }}
+{{- end }}
+{{- $_ := set $api "RSINFER_MODELS" (join "," $served) }}
 {{- $scopes := dict "common" $common "api" $api }}
 {{- range $pool := .Values.modelPools }}
 {{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
@@ -307,6 +346,18 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- $db := trimPrefix "/" (urlParse .Values.redis.external.url).path }}
 {{- if not (or (eq $db "") (eq $db "0")) }}
 {{- fail (printf "redis.external.cluster: a Redis Cluster has database 0 only, not %q; set the url's path to /0" $db) }}
+{{- end }}
+{{- end }}
+{{- range $pool := .Values.modelPools }}
+{{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
+{{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
+{{- $drain := $cfg.settings.grace_period_s | default 20 }}
+{{- if le (float64 $cfg.terminationGracePeriodSeconds) (float64 $drain) }}
+{{- fail (printf "modelPools %s, %s: terminationGracePeriodSeconds (%v) must exceed settings.grace_period_s (%v): a worker removed by a scale-down drains for the grace period, then hands back what it still holds, before Kubernetes kills it" $pool.name $stage $cfg.terminationGracePeriodSeconds $drain) }}
+{{- end }}
+{{- if gt (int $cfg.keda.minReplicaCount) (int $cfg.keda.maxReplicaCount) }}
+{{- fail (printf "modelPools %s, %s: keda.minReplicaCount (%v) exceeds keda.maxReplicaCount (%v)" $pool.name $stage $cfg.keda.minReplicaCount $cfg.keda.maxReplicaCount) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- with .Values.api.terminationGracePeriodSeconds }}

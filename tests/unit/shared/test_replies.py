@@ -53,3 +53,39 @@ def test_an_older_checkpoint_after_a_fence_is_ignored():
     for m in [ev(0, [1]), ReplyFence(epoch=2), ReplyCheckpoint(epoch=1, outputs=[[1, 9, 9, 9]])]:
         produced.add(m)
     assert produced.outputs == [[1]]
+
+
+def test_a_range_straddling_a_later_checkpoint_still_gives_its_tokens_past_it():
+    """The scheduler writes a checkpoint (tokens to 67) straight into the stream while the detokenizer,
+    behind it, still has to append the ranges [66, 68) and [68, 70): a client got 67..69 from those, so a
+    resume must not start at 67 (it would sample index 67 a second time, differently)."""
+    produced = ProducedTokens(1)
+    head = list(range(100, 166))
+    for m in [ev(0, head), ReplyCheckpoint(epoch=1, outputs=[[*head, 166]]), ev(66, [166, 167]),
+              ev(68, [168, 169])]:
+        produced.add(m)
+    assert produced.outputs == [[*head, 166, 167, 168, 169]]
+
+
+def test_a_held_range_straddling_a_checkpoint_is_cut_to_its_tail():
+    produced = ProducedTokens(1)
+    for m in [ev(0, [1]), ev(3, [4, 5, 6]), ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3, 4]])]:
+        produced.add(m)
+    assert produced.outputs == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_a_reader_of_a_trimmed_stream_starts_each_choice_at_its_first_range():
+    order = OrderedReplies(2)
+    order.start_headless()
+    stream = [ev(40, [1], index=1), ev(70, [2]), ev(72, [4]), ev(71, [3]), ev(41, [5], index=1)]
+    assert delivered(order, stream) == [1, 2, 3, 4, 5]
+    assert order.next == [73, 42]
+
+
+def test_an_event_of_a_newer_epoch_fences_like_its_trimmed_fence():
+    """MAXLEN may have trimmed the fence away; the successor's ranges come after it all the same."""
+    stream = [ev(5, [15], epoch=1), ev(6, [99], epoch=0), ev(6, [16], epoch=1)]
+    order = OrderedReplies(1)
+    order.start_headless()
+    assert delivered(order, stream) == [15, 16]
+    assert order.refused == 1

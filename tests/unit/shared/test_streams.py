@@ -144,3 +144,14 @@ async def test_departed_consumers_are_removed_unless_they_hold_entries(env):
     assert removed == ["gone@1"]
     names = {c["name"].decode() for c in await redis.xinfo_consumers(keys.schedule("m"), "scheduler")}
     assert names == {"holder@2"}  # it holds an entry: deleting it would lose it
+
+
+async def test_trimmed_head_is_the_first_entry_kept_once_maxlen_cut_the_stream(env):
+    redis, keys = env
+    key = keys.reply("u1")
+    assert await streams.trimmed_head(redis, key) is None  # no stream yet
+    ids = [await redis.xadd(key, {"i": i}) for i in range(10)]
+    assert await streams.trimmed_head(redis, key) is None
+    await redis.xtrim(key, maxlen=4, approximate=False)
+    assert await streams.trimmed_head(redis, key) == ids[6].decode()
+    assert streams.id_after(ids[7].decode(), ids[6].decode()) and not streams.id_after("5-1", "5-10")

@@ -1,0 +1,119 @@
+"""The SSE response every stream is sent with: a plain ASGI response, lean on the per-chunk path.
+
+Per chunk it does one `send` and nothing else: no task group, lock or cancel scope per send (sse-starlette's
+cost), and the send goes straight to the server, past the middleware stack's wrappers (`Guard` hands us the
+server's `send`; they only note that a response started, and nothing after the start can be turned into
+another response). Around the chunks, three watchers, each one task for the stream's whole life:
+
+- the client leaving (`http.disconnect`) ends the stream at once, as cancellation of the chunk source;
+- a client that accepts nothing for `send_timeout` seconds ends it with reason "slow_client";
+- every `ping_s` a keep-alive comment line (`PING`) is sent;
+- the server shutting down (`closing` set) ends it.
+
+`on_close(reason)` runs when the response ends for any reason, even before its first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+RAW_SEND = "rsinfer.raw_send"  # scope key: the server's own send (services/api/app.py Guard)
+HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+           (b"x-accel-buffering", b"no"), (b"connection", b"keep-alive")]
+# A keep-alive is one comment line with no blank line after it. A blank line would end an "event" with no
+# data, and the openai SDK decodes such an event (once any event had an `id:`) as JSON and raises; a comment
+# line alone is ignored by every SSE parser and still keeps proxies from closing an idle connection.
+PING = b": ping\n"
+
+
+def sse_event(data: bytes, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+class SSEResponse(Response):
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
+                 ping_s: float, send_timeout: float, closing: asyncio.Event):
+        # A Response for the framework's sake (it passes responses through as they are); nothing of its body.
+        self.status_code, self.background, self.raw_headers = 200, None, HEADERS
+        self.chunks, self.on_close = chunks, on_close
+        self.ping_s, self.send_timeout, self.closing = ping_s, send_timeout, closing
+        self.last_send = time.monotonic()
+        self.sending_since: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send = scope.get(RAW_SEND, send)
+        reason: str | None = None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+            reason = await self._run(receive, send)
+        except OSError:
+            reason = "client_disconnected"
+        except Exception:
+            log.exception("stream failed")
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._end(reason)
+
+    async def _end(self, reason: str | None) -> None:
+        with contextlib.suppress(Exception):
+            await self.chunks.aclose()
+        await self.on_close(reason)
+
+    async def _run(self, receive: Receive, send: Send) -> str | None:
+        """Pump the chunks until they end or a watcher ends the stream; the reason it ended early, if it did."""
+        pump = asyncio.ensure_future(self._pump(send))
+        watchers = {asyncio.ensure_future(w): why for w, why in (
+            (self._disconnected(receive), "client_disconnected"), (self._stalled(), "slow_client"),
+            (self.closing.wait(), "server_shutdown"), (self._ping(send), None))}
+        try:
+            done, _ = await asyncio.wait({pump, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, *watchers):
+                task.cancel()
+            await asyncio.gather(pump, *watchers, return_exceptions=True)
+        if pump in done:
+            pump.result()  # an error in the chunk source is logged by the caller
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return None
+        return next(watchers[t] for t in done if t in watchers)
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self.chunks:
+            await self._send(send, chunk)
+
+    async def _send(self, send: Send, body: bytes) -> None:
+        self.sending_since = time.monotonic()
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        self.last_send, self.sending_since = time.monotonic(), None
+
+    async def _disconnected(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _stalled(self) -> None:
+        """Returns once one send has waited `send_timeout` for the client to take it."""
+        while True:
+            since = self.sending_since
+            now = time.monotonic()
+            if since is not None and now - since >= self.send_timeout:
+                return
+            await asyncio.sleep(self.send_timeout - (now - since) if since is not None else self.send_timeout / 2)
+
+    async def _ping(self, send: Send) -> None:
+        """Every `ping_s`, busy or not (a proxy may count only its own idle time), unless a send is pending."""
+        while True:
+            await asyncio.sleep(self.ping_s)
+            if self.sending_since is None:
+                await self._send(send, PING)

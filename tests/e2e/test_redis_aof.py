@@ -1,0 +1,128 @@
+"""Redis restarted **with** its data in the middle of generation (issue 10): a redis-server with AOF
+(`appendfsync everysec`, the way the chart runs it) is stopped with SIGTERM, which writes the AOF out, and started
+again on the same port and directory. In-flight streams continue and complete with exactly the text of an
+undisturbed run: the streams, groups, pending lists and records survived, so nothing has to fail.
+
+(tests/e2e/test_redis_outage.py covers a Redis that comes back empty: there in-flight requests end with an error.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared import children
+from shared.keys import STAGES
+from shared.redis_server import find_redis_server, free_port, wait_until_up
+from tests.e2e.chaos_kit import Clients, Job, Outcome, reference_texts
+from tests.e2e.conftest import MODEL, Stack, new_stack, start_pipeline
+from tests.e2e.helpers import engines_idle, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class AofRedis:
+    """redis-server on a fixed port with AOF in `data_dir`, as the chart's StatefulSet runs it; restartable."""
+
+    def __init__(self, data_dir: Path):
+        self.port, self.dir, self.binary = free_port(), data_dir, find_redis_server()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> AofRedis:
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
+        self.proc = children.spawn(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            wait_until_up(client, self.proc, timeout=30)  # PING answers once the AOF is loaded
+        finally:
+            client.close()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: redis-server flushes the AOF and exits (a pod's termination does the same)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def aof_redis(tmp_path) -> Iterator[AofRedis]:
+    server = AofRedis(tmp_path / "redis-data").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def through_a_restart(s: Stack, server: AofRedis, jobs: list[Job], outage_s: float
+                            ) -> tuple[list[Outcome], int, dict[str, int], float]:
+    """Stream `jobs`; once every one has text, stop Redis and start it again `outage_s` later. The outcomes, how
+    many were in flight when Redis stopped, each reply stream's length then, and the outage's length."""
+    clients = Clients([s.base_url])
+    try:
+        tasks = [asyncio.create_task(clients.run(j)) for j in jobs]
+        deadline = time.monotonic() + 30
+        while not (len(clients.outcomes) == len(jobs) and all(len(o.texts[0]) > 5 for o in clients.outcomes)):
+            assert time.monotonic() < deadline, "the streams did not start"
+            await asyncio.sleep(0.02)
+        r = s.redis()
+        lengths = {o.uid: r.xlen(s.keys.reply(o.uid)) for o in clients.outcomes}
+        began = time.monotonic()
+        await asyncio.to_thread(server.stop)
+        in_flight = sum(not o.done for o in clients.outcomes)
+        await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
+        server.start()  # from this thread: the kernel's PDEATHSIG fires when the spawning *thread* ends
+        outage = time.monotonic() - began
+        return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
+    finally:
+        await clients.close()
+
+
+@pytest.mark.parametrize("outage_s", [1.0, 4.0])
+def test_in_flight_requests_survive_a_redis_restart_with_its_data(aof_redis, demo_model_dir, tmp_path_factory,
+                                                                  outage_s):
+    s = new_stack(aof_redis, demo_model_dir, tmp_path_factory, "aof")
+    try:
+        start_pipeline(s)
+        jobs = [Job(key=900 + i, kind="greedy", n=1, max_tokens=m, api=0, background=False, timeout=120)
+                for i, m in enumerate((150, 400, 800, 1200, 1600, 2000))]
+        expected = asyncio.run(reference_texts(s.base_url, jobs))
+        outcomes, in_flight, lengths, outage = asyncio.run(through_a_restart(s, aof_redis, jobs, outage_s))
+        assert in_flight >= 3, "the requests ended before Redis went away: nothing was tested"
+
+        r = s.redis()
+        assert all(r.xlen(s.keys.reply(uid)) >= n for uid, n in lengths.items()), "the reply streams were lost"
+        assert [(o.errors, o.finish) for o in outcomes] == [([], ["length"])] * len(jobs), f"{outage:.1f}s outage"
+        assert [o.texts for o in outcomes] == [expected[j.key] for j in jobs]
+        records = [r.hgetall(s.keys.request(o.uid)) for o in outcomes]
+        assert all(rec["status"] == "finished" for rec in records), records
+        wait_for(lambda: engines_idle(s), timeout=15)
+
+        def pending() -> dict[str, int]:
+            return {role: r.xpending(s.keys.stage_stream(role, MODEL), role)["pending"] for role in STAGES}
+
+        with contextlib.suppress(TimeoutError):  # an entry whose delivery the restart cut waits for a claim
+            wait_for(lambda: not any(pending().values()), timeout=10)
+        assert not any(pending().values()), (pending(), {role: r.xpending_range(
+            s.keys.stage_stream(role, MODEL), role, "-", "+", 10) for role in STAGES})
+    finally:
+        s.stop()
