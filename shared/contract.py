@@ -46,7 +46,7 @@ class Stream:
 
 
 def stream_catalogue(keys: Keys) -> list[Stream]:
-    model, uid = "{model}", "{uid}"
+    model, uid = "{model}", "uid"  # the reply key has the uid in braces (its hash tag): rsinfer:reply:{uid}
     return [
         Stream("tokenize", keys.tokenize(model), (TokenizeJob,), "api", "tokenizer workers", TOKENIZER_GROUP, True),
         Stream("schedule", keys.schedule(model), (ScheduleJob,), "tokenizer", "scheduler workers (XREADGROUP only "
@@ -57,7 +57,8 @@ def stream_catalogue(keys: Keys) -> list[Stream]:
                "ranges); tokenizer and scheduler (errors); scheduler (fences when it takes a request over, "
                "checkpoints of the tokens so far)",
                "the API process that serves the request (XREAD, no group; any API process when a client "
-               "reattaches); a scheduler taking the request over"),
+               "reattaches); a scheduler taking the request over. The braces are part of the key: the uid is the "
+               "request's Redis Cluster hash tag, e.g. rsinfer:reply:{3f9a...}"),
     ]
 
 

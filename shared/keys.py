@@ -1,6 +1,11 @@
 """Every Redis key rsinfer uses, built in one place (docs/design.md, "Redis keys").
 
 No other module spells a key. A namespace prefix lets several releases share one Redis.
+
+On a Redis Cluster a command that names several keys must find them in one hash slot. Every key of a request
+carries its uid as hash tag (`{<uid>}`): its record, reply stream and abort flags share a slot, and the API makes
+the uids its reply hub shard reads together fall in that shard's slot, the slot of its control stream's tag
+(shared/slots.py). Stage streams have no tag: each model's streams spread over the cluster by their names.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ class Keys:
         return f"{self.namespace}:detokenize:{model}"
 
     def reply(self, uid: str) -> str:
-        return f"{self.namespace}:reply:{uid}"
+        return f"{self.namespace}:reply:{{{uid}}}"
 
     def abort(self, uid: str) -> str:
-        return f"{self.namespace}:abort:{uid}"
+        return f"{self.namespace}:abort:{{{uid}}}"
 
     def aborts(self, model: str) -> str:
         """Stream of abort notifications of a model's requests (`uid`, `reason`, `choice`): its schedulers
@@ -41,16 +46,16 @@ class Keys:
 
     def choice_stop(self, uid: str, index: int) -> str:
         """A choice of an n > 1 request ended by a stop string: its scheduler stops generating it."""
-        return f"{self.namespace}:abort:{uid}:{index}"
+        return f"{self.namespace}:abort:{{{uid}}}:{index}"
 
     def request(self, uid: str) -> str:
-        return f"{self.namespace}:req:{uid}"
+        return f"{self.namespace}:req:{{{uid}}}"
 
     def request_pattern(self) -> str:
         return f"{self.namespace}:req:*"
 
     def uid_of_request_key(self, key: str) -> str:
-        return key.removeprefix(f"{self.namespace}:req:")
+        return key.removeprefix(f"{self.namespace}:req:").removeprefix("{").removesuffix("}")
 
     def worker(self, role: str, worker_id: str) -> str:
         return f"{self.namespace}:worker:{role}:{worker_id}"
@@ -67,9 +72,10 @@ class Keys:
     def dead(self) -> str:
         return f"{self.namespace}:dead"
 
-    def control(self, pod: str, shard: int) -> str:
-        """Per-API-process stream that wakes its blocked reply reader when a request starts."""
-        return f"{self.namespace}:ctl:{pod}:{shard}"
+    def control(self, pod: str, shard: int, tag: str) -> str:
+        """Stream that wakes a blocked reply reader (one shard of an API process's hub) when a request starts;
+        `tag` puts it in the slot of the reply streams that shard reads."""
+        return f"{self.namespace}:ctl:{{{tag}}}:{pod}:{shard}"
 
     def stage_stream(self, stage: str, model: str) -> str:
         return {"tokenizer": self.tokenize, "scheduler": self.schedule,

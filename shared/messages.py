@@ -170,7 +170,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
 
 
 class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omit_defaults=True):
-    """detokenizer -> api (rsinfer:reply:<uid>): text for completion tokens [start, end) of one choice."""
+    """detokenizer -> api (rsinfer:reply:{<uid>}): text for completion tokens [start, end) of one choice."""
 
     start: int
     end: int
@@ -190,7 +190,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
 
 
 class ReplyFence(msgspec.Struct, frozen=True, tag_field="kind", tag="fence", omit_defaults=True):
-    """scheduler -> api (rsinfer:reply:<uid>): the request was taken over with this epoch; from here on,
+    """scheduler -> api (rsinfer:reply:{<uid>}): the request was taken over with this epoch; from here on,
     events of older epochs are the taken-over scheduler's and are refused."""
 
     epoch: int
@@ -199,7 +199,7 @@ class ReplyFence(msgspec.Struct, frozen=True, tag_field="kind", tag="fence", omi
 
 
 class ReplyCheckpoint(msgspec.Struct, frozen=True, tag_field="kind", tag="checkpoint", omit_defaults=True):
-    """scheduler -> a peer resuming the request (rsinfer:reply:<uid>): every token of every choice so far, so
+    """scheduler -> a peer resuming the request (rsinfer:reply:{<uid>}): every token of every choice so far, so
     that resuming never depends on a reply stream that MAXLEN has trimmed. Readers that deliver skip it."""
 
     epoch: int

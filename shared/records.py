@@ -1,4 +1,4 @@
-"""Per-request keys every stage writes: the request record (`rsinfer:req:<uid>`), the reply stream and
+"""Per-request keys every stage writes: the request record (`rsinfer:req:{<uid>}`), the reply stream and
 the abort flag. Every write refreshes the key's TTL, so nothing outlives its request.
 
 The helpers queue commands on a pipeline; the caller executes it once for a whole batch.
@@ -65,7 +65,7 @@ ABORTS_MAXLEN = 10_000
 def abort(pipe: Pipeline, keys: Keys, uid: str, reason: str, ttl: int, model: str | None) -> None:
     """Set the abort flag (every stage drops the request at its next look; the value is the reason) and tell
     the schedulers of `model` at once through its aborts stream. They also read the flags of their requests
-    once a second, which is how an operator's `SET rsinfer:abort:<uid>` takes effect."""
+    once a second, which is how an operator's `SET rsinfer:abort:{<uid>}` takes effect."""
     pipe.set(keys.abort(uid), reason, ex=ttl)
     if model:
         streams.add_fields(pipe, keys.aborts(model), {"uid": uid, "reason": reason}, maxlen=ABORTS_MAXLEN)

@@ -1,23 +1,174 @@
-"""Redis clients. Pools block (with a timeout) instead of failing when all connections are busy."""
+"""Redis clients, for a standalone Redis or a Redis Cluster (docs/design.md, "Redis Cluster").
+
+`--redis-cluster auto` (the default) asks the server once per process (`INFO cluster`) and every client of the
+process follows its answer; `yes` or `no` skip the question. On a cluster the clients are redis-py's
+`RedisCluster`: it routes each command to the primary of its key's slot, splits pipelines by node, and when a
+node fails it reloads the topology and retries, so every process finds a promoted replica by itself.
+
+Pools block (with a timeout) instead of failing when all connections are busy (standalone; a cluster client
+keeps a pool per node).
+"""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import redis
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+
+log = logging.getLogger(__name__)
 
 # A blocked XREAD/XREADGROUP must return before the socket times out; every block in rsinfer is <= 5 s.
 SOCKET_TIMEOUT_S = 15.0
 CONNECT_TIMEOUT_S = 1.0
+CLUSTER_MAX_CONNECTIONS = 256  # per node; a cluster client raises past it instead of waiting
+MODES = ("auto", "yes", "no")
+
+_detected: dict[str, bool] = {}
 
 
-def connect(url: str, max_connections: int = 32, **options) -> Redis:
-    """A pooled client for commands and pipelines; options: password, ssl_ca_certs."""
+def is_cluster(url: str, mode: str = "auto", **options: Any) -> bool:
+    """Whether `url` is a node of a Redis Cluster: `mode` yes/no, or (auto) what the server says, asked once
+    per process and URL. A server that cannot be reached then is taken for a standalone one (a process must
+    start while Redis is down, as one that loses it keeps running): give a cluster's mode explicitly where it
+    may be down when processes start (the chart does)."""
+    if mode not in MODES:
+        raise ValueError(f"redis cluster mode must be one of {MODES}, not {mode!r}")
+    if mode != "auto":
+        return mode == "yes"
+    if url not in _detected:
+        _detected[url] = _ask_server(url, options)
+    return _detected[url]
+
+
+def _ask_server(url: str, options: dict[str, Any]) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=5,
+                                  **options) as probe:
+            enabled = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+    except redis.RedisError as e:
+        log.warning("redis at %s unreachable (%s): taken for a standalone server; set --redis-cluster yes for "
+                    "a cluster", _redact(url), e)
+        return False
+    log.info("redis at %s is %s", _redact(url), "a cluster node" if enabled else "a standalone server")
+    return enabled
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+
+def _split(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    opts = dict(options)
+    return opts.pop("cluster", "auto"), opts
+
+
+class Cluster(RedisCluster):
+    """redis-py's cluster client whose pipelines keep the order rsinfer relies on (OrderedPipeline)."""
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> OrderedPipeline:  # type: ignore[override]
+        return OrderedPipeline(self)
+
+    def node_pipeline(self) -> Any:
+        """redis-py's own cluster pipeline: each node's commands sent concurrently."""
+        return super().pipeline(transaction=False)
+
+
+class OrderedPipeline:
+    """A pipeline on a Redis Cluster in which what is queued before a `barrier` is applied before anything
+    queued after it. A standalone Redis applies a pipeline in order, so an acknowledgement sent after the
+    result it acknowledges can never land without it, and a request's record is written before the entry that
+    hands it to the next stage can be read. A cluster client sends each node's share of a pipeline at once:
+    without barriers an XACK could land while the write it acknowledges failed on a failing node (the entry
+    lost), or the next stage could act on a request before its record says so. Commands between two barriers
+    go out as one cluster pipeline, the phases one after another; a phase that fails stops the rest and raises,
+    as a standalone pipeline cut by a lost connection does. `shared/streams.py` puts a barrier before every
+    XACK; a stage adds others where it hands a request on."""
+
+    def __init__(self, client: Cluster):
+        self._client = client
+        self._phases: list[list[tuple[str, tuple, dict]]] = [[]]
+
+    def __getattr__(self, command: str) -> Any:
+        def queue(*args: Any, **kwargs: Any) -> OrderedPipeline:
+            self._phases[-1].append((command, args, kwargs))
+            return self
+
+        return queue
+
+    def barrier(self) -> None:
+        if self._phases[-1]:
+            self._phases.append([])
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._phases)
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        phases, self._phases = self._phases, [[]]
+        results: list[Any] = []
+        for phase in phases:
+            if not phase:
+                continue
+            async with self._client.node_pipeline() as pipe:
+                for command, args, kwargs in phase:
+                    getattr(pipe, command)(*args, **kwargs)
+                results += await pipe.execute(raise_on_error=raise_on_error)
+        return results
+
+    async def __aenter__(self) -> OrderedPipeline:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._phases = [[]]
+
+
+def barrier(pipe: Any) -> None:
+    """Everything queued on `pipe` so far lands before what is queued after (a no-op on a standalone Redis,
+    which applies a pipeline in order)."""
+    if isinstance(pipe, OrderedPipeline):
+        pipe.barrier()
+
+
+def cluster_client(url: str, **options: Any) -> Cluster:
+    return Cluster.from_url(url, max_connections=CLUSTER_MAX_CONNECTIONS, socket_timeout=SOCKET_TIMEOUT_S,
+                            socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30, **options)
+
+
+def connect(url: str, max_connections: int = 32, **options: Any) -> Redis | Cluster:
+    """A pooled client for commands and pipelines; options: password, ssl_ca_certs, cluster (auto/yes/no)."""
+    mode, options = _split(options)
+    if is_cluster(url, mode, **options):
+        return cluster_client(url, **options)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30, **options)
     return Redis(connection_pool=pool)
 
 
-def connect_single(url: str, **options) -> Redis:
-    """A client on one dedicated connection, for a loop that blocks in XREAD."""
+def connect_single(url: str, **options: Any) -> Redis | Cluster:
+    """A client for a loop that blocks in XREAD: one dedicated connection (standalone), or a cluster client
+    of its own (whose command, one at a time, holds one connection of the node it reads)."""
+    mode, options = _split(options)
+    if is_cluster(url, mode, **options):
+        return cluster_client(url, **options)
     return Redis.from_url(url, single_connection_client=True, socket_timeout=SOCKET_TIMEOUT_S,
                           socket_connect_timeout=CONNECT_TIMEOUT_S, **options)
+
+
+def broker(url: str, **kwargs: Any) -> Any:
+    """FastStream's broker for this Redis: RedisClusterBroker on a cluster, RedisBroker otherwise; kwargs are
+    the broker's own (graceful_timeout, logger, middlewares...) and the connection options."""
+    from faststream.redis import RedisBroker, RedisClusterBroker
+
+    mode, kwargs = _split(kwargs)
+    connection = {k: kwargs[k] for k in ("password", "ssl_ca_certs") if k in kwargs}
+    if is_cluster(url, mode, **connection):
+        return RedisClusterBroker(url, **kwargs)
+    return RedisBroker(url, **kwargs)
+
+
+def is_cluster_client(client: Any) -> bool:
+    return isinstance(client, RedisCluster)

@@ -27,6 +27,8 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
     redis_password: str | None = Field(None, description="Redis password (overrides one in the URL)")
     redis_tls_ca: str | None = Field(None, description="CA bundle for rediss:// URLs")
+    redis_cluster: Literal["auto", "yes", "no"] = Field("auto", description="whether --redis-url is a node of a "
+                                                        "Redis Cluster; auto = ask the server")
     namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
     log_level: str = Field("INFO", description="logging level")
     worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
@@ -39,7 +41,8 @@ class CommonSettings(BaseSettings):
                                       "http://otel-collector:4318); none = tracing off")
 
     def redis_options(self) -> dict:
-        opts: dict = {}
+        """What shared/redis_conn.py connects with: password, CA bundle and cluster mode."""
+        opts: dict = {"cluster": self.redis_cluster}
         if self.redis_password:
             opts["password"] = self.redis_password
         if self.redis_tls_ca:
@@ -111,8 +114,9 @@ class ApiSettings(CommonSettings):
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")
-    broker_outage_s: float = Field(10.0, gt=0, description="how long open streams wait out an unreachable Redis "
-                                   "before they end with broker_unavailable (one restarted with its AOF resumes them)")
+    broker_outage_s: float | None = Field(None, gt=0, description="how long open streams wait out an unreachable "
+                                          "Redis before they end with broker_unavailable (one restarted with its "
+                                          "AOF resumes them); default 10 s, 30 s on a cluster (a failover)")
     sse_ping_s: float = Field(15.0, gt=0, description="seconds between keep-alive comments on an idle stream")
     resume_window_s: float = Field(5.0, ge=0, description="a stream whose client went away is aborted only "
                                    "if no client reattaches within this many seconds; 0 = at once")

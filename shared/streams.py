@@ -27,6 +27,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from shared.messages import decode, encode
+from shared.redis_conn import barrier
 
 if TYPE_CHECKING:
     from faststream.redis import RedisBroker
@@ -110,6 +111,9 @@ def add_fields(target: Target, key: str, fields: dict[str, Any], maxlen: int | N
 
 
 def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
+    """XACK; on a pipeline, after everything queued before it has landed (on a cluster too: redis_conn.barrier),
+    so an entry is never acknowledged while its result is lost."""
+    barrier(target)
     return target.xack(key, group, *ids)
 
 
@@ -315,6 +319,18 @@ class GroupConsumer(Generic[M]):
 Handler = Callable[[list[tuple[str, dict[bytes, bytes]]], bool], Awaitable[None]]
 READ_BLOCK_MS = 1000
 CLAIM_POLL_MS = 500  # claims are cheap; polling often is what makes a hand-back "at once"
+READ_RETRY_S = 0.5
+
+
+def _retry_failed_reads_sooner() -> None:
+    """FastStream's subscribers wait 5 s after a read that failed before the next: every Redis outage, and every
+    cluster failover (a replica takes over within seconds), would leave the tokenizer and
+    detokenizer idle 5 s longer than the rest of the pipeline, whose loops retry within 2 s."""
+    from faststream.redis.subscriber.usecases import basic, stream_subscriber
+
+    for module in (basic, stream_subscriber):
+        if hasattr(module, "CONSUME_ERROR_BACKOFF_SECONDS"):
+            module.CONSUME_ERROR_BACKOFF_SECONDS = READ_RETRY_S
 
 
 def subscribe(broker: RedisBroker, key: str, group: str, consumer: str, batch_size: int, claim_idle_ms: int,
@@ -326,6 +342,8 @@ def subscribe(broker: RedisBroker, key: str, group: str, consumer: str, batch_si
     them in the message body), with no dependency injection or JSON work per read."""
     from faststream import AckPolicy
     from faststream.redis import StreamSub
+
+    _retry_failed_reads_sooner()
 
     async def fresh(entries: list[tuple[str, dict[bytes, bytes]]]) -> None:
         await handler(entries, False)

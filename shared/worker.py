@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from shared import streams
 from shared.keys import Keys
 from shared.metrics import WorkerMetrics
-from shared.redis_conn import connect
+from shared.redis_conn import broker, connect
 from shared.registry import Heartbeat, live_workers
 from shared.settings import StageSettings
 from shared.streams import Delivery, GroupConsumer
@@ -195,12 +195,9 @@ class SubscribedWorker(StageWorker[M]):
 
     def __init__(self, settings: StageSettings, model_name: str):
         super().__init__(settings, model_name)
-        from faststream.redis import RedisBroker
-
-        self.broker = RedisBroker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
-                                  logger=FASTSTREAM_LOG, log_level=logging.DEBUG, apply_types=False,
-                                  middlewares=self.metrics.faststream_middlewares(),
-                                  **settings.redis_options())
+        self.broker = broker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
+                             logger=FASTSTREAM_LOG, log_level=logging.DEBUG, apply_types=False,
+                             middlewares=self.metrics.faststream_middlewares(), **settings.redis_options())
         self.subscribers = streams.subscribe(
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.demo_model import ensure_demo_model
-from shared.redis_server import RedisServer
+from shared.redis_server import LocalCluster, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +20,11 @@ def redis_server():
     """A real redis-server on a free port for the whole session; tests use their own namespaces."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster (3 primaries, 3 replicas) on free ports for the whole session. Tests that kill
+    nodes start a LocalCluster of their own."""
+    with LocalCluster() as cluster:
+        yield cluster

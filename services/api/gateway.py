@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 
 import anyio
 from redis.asyncio import Redis
@@ -30,6 +29,7 @@ from services.api.replies import ReplyHub, Subscription
 from shared import records, streams
 from shared.keys import Keys
 from shared.messages import TokenizeJob
+from shared.redis_conn import barrier
 from shared.replies import OrderedReplies
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = "client_disconnected"
 STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
 LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
-
-
-def new_uid() -> str:
-    return uuid.uuid4().hex
 
 
 class Inflight:
@@ -105,6 +101,7 @@ class Gateway:
                                    model=job.model, pod=self.pod, created_at=f"{job.created_at:.3f}",
                                    deadline=f"{job.deadline:.3f}", background=int(job.background),
                                    attached=1, **record)
+                barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, self.keys.tokenize(job.model), job)
                 sub.shard.wake_in(pipe)
                 await pipe.execute()

@@ -6,6 +6,11 @@ sharded over several connections once one XREAD would carry more than `shard_key
 grows with its key count). A subscription whose queue holds `high_water` entries is left out of reads
 until its client catches up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow
 client cannot grow this process's memory.
+
+Each shard owns one hash slot: its control stream's tag is in it, and `new_uid` gives the requests it will
+read uids in it, so on a Redis Cluster its one XREAD names keys of one slot (docs/design.md, "Redis Cluster").
+On a cluster there are at least as many shards as primaries, their slots on different primaries, and a
+request submitted elsewhere (a reattach) is read by a guest shard of its own slot, closed when it is empty.
 """
 
 from __future__ import annotations
@@ -13,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 
 from redis.exceptions import RedisError
 
-from shared import streams
+from shared import slots, streams
 from shared.keys import Keys
-from shared.redis_conn import connect_single
+from shared.redis_conn import connect_single, is_cluster_client
+from shared.worker import stop_task
 
 log = logging.getLogger(__name__)
 
 BLOCK_MS = 2000
 CONTROL_TTL_S = 3600
+OUTAGE_S = 10.0  # Redis unreachable this long: fail every subscription rather than hang
+CLUSTER_OUTAGE_S = 30.0  # a cluster failover: cluster-node-timeout (15 s by default) plus the election
 
 
 class HubError(Exception):
@@ -63,10 +72,10 @@ class Subscription:
 
 
 class _Shard:
-    def __init__(self, hub: ReplyHub, index: int):
-        self.hub, self.index = hub, index
+    def __init__(self, hub: ReplyHub, index: int, slot: int, guest: bool = False):
+        self.hub, self.index, self.slot, self.guest = hub, index, slot, guest
         self.redis = connect_single(hub.url, **hub.redis_options)
-        self.control = hub.keys.control(hub.pod, index)
+        self.control = hub.keys.control(hub.pod, index, slots.uid_in_slot(slot))
         self.control_id = "$"
         self.subs: dict[str, Subscription] = {}
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
@@ -96,7 +105,7 @@ class _Shard:
                 failing_since = None
             except (RedisError, OSError) as e:
                 failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > self.hub.outage_s:  # rather than hang
+                if time.monotonic() - failing_since > self.hub.outage_s:
                     self._fail_all(HubError(f"reply stream unreadable: {e}"))
                 await asyncio.sleep(0.2)
                 continue
@@ -127,9 +136,7 @@ class _Shard:
                 sub.queue.put_nowait(error)
 
     async def close(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self.task
+        await stop_task(self.task)  # a cluster client's read can swallow the first cancellation
         with contextlib.suppress(Exception):
             await self.redis.delete(self.control)
         await self.redis.aclose()
@@ -137,28 +144,85 @@ class _Shard:
 
 class ReplyHub:
     def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, shard_keys: int = 256,
-                 high_water: int = 256, outage_s: float = 10.0):
+                 high_water: int = 256, outage_s: float | None = None):
         self.url, self.redis_options, self.redis = url, redis_options, redis
         self.keys, self.pod = keys, pod
         self.shard_keys, self.high_water = shard_keys, high_water
-        self.outage_s = outage_s  # Redis unreachable this long: fail every subscription
+        self.cluster = is_cluster_client(redis)
+        # How long a shard's Redis may be unreachable before its subscriptions fail: on a cluster, long enough
+        # for a replica to take over a failed primary.
+        self.outage_s = outage_s if outage_s is not None else CLUSTER_OUTAGE_S if self.cluster else OUTAGE_S
         self.shards: list[_Shard] = []
+        self.created = 0
+        self.turn = 0
+        self.closing: set[asyncio.Task] = set()
 
     @property
     def subscriptions(self) -> int:
         return sum(len(s.subs) for s in self.shards)
 
+    def new_uid(self) -> str:
+        """The uid of a request this process submits: in the slot of the shard that will read its replies."""
+        return slots.uid_in_slot(self._own_shard().slot)
+
     def register(self, uid: str, after: str = "0-0") -> Subscription:
-        """Add rsinfer:reply:<uid> to a shard's key set, reading after `after` ("0-0": from the beginning,
+        """Add rsinfer:reply:{<uid>} to a shard's key set, reading after `after` ("0-0": from the beginning,
         so entries written before the read blocks are not missed). The caller queues `sub.shard.wake_in`
-        in its own pipeline, or calls `subscribe` instead."""
-        shard = min(self.shards, key=lambda s: len(s.subs), default=None)
-        if shard is None or len(shard.subs) >= self.shard_keys:
-            shard = _Shard(self, len(self.shards))
-            self.shards.append(shard)
+        in its own pipeline, or calls `subscribe` instead. On a cluster the shard is the one of the uid's slot
+        (a guest shard for a request submitted elsewhere); a standalone Redis takes any key in any read."""
         key = self.keys.reply(uid)
+        if self.cluster:
+            slot = slots.key_slot(key)
+            shard = next((s for s in self.shards if s.slot == slot), None) or self._add_shard(slot, guest=True)
+        else:
+            shard = self._own_shard()
         sub = shard.subs[key] = Subscription(self, shard, uid, key, after)
         return sub
+
+    def _own_shard(self) -> _Shard:
+        """The least loaded of this process's own shards, taking turns among equals (so that short requests
+        spread over every primary too), or a new one."""
+        own = [s for s in self.shards if not s.guest]
+        self.turn += 1
+        turn = self.turn % len(own) if own else 0
+        shard = min(own[turn:] + own[:turn], key=lambda s: len(s.subs), default=None)
+        if shard is None or len(shard.subs) >= self.shard_keys or len(own) < self._least_shards():
+            shard = self._add_shard(self._free_slot(own))
+        return shard
+
+    def _least_shards(self) -> int:
+        """One shard per primary on a cluster, so this process's replies spread over every primary."""
+        return max(1, len(self.redis.get_primaries())) if self.cluster else 1
+
+    def _free_slot(self, own: list[_Shard]) -> int:
+        """A slot no shard has; on a cluster, one held by the primary that holds the fewest of our shards (the
+        topology is the client's, loaded by its first command; before that any slot)."""
+        taken = {s.slot for s in self.shards}
+        load: dict[str, int] = {}
+        if self.cluster and self.redis.get_primaries():
+            load = {p.name: 0 for p in self.redis.get_primaries()}
+            for s in own:
+                node = self._primary_of(s.slot)
+                if node in load:
+                    load[node] += 1
+        target = min(load, key=load.__getitem__) if load else None
+        for _ in range(10_000):
+            slot = secrets.randbelow(slots.SLOTS)
+            if slot not in taken and (target is None or self._primary_of(slot) == target):
+                return slot
+        return next(s for s in range(slots.SLOTS) if s not in taken)
+
+    def _primary_of(self, slot: int) -> str | None:
+        try:
+            return self.redis.nodes_manager.get_node_from_slot(slot).name
+        except RedisError:  # the slot is not covered now (a failover in progress)
+            return None
+
+    def _add_shard(self, slot: int, guest: bool = False) -> _Shard:
+        shard = _Shard(self, self.created, slot, guest)
+        self.created += 1
+        self.shards.append(shard)
+        return shard
 
     async def subscribe(self, uid: str, after: str = "0-0") -> Subscription:
         sub = self.register(uid, after)
@@ -170,10 +234,18 @@ class ReplyHub:
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        sub.shard.subs.pop(sub.key, None)
+        shard = sub.shard
+        shard.subs.pop(sub.key, None)
         sub.queue.put_nowait(HubError("unsubscribed"))  # whoever still waits on it ends, not hangs
+        if shard.guest and not shard.subs and shard in self.shards:
+            self.shards.remove(shard)
+            task = asyncio.create_task(shard.close(), name=f"reply-hub-close-{shard.index}")
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
 
     async def close(self) -> None:
         for shard in reversed(self.shards):
             await shard.close()
         self.shards.clear()
+        if self.closing:
+            await asyncio.gather(*self.closing, return_exceptions=True)

@@ -22,7 +22,7 @@ from services.api.errors import ApiError, redis_down
 from services.api.fanout import FlightGroup
 from services.api.flow import DeadlineExceeded, StageFailed
 from services.api.formats import Format, usage
-from services.api.gateway import Gateway, Inflight, new_uid
+from services.api.gateway import Gateway, Inflight
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import HubError, ReplyHub
@@ -130,7 +130,7 @@ class ApiService:
         self.tracer.shutdown()
 
     def new_job(self, model: str, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
-        return TokenizeJob(uid=new_uid(), model=model, pod=self.pod, created_at=time.time(),
+        return TokenizeJob(uid=self.hub.new_uid(), model=model, pod=self.pod, created_at=time.time(),
                            deadline=self.gateway.deadline(timeout), background=bool(background), **fields)
 
     # -- admission --------------------------------------------------------------------------------------

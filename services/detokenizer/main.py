@@ -1,4 +1,4 @@
-"""Detokenizer worker: consumer group `detokenizer` on rsinfer:detokenize:<model> -> rsinfer:reply:<uid>.
+"""Detokenizer worker: consumer group `detokenizer` on rsinfer:detokenize:<model> -> rsinfer:reply:{<uid>}.
 
 Each read is one batch of engine steps: contiguous tokens of a choice are merged into one reply entry,
 all windows are decoded together, and one pipeline writes every reply entry (EXPIRE only when a request

@@ -1,7 +1,7 @@
 """Tokenizer worker: consumer group `tokenizer` on rsinfer:tokenize:<model> -> rsinfer:schedule:<model>.
 
 Each read is one batch: skip aborted and expired jobs, encode the rest together, then one pipeline
-writes the schedule entries, request records and error replies and acknowledges the whole read.
+writes the request records and error replies, then the schedule entries, and acknowledges the whole read.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from shared import records, streams
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 from shared.models import context_length, load_tokenizer
+from shared.redis_conn import barrier
 from shared.settings import TokenizerSettings
 from shared.streams import Delivery
 from shared.worker import SubscribedWorker, run_stage
@@ -47,8 +48,13 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
             encoded = dict(zip((j.uid for j in todo), await asyncio.to_thread(self.encoder.encode, todo),
                                strict=True))
             async with self.redis.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    self._route(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
+                forward = [r for job in jobs if (r := self._route(pipe, job, encoded.get(job.uid),
+                                                                  aborted.get(job.uid)))]
+                # The record says `tokenized` before a scheduler can read the job (and write `running`); on a
+                # cluster, where the two are on different nodes, only a barrier orders them.
+                barrier(pipe)
+                for job in forward:
+                    streams.add(pipe, self.keys.schedule(self.model_name), job)
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
         finally:
@@ -57,15 +63,19 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
                 span.end(error=result.message if isinstance(result, ReplyError) else None)
 
     async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
+        """Jobs a scheduler has not taken yet. One `tokenized` may or may not have reached the schedule stream
+        (its record is written first): it is forwarded again, and a scheduler drops the duplicate entry."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
                 pipe.hget(self.keys.request(d.msg.uid), "status")
             statuses = await pipe.execute()
-        done = [d.entry_id for d, s in zip(batch, statuses, strict=True) if s not in (None, b"queued")]
+        done = [d.entry_id for d, s in zip(batch, statuses, strict=True) if s not in (None, b"queued", b"tokenized")]
         await self.source.ack(done)
         return [d for d in batch if d.entry_id not in done]
 
-    def _route(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None, aborted: str | None):
+    def _route(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None,
+               aborted: str | None) -> ScheduleJob | None:
+        """Queue the job's record and any error reply; the schedule job to forward, if it goes on."""
         uid, keys = job.uid, self.keys
         if aborted is not None:
             log.info("uid=%s skipped: aborted (%s)", uid, aborted)
@@ -78,11 +88,12 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
             records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
             self.metrics.published("reply")
         else:
-            streams.add(pipe, keys.schedule(self.model_name), result)
             self.metrics.published("schedule")
             # an omitted max_tokens (None, not written) is resolved and recorded by the engine's scheduler
             records.set_status(pipe, keys, uid, self.ttl, "tokenized", prompt_tokens=len(result.input_ids),
                                max_tokens=result.params.max_tokens)
+            return result
+        return None
 
 
 def run(settings: TokenizerSettings) -> int:

@@ -29,6 +29,7 @@ VALUES = {
     "two-pools": [CI / "two-pools-values.yaml"],
     "cpu": [CI / "cpu-values.yaml"],
     "keda-external-tls": [CI / "keda-values.yaml", CI / "external-redis-values.yaml"],
+    "redis-cluster": [CI / "redis-cluster-values.yaml"],
     "scale-to-zero": [CI / "scale-to-zero-values.yaml"],
 }
 CASES = pytest.mark.parametrize("case", list(VALUES))
@@ -464,7 +465,8 @@ def test_keda_scaled_objects(render, case):
         assert "replicas" not in dep["spec"], f"{target} is scaled by KEDA: no fixed replicas"
         assert target not in hpa_targets, f"{target} is scaled by KEDA: no HPA"
         trigger = so["spec"]["triggers"][0]
-        assert trigger["type"] == "redis-streams" and trigger["name"] == "backlog"
+        cluster = cfg["RSINFER_REDIS_CLUSTER"] == "yes"
+        assert trigger["name"] == "backlog"
         meta = trigger["metadata"]
         served = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")["RSINFER_SERVED_MODEL_NAME"]
         assert meta["stream"] == f"{cfg['RSINFER_NAMESPACE']}:{STREAMS[stage]}:{served}"
@@ -472,18 +474,21 @@ def test_keda_scaled_objects(render, case):
         assert int(meta["lagCount"]) >= 1, "lagCount mode (scale to zero capable, Redis 7+)"
         for trigger in so["spec"]["triggers"]:
             meta = trigger["metadata"]
-            assert trigger["type"] == "redis-streams"
+            assert trigger["type"] == ("redis-cluster-streams" if cluster else "redis-streams")
             assert all(isinstance(v, str) for v in meta.values()), meta
             host = url.netloc.rsplit("@", 1)[-1]
-            assert meta["address"] == (host if url.port else f"{host}:6379")
-            assert meta["databaseIndex"] == (url.path.strip("/") or "0")
+            if cluster:  # the scaler finds each stream's node from these; a cluster has database 0 only
+                assert meta["addresses"] and "databaseIndex" not in meta
+            else:
+                assert meta["address"] == (host if url.port else f"{host}:6379")
+                assert meta["databaseIndex"] == (url.path.strip("/") or "0")
             assert (meta.get("enableTLS") == "true") == (url.scheme == "rediss")
             if "authenticationRef" in trigger:
                 assert trigger["authenticationRef"]["name"] in auths
     for name, dep in deployments.items():
         if name not in {so["spec"]["scaleTargetRef"]["name"] for so in scaled.values()}:
             assert "replicas" in dep["spec"] or name in hpa_targets, name
-    expect_keda = "keda" in case or case == "scale-to-zero"
+    expect_keda = "keda" in case or case in ("scale-to-zero", "redis-cluster")
     assert bool(scaled) == (expect_keda or case == "two-pools")
     if expect_keda:
         assert len(scaled) == 3 * len(pools_of(case))
@@ -652,6 +657,33 @@ def test_external_redis_with_tls(render):
         assert ca_mount in c["volumeMounts"]
 
 
+def test_external_redis_cluster_with_tls_password_and_keda(render):
+    docs = render(VALUES["redis-cluster"])
+    cfg = config(docs)
+    assert cfg["RSINFER_REDIS_CLUSTER"] == "yes", "said, not detected: pods may start while Redis is down"
+    assert cfg["RSINFER_REDIS_URL"] == "rediss://clustercfg.redis.example.internal:6379/0"
+    nodes = ",".join(f"redis-{i}.redis.example.internal:6379" for i in range(3))
+    for so in kube.by_kind(docs, "ScaledObject").values():
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "redis-cluster-streams"
+        assert trigger["metadata"]["addresses"] == nodes and trigger["metadata"]["enableTLS"] == "true"
+    (auth,) = kube.by_kind(docs, "TriggerAuthentication").values()
+    refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+    assert refs["password"]["name"] == "rsinfer-credentials"
+    assert refs["ca"] == {"parameter": "ca", "name": "redis-ca", "key": "ca.crt"}
+    for dep in kube.by_kind(docs, "Deployment").values():
+        env = {e["name"]: e for e in kube.pod_spec(dep)["containers"][0]["env"]}
+        assert env["RSINFER_REDIS_TLS_CA"]["value"] == "/etc/rsinfer/redis-ca/ca.crt"
+        assert env["RSINFER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rsinfer-credentials"
+    # without clusterNodes the scaler starts from the URL's node
+    docs = render(VALUES["keda"], sets=["redis.mode=external", "redis.external.url=redis://cfg.example/0",
+                                        "redis.external.cluster=true"])
+    assert {so["spec"]["triggers"][0]["metadata"]["addresses"]
+            for so in kube.by_kind(docs, "ScaledObject").values()} == {"cfg.example:6379"}
+    assert config(render([]))["RSINFER_REDIS_CLUSTER"] == "no"
+    assert config(render(VALUES["external-redis"]))["RSINFER_REDIS_CLUSTER"] == "no"
+
+
 def test_redis_namespace_defaults_to_release_and_is_configurable(render):
     assert config(render([]))["RSINFER_NAMESPACE"] == "rs"
     assert config(render([], release="other"))["RSINFER_NAMESPACE"] == "other"
@@ -686,9 +718,15 @@ def test_notes_print_the_redis_recipes_for_this_release(helm_bin, tmp_path):
     docs = helmbin.render([CI / "two-pools-values.yaml"], sets=["redisNamespace=llm-prod"], chart=chart)
     notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
     assert "--scan --pattern 'llm-prod:req:*'" in notes
-    assert "HGETALL llm-prod:req:<uid>" in notes
-    assert "SET llm-prod:abort:<uid> admin EX 300" in notes
+    assert "HGETALL llm-prod:req:{<uid>}" in notes
+    assert "XRANGE llm-prod:reply:{<uid>} - +" in notes
+    assert "SET llm-prod:abort:{<uid>} admin EX 300" in notes
     for model in ("llama-70b", "qwen3-0.6b"):
         assert f"XINFO GROUPS llm-prod:schedule:{model}" in notes
         assert f"XPENDING llm-prod:schedule:{model} scheduler" in notes
     assert "exec -it rs-rsinfer-redis-0 -- redis-cli" in notes
+    assert "redis-cli -c" not in notes
+    docs = helmbin.render([CI / "redis-cluster-values.yaml"], chart=chart)
+    notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
+    url = "rediss://clustercfg.redis.example.internal:6379/0"
+    assert f"alias rcli='redis-cli -c -u {url} --tls --cacert ca.crt'" in notes

@@ -34,6 +34,9 @@ BAD_VALUES = [
     ("keda-unknown-key", {"stages": {"tokenizer": {"keda": {"lagcount": 10}}}}, "lagcount"),
     ("redis-mode", {"redis": {"mode": "sentinel"}}, "redis.mode"),
     ("redis-url-scheme", {"redis": {"mode": "external", "external": {"url": "http://redis:6379"}}}, "url"),
+    ("redis-cluster-not-bool", {"redis": {"external": {"cluster": "yes"}}}, "cluster"),
+    ("redis-cluster-node-without-port", {"redis": {"external": {"clusterNodes": ["redis-0"]}}}, "clusterNodes"),
+    ("redis-cluster-mode-as-setting", {"settings": {"redis_cluster": "yes"}}, "redis_cluster"),
     ("pool-name", {"modelPools": [{**POOL, "name": "Big_Model"}]}, "name"),
     ("served-name-with-colon", {"modelPools": [{**POOL, "servedModelName": "a:b"}]}, "servedModelName"),
     ("pool-without-model", {"modelPools": [{"name": "m", "servedModelName": "m"}]}, "model"),
@@ -61,6 +64,8 @@ BAD_VALUES = [
     ("external-without-url", {"redis": {"mode": "external"}}, "redis.external.url"),
     ("ca-without-tls", {"redis": {"mode": "external", "external": {"url": "redis://r:6379/0",
                                                                     "tlsCaSecret": "ca"}}}, "rediss://"),
+    ("redis-cluster-database", {"redis": {"mode": "external", "external": {
+        "url": "redis://cfg:6379/2", "cluster": True}}}, "database 0"),
     ("grace-too-short", {"api": {"terminationGracePeriodSeconds": 5}}, "terminationGracePeriodSeconds"),
     ("worker-grace-not-above-drain", {"stages": {"scheduler": {"terminationGracePeriodSeconds": 20}}},
      "must exceed settings.grace_period_s"),

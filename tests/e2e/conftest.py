@@ -37,6 +37,7 @@ class Stack:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     port: int = 0
+    cluster: bool = False  # redis_url is a node of a Redis Cluster
 
     @property
     def keys(self) -> Keys:
@@ -103,6 +104,8 @@ class Stack:
         self.procs.clear()
 
     def redis(self) -> redis.Redis:
+        if self.cluster:
+            return redis.RedisCluster.from_url(self.redis_url, decode_responses=True)
         return redis.Redis.from_url(self.redis_url, decode_responses=True)
 
     def client(self, **kw) -> openai.OpenAI:

@@ -87,7 +87,7 @@ def key_patterns() -> dict[str, str]:
 def test_every_key_builder_is_in_the_key_table():
     patterns = key_patterns()
     assert {"reply", "control", "workers", "worker"} <= set(patterns)
-    assert patterns["reply"] == "rsinfer:reply:<uid>"
+    assert patterns["reply"] == "rsinfer:reply:{<uid>}"
     rows = "\n".join(line for line in section("Redis keys").splitlines() if line.startswith("|"))
     missing = {name: p for name, p in patterns.items() if f"`{p}`" not in rows}
     assert not missing, f"docs/design.md's key table lacks: {missing}"

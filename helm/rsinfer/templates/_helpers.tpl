@@ -81,6 +81,11 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- if hasPrefix "rediss://" (include "rsinfer.redisUrl" .) }}true{{ end }}
 {{- end }}
 
+{{/* "true" when the Redis is a Redis Cluster (redis.external.cluster). */}}
+{{- define "rsinfer.redisCluster" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.cluster }}true{{ end }}
+{{- end }}
+
 {{- define "rsinfer.secretName" -}}
 {{- default (include "rsinfer.fullname" .) .Values.auth.existingSecret }}
 {{- end }}
@@ -89,11 +94,18 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 (TriggerAuthentication name, or false) "stream" "group" "target" ({lagCount: n} or {pendingEntriesCount: n})
 "activation" (activationLagCount, optional)). */}}
 {{- define "rsinfer.kedaTrigger" -}}
+{{- if .nodes }}
+- type: redis-cluster-streams
+  name: {{ .name }}
+  metadata:
+    addresses: {{ .nodes | quote }}
+{{- else }}
 - type: redis-streams
   name: {{ .name }}
   metadata:
-    address: {{ ternary .url.host (printf "%s:6379" .url.host) (contains ":" .url.host) | quote }}
+    address: {{ .address | quote }}
     databaseIndex: {{ trimPrefix "/" .url.path | default "0" | quote }}
+{{- end }}
     {{- if eq .url.scheme "rediss" }}
     enableTLS: "true"
     {{- end }}
@@ -142,6 +154,8 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- define "rsinfer.configScopes" -}}
 {{- $common := include "rsinfer.settingsEnvMap" .Values.settings | fromYaml }}
 {{- $_ := set $common "RSINFER_REDIS_URL" (include "rsinfer.redisUrl" .) }}
+{{- /* said, not detected: a process may start while its Redis is down */}}
+{{- $_ := set $common "RSINFER_REDIS_CLUSTER" (ternary "yes" "no" (eq (include "rsinfer.redisCluster" .) "true")) }}
 {{- $_ := set $common "RSINFER_NAMESPACE" (include "rsinfer.redisNamespace" .) }}
 {{- with .Values.tracing.otlpEndpoint }}
 {{- $_ := set $common "RSINFER_OTLP_ENDPOINT" . }}
@@ -327,6 +341,12 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- end }}
 {{- if and .Values.redis.external.tlsCaSecret (eq .Values.redis.mode "external") (not (include "rsinfer.redisTls" .)) }}
 {{- fail "redis.external.tlsCaSecret is set but redis.external.url is not a rediss:// URL" }}
+{{- end }}
+{{- if include "rsinfer.redisCluster" . }}
+{{- $db := trimPrefix "/" (urlParse .Values.redis.external.url).path }}
+{{- if not (or (eq $db "") (eq $db "0")) }}
+{{- fail (printf "redis.external.cluster: a Redis Cluster has database 0 only, not %q; set the url's path to /0" $db) }}
+{{- end }}
 {{- end }}
 {{- range $pool := .Values.modelPools }}
 {{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from services.api.replies import ReplyHub
-from shared import streams
+from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode
 from shared.redis_conn import connect
@@ -75,3 +75,47 @@ async def test_a_reader_that_drains_a_full_queue_is_resumed(hub_env):
         first = await asyncio.wait_for(sub.get(), 5)
         got += [decode(raw, ReplyEvent).start for _, raw in [first, *sub.drain()]]
     assert got == list(range(100))
+
+
+@pytest.fixture
+async def cluster_hub(redis_cluster):
+    redis = connect(redis_cluster.url)
+    await redis.ping()  # loads the topology the hub places its shards by
+    keys = Keys(f"h{uuid.uuid4().hex[:8]}")
+    hub = ReplyHub(redis_cluster.url, {}, redis, keys, "pod-1", shard_keys=8, high_water=16)
+    yield hub, redis, keys
+    await hub.close()
+    await redis.aclose()
+
+
+async def test_on_a_cluster_each_shard_reads_one_slot_and_shards_spread_over_the_primaries(cluster_hub):
+    hub, redis, keys = cluster_hub
+    assert hub.cluster
+    uids = [hub.new_uid() for _ in range(30)]
+    subs = [await hub.subscribe(uid) for uid in uids]  # 30 streams in XREADs that name one slot each
+    for i, uid in enumerate(uids):
+        await streams.add(redis, keys.reply(uid), event(i))
+    for i, sub in enumerate(subs):
+        _, raw = await asyncio.wait_for(sub.get(), 5)
+        assert decode(raw, ReplyEvent).start == i
+    primaries = {redis.nodes_manager.get_node_from_slot(s.slot).name for s in hub.shards}
+    assert len(primaries) == 3 and len(hub.shards) >= 3
+    for shard in hub.shards:
+        assert {slots.key_slot(key) for key in [shard.control, *shard.subs]} == {shard.slot}
+
+
+async def test_on_a_cluster_a_request_from_another_process_is_read_by_a_guest_shard(cluster_hub):
+    hub, redis, keys = cluster_hub
+    own = await hub.subscribe(hub.new_uid())
+    foreign = slots.uid_in_slot(next(s for s in range(slots.SLOTS) if s not in {x.slot for x in hub.shards}))
+    await streams.add(redis, keys.reply(foreign), event(5))
+    sub = await hub.subscribe(foreign)  # a reattach: its slot is none of this process's own shards'
+    assert sub.shard.guest and sub.shard.slot == slots.key_slot(keys.reply(foreign))
+    _, raw = await asyncio.wait_for(sub.get(), 5)
+    assert decode(raw, ReplyEvent).start == 5
+    guest = sub.shard
+    hub.unsubscribe(sub)
+    assert guest not in hub.shards  # an empty guest shard goes away with its connection and control stream
+    await asyncio.gather(*hub.closing)
+    assert guest.task.done() and not await redis.exists(guest.control)
+    assert own.shard in hub.shards

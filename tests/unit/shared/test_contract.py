@@ -34,7 +34,7 @@ def test_every_stream_is_documented_with_its_group_and_message():
         address = keys.stage_stream(stage, "{model}")
         assert by_address[(address, "xreadgroup")]["bindings"]["redis"]["groupName"] == group
         assert (address, "xadd") in by_address
-    assert (keys.reply("{uid}"), "xread") in by_address and (keys.reply("{uid}"), "xadd") in by_address
+    assert (keys.reply("uid"), "xread") in by_address and (keys.reply("uid"), "xadd") in by_address
     kinds = {}
     for name, message in doc["components"]["messages"].items():
         refs = [message["payload"]] if "$ref" in message["payload"] else message["payload"]["oneOf"]
