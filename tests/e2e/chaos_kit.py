@@ -276,6 +276,7 @@ def _record(url: str, namespace: str, out: str, stopping, ready) -> None:
     ready.set()
     positions: dict[str, str] = {}
     entries: dict[str, list[tuple[str, str]]] = {}
+    uid_of: dict[str, str] = {}  # reply stream key -> uid
 
     def discover() -> None:
         for key in r.scan_iter(match=keys.request("*"), count=1000):
@@ -283,10 +284,11 @@ def _record(url: str, namespace: str, out: str, stopping, ready) -> None:
                 known.add(key)
                 uid = keys.uid_of_request_key(key)
                 positions[keys.reply(uid)] = "0-0"
+                uid_of[keys.reply(uid)] = uid
                 entries[uid] = []
 
     def keep(key: str, items: list) -> None:
-        entries[key.removeprefix(keys.reply(""))].extend((eid, fields["data"]) for eid, fields in items)
+        entries[uid_of[key]].extend((eid, fields["data"]) for eid, fields in items)
         if items:
             positions[key] = items[-1][0]
 
