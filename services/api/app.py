@@ -17,17 +17,15 @@ from pydantic import BaseModel, ValidationError
 
 from services.api import errors
 from services.api.errors import ApiError
-from services.api.formats import ChatFormat, CompletionFormat, Format
-from services.api.native import generate as native_generate
+from services.api.formats import ChatFormat, CompletionFormat, GenerateFormat
+from services.api.gateway import bare_uid
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
-from shared import streams
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-UID_PREFIXES = ("chatcmpl-", "cmpl-")
 MAX_BODY_BYTES = 16 << 20
 M = TypeVar("M", bound=BaseModel)
 
@@ -99,7 +97,7 @@ def create_app(settings: ApiSettings) -> Guard:
                          job.params.logprobs, body.include_usage, parse)
         fmt.continuous_usage = body.continuous_usage
         annotations = {**body.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
-        return await svc.respond(request, job, fmt, bool(body.stream), "chat", annotations)
+        return await svc.answer(request, [job], fmt, bool(body.stream), "chat", annotations)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -113,9 +111,7 @@ def create_app(settings: ApiSettings) -> Guard:
                                best_of=params.n, keep=body.n or 1)
         fmt.continuous_usage = body.continuous_usage
         annotations = {**body.annotations(), **({"echo": "1"} if body.echo else {})}
-        if len(jobs) == 1:
-            return await svc.respond(request, jobs[0], fmt, bool(body.stream), "completion", annotations)
-        return await svc.respond_many(request, jobs, fmt, bool(body.stream), "completion", annotations)
+        return await svc.answer(request, jobs, fmt, bool(body.stream), "completion", annotations)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -124,7 +120,8 @@ def create_app(settings: ApiSettings) -> Guard:
         await svc.admit(model)
         job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids,
                           priority=body.priority)
-        return await native_generate(svc, request, job, body.stream)
+        fmt = GenerateFormat(job.uid, model, int(job.created_at))
+        return await svc.answer(request, [job], fmt, body.stream, "generate", endpoint="generate")
 
     @app.get("/v1/models")
     async def models():
@@ -145,37 +142,20 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/requests/{uid}")
     async def get_request(uid: str):
         record = await _record(svc, uid)
-        return {"id": _bare(uid), "object": "request", **record}
+        return {"id": bare_uid(uid), "object": "request", **record}
 
     @app.delete("/v1/requests/{uid}")
     async def abort_request(uid: str):
         from shared import records
 
         record = await _record(svc, uid)
-        await records.abort_now(svc.redis, svc.keys, _bare(uid), "api", settings.request_ttl_s, record.get("model"))
-        return {"id": _bare(uid), "object": "request.abort", "aborted": True}
+        await records.abort_now(svc.redis, svc.keys, bare_uid(uid), "api", settings.request_ttl_s, record.get("model"))
+        return {"id": bare_uid(uid), "object": "request.abort", "aborted": True}
 
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid)
-        n = int(record.get("n", 1))
-        head = (record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), n,
-                bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
-        fmt: Format = (ChatFormat(*head, orjson.loads(record.get("parse") or "{}"))
-                       if record.get("kind") == "chat" else CompletionFormat(*head, echo=record.get("echo") == "1"))
-        deadline = float(record.get("deadline", time.time() + settings.request_timeout_s))
-        model = record.get("model", "")
-        last = request.headers.get("last-event-id")
-        kept_from = await streams.trimmed_head(svc.redis, svc.keys.reply(_bare(uid)))
-        if kept_from is not None and (last is None or streams.id_after(kept_from, last)):
-            raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last or 'its start'} (it keeps the "
-                           f"last --reply-maxlen entries); what came before {kept_from} is gone",
-                           param="Last-Event-ID", code="reply_trimmed")
-        flight = await svc.gateway.attach(_bare(uid), n, deadline, model, bool(int(record.get("background", 0))),
-                                          headless=kept_from is not None)
-        return await svc.start_stream(
-            request, flight, lambda first, rest: svc.stream_chunks(flight, fmt, model, first, rest, skip_until=last),
-            lambda reason: svc.finish(flight, model, "reattach", reason))
+        return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
 
     @app.get("/health")
     async def health():
@@ -238,14 +218,8 @@ def _only_model(svc: ApiService) -> str:
     return models[0]
 
 
-def _bare(uid: str) -> str:
-    for prefix in UID_PREFIXES:
-        uid = uid.removeprefix(prefix)
-    return uid
-
-
 async def _record(svc: ApiService, uid: str) -> dict:
-    raw = await svc.redis.hgetall(svc.keys.request(_bare(uid)))
+    raw = await svc.redis.hgetall(svc.keys.request(bare_uid(uid)))
     if not raw:
         raise ApiError(404, f"no request `{uid}` (finished requests are kept for the TTL)", param="uid",
                        code="request_not_found")

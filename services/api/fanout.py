@@ -40,12 +40,13 @@ class GroupOrder:
 
 
 class FlightGroup:
-    """Quacks like one Inflight for ApiService's answering code (entries, events, usage, end reason)."""
+    """Quacks like one Inflight for services/api/service.py's answering code (entries, events, usage, end
+    reason); `flights` are finished one by one."""
 
     def __init__(self, flights: list[Inflight], per: int):
         self.flights, self.per = flights, per
         self.order = GroupOrder(flights)
-        self.uid = flights[0].uid
+        self.uid, self.model = flights[0].uid, flights[0].model
         self.started = flights[0].started
         self.first_token_at: float | None = None
 

@@ -1,6 +1,8 @@
-"""From raw reply-stream entries to ordered events, by shared/replies.py's OrderedReplies: per choice, in
-token-index order, each range once, and nothing of a scheduler that was taken over once its successor's
-fence is in the stream."""
+"""Step 2 of a request's path (services/api/service.py `ApiService.answer`): raw reply-stream entries ->
+ordered events, by shared/replies.py's OrderedReplies: per choice, in token-index order, each range once,
+and nothing of a scheduler that was taken over once its successor's fence is in the stream. A reply that
+ends before the request finished (an error reply, the deadline, Redis gone) raises one of `ENDED_EARLY`;
+`ended_early` turns it into the HTTP error and notes on the flight why it ended."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import msgspec
 
-from services.api.replies import Subscription
+from services.api.errors import ApiError, redis_down
+from services.api.replies import HubError, Subscription
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, decode
 from shared.replies import OrderedReplies
 
@@ -28,6 +32,36 @@ class StageFailed(Exception):
 
 class DeadlineExceeded(Exception):
     pass
+
+
+ENDED_EARLY = (StageFailed, DeadlineExceeded, HubError)
+
+
+class Ending(Protocol):
+    end_reason: str  # services/api/gateway.py Inflight, or services/api/fanout.py FlightGroup
+
+
+def stage_error(e: StageFailed) -> ApiError:
+    err = e.error
+    return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
+
+
+def timeout_error() -> ApiError:
+    return ApiError(504, "the request did not finish before its deadline", code="request_timeout")
+
+
+def ended_early(flight: Ending, e: Exception) -> ApiError:
+    """The HTTP error for a reply that ended before it finished; notes on the flight why it ended."""
+    if isinstance(e, StageFailed):
+        # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
+        timed_out = e.error.code == "request_timeout"
+        flight.end_reason = "timeout" if timed_out else "rejected" if 400 <= e.error.status < 500 else "failed"
+        return stage_error(e)
+    if isinstance(e, DeadlineExceeded):
+        flight.end_reason = "timeout"
+        return timeout_error()
+    flight.end_reason = "broker_unavailable"
+    return redis_down()
 
 
 async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: float

@@ -1,4 +1,9 @@
-"""Reply events -> OpenAI bodies: chat.completion(.chunk), text_completion, and SGLang's /generate.
+"""Step 3 of a request's path (services/api/service.py `ApiService.answer`): ordered reply events -> the
+bodies sent, chat.completion(.chunk), text_completion, and SGLang's /generate (`GenerateFormat`).
+
+A format is built from the request (or, on reattach, from its record: `format_of_record`), counts tokens
+with the request's ordered replies (`counts`, set once the request is submitted) and turns each batch of
+events into chunk dicts (`chunks`), or all of them into one response (`add`, then `response`).
 
 Keys OpenAI's schema requires but allows to be null are sent as null (`logprobs`, `message.refusal`,
 each chunk's `finish_reason` until the last). Events that arrive together are coalesced into one chunk
@@ -8,10 +13,24 @@ per choice: the API's cost follows the number of chunks it sends.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import orjson
 
 from services.api.parsers import AnswerParser, Parsed
 from shared.messages import ReplyEvent, TokenLogprob
+
+
+class Counts(Protocol):
+    """Token counts of a request so far (shared/replies.py OrderedReplies, or a group's in fanout.py)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class NoCounts:
+    prompt_tokens = completion_tokens = cached_tokens = 0
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -63,12 +82,24 @@ class Format:
 
     object_chunk = ""
     object_full = ""
+    event_ids = True  # each SSE event names the last reply entry it covers (Last-Event-ID, reattach)
+    times_first_token = True  # its first event is the request's time to first token (metrics, span)
 
     def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool):
         self.rid, self.model, self.created = rid, model, created
         self.want_logprobs, self.include_usage = logprobs, include_usage
         self.continuous_usage = False  # every chunk carries the usage so far
         self.choices = [Choice() for _ in range(n)]
+        self.counts: Counts = NoCounts()
+
+    def record_fields(self) -> dict:
+        """What a reattaching process needs to build this format again (`format_of_record`)."""
+        return {"rid": self.rid, "created": self.created, "include_usage": int(self.include_usage),
+                "logprobs": int(self.want_logprobs)}
+
+    def _usage(self) -> dict:
+        c = self.counts
+        return usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -94,14 +125,16 @@ class Format:
             body["choices"] = [choice]
             if self.include_usage:
                 body["usage"] = None
+            if self.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
+                body["usage"] = self._usage()
             c.started = True
             out.append(body)
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def usage_chunk(self) -> dict:
         body = self._head(self.object_chunk)
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        body["usage"] = self._usage()
         return body
 
     def add(self, events: list[ReplyEvent]) -> None:
@@ -112,10 +145,10 @@ class Format:
             c.logprobs.extend(ev.logprobs or [])
             c.finish_reason = ev.finish_reason or c.finish_reason
 
-    def response(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def response(self) -> dict:
         body = self._head(self.object_full)
         body["choices"] = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
-        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        body["usage"] = self._usage()
         return body
 
     def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None
@@ -206,10 +239,10 @@ class CompletionFormat(Format):
         logprobs = _lp_text(lps, 0) if self.want_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    def response(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def response(self) -> dict:
         if self.best_of and self.keep and self.best_of > self.keep:
             self.choices = self._best()
-        return super().response(prompt_tokens, completion_tokens, cached_tokens)
+        return super().response()
 
     def _best(self) -> list[Choice]:
         out = []
@@ -220,8 +253,43 @@ class CompletionFormat(Format):
         return out
 
 
-def generate_body(uid: str, c: Choice, ids: list[int], prompt_tokens: int, text: str | None = None) -> dict:
-    """SGLang's /generate shape: text, output_ids and meta_info."""
-    return {"text": "".join(c.text) if text is None else text, "output_ids": ids,
-            "meta_info": {"id": uid, "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
-                          "prompt_tokens": prompt_tokens, "completion_tokens": len(ids)}}
+class GenerateFormat(Format):
+    """SGLang's /generate shape: text, output_ids and meta_info; a stream sends the whole body so far with
+    every batch, without event ids. Every event goes to one choice (its record says `n` 1), and it does not
+    time the first token: both as /generate always did."""
+
+    event_ids = False
+    times_first_token = False
+
+    def __init__(self, uid: str, model: str, created: int):
+        super().__init__(uid, model, created, 1, False, False)
+        self.choice, self.ids = self.choices[0], []
+
+    def record_fields(self) -> dict:
+        return {"n": 1}
+
+    def add(self, events: list[ReplyEvent]) -> None:
+        for ev in events:
+            self.choice.text.append(ev.text)
+            self.ids.extend(ev.ids)
+            self.choice.finish_reason = ev.finish_reason or self.choice.finish_reason
+
+    def chunks(self, events: list[ReplyEvent]) -> list[dict]:
+        self.add(events)
+        return [self.response()]
+
+    def response(self) -> dict:
+        c = self.choice
+        return {"text": "".join(c.text), "output_ids": self.ids,
+                "meta_info": {"id": self.rid, "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
+                              "prompt_tokens": self.counts.prompt_tokens, "completion_tokens": len(self.ids)}}
+
+
+def format_of_record(record: dict, uid: str) -> Format:
+    """The format of a request submitted elsewhere, from its record (what `record_fields` wrote): reattach."""
+    n = int(record.get("n", 1))
+    head = (record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), n,
+            bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+    if record.get("kind") == "chat":
+        return ChatFormat(*head, orjson.loads(record.get("parse") or "{}"))
+    return CompletionFormat(*head, echo=record.get("echo") == "1")

@@ -1,4 +1,5 @@
-"""Submitting requests and owning them until they end.
+"""Step 1 of a request's path (services/api/service.py `ApiService.answer`): submitting requests, or
+following one submitted elsewhere (`Gateway.attach`, reattach), and owning them until they end.
 
 `Gateway.open` writes the request record and the tokenize job in one round trip and subscribes to the
 reply stream first (so no entry is missed). The returned `Inflight` is closed exactly once whatever
@@ -24,6 +25,7 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from services.api.errors import ApiError
 from services.api.flow import ordered_entries, ordered_events
 from services.api.replies import ReplyHub, Subscription
 from shared import records, streams
@@ -39,6 +41,14 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = "client_disconnected"
 STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
 LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
+UID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def bare_uid(uid: str) -> str:
+    """The request's uid from a response id (`chatcmpl-<uid>`, `cmpl-<uid>`) or the uid itself."""
+    for prefix in UID_PREFIXES:
+        uid = uid.removeprefix(prefix)
+    return uid
 
 
 class Inflight:
@@ -64,6 +74,11 @@ class Inflight:
     @property
     def done(self) -> bool:
         return self.order.done
+
+    @property
+    def flights(self) -> tuple[Inflight]:
+        """The requests it answers: itself (services/api/fanout.py FlightGroup has several)."""
+        return (self,)
 
     async def close(self) -> None:
         """Idempotent; shielded so it completes even while the caller is being cancelled."""
@@ -114,23 +129,31 @@ class Gateway:
         log.info("uid=%s queued for %s", job.uid, job.model)
         return flight
 
-    async def attach(self, uid: str, n: int, deadline: float, model: str, background: bool,
-                     headless: bool = False) -> Inflight:
-        """Follow an existing request's reply stream (resumable streams). It counts as a client of the
-        request: one that leaves is treated like the submitter's stream leaving (resume window). `headless`:
-        the stream's head was trimmed (streams.trimmed_head)."""
-        sub = self.hub.register(uid)
+    async def attach(self, uid: str, record: dict, last_event_id: str | None) -> Inflight:
+        """Follow an existing request's reply stream (resumable streams), given its record. It counts as a
+        client of the request: one that leaves is treated like the submitter's stream leaving (resume window).
+        A 410 if the stream was trimmed past what the client has; else, if its head was trimmed, the reply
+        is read headless (shared/replies.py)."""
+        bare = bare_uid(uid)
+        kept_from = await streams.trimmed_head(self.redis, self.keys.reply(bare))
+        if kept_from is not None and (last_event_id is None or streams.id_after(kept_from, last_event_id)):
+            raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last_event_id or 'its start'} (it "
+                           f"keeps the last --reply-maxlen entries); what came before {kept_from} is gone",
+                           param="Last-Event-ID", code="reply_trimmed")
+        deadline = float(record.get("deadline", time.time() + self.settings.request_timeout_s))
+        sub = self.hub.register(bare)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                records.attach(pipe, self.keys, uid, +1)
+                records.attach(pipe, self.keys, bare, +1)
                 sub.shard.wake_in(pipe)
                 await pipe.execute()
         except BaseException:
             self.hub.unsubscribe(sub)
             raise
-        flight = Inflight(self, uid, sub, n, deadline, model, owner=False,
-                          resume_window=self.settings.resume_window_s, background=background)
-        if headless:
+        flight = Inflight(self, bare, sub, int(record.get("n", 1)), deadline, record.get("model", ""), owner=False,
+                          resume_window=self.settings.resume_window_s,
+                          background=bool(int(record.get("background", 0))))
+        if kept_from is not None:
             flight.order.start_headless()
         return flight
 

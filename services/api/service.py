@@ -1,8 +1,17 @@
-"""The API process's state and how one request is answered, streamed or not.
+"""The API process's state, and the one path every request's answer takes (`ApiService.answer`; a
+reattaching client's, `ApiService.reattach`), each module entered once, in this order:
 
-Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
-(stream: services/api/sse.py `SSEResponse`), so client disconnects, deadlines and errors all release the
-request's state here and abort it in every stage.
+1. submit (services/api/gateway.py): the record, the tokenize job and the reply subscription in one round
+   trip per job (`Gateway.open`), or a reattach to a request's reply stream (`Gateway.attach`);
+2. ordered reply events (services/api/flow.py): OrderedReplies over the subscription, fences, the deadline,
+   several requests merged into one response by services/api/fanout.py;
+3. format (services/api/formats.py): events -> OpenAI chunk dicts, or the final response;
+4. bytes (services/api/sse.py): SSE framing, the response start, keep-alives, the client leaving;
+5. finish (`ApiService.finish`): close the flight (abort the request unless it finished), metrics, span.
+
+Every request it opens is finished in `finally` (non-stream) or when its response ends for any reason
+(stream: the `SSEResponse`), so client disconnects, deadlines and errors all release the request's state
+here and abort it in every stage.
 """
 
 from __future__ import annotations
@@ -11,7 +20,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -20,13 +30,13 @@ from fastapi import Request
 
 from services.api.errors import ApiError, redis_down
 from services.api.fanout import FlightGroup
-from services.api.flow import DeadlineExceeded, StageFailed
-from services.api.formats import Format, usage
+from services.api.flow import ENDED_EARLY, ended_early
+from services.api.formats import Format, format_of_record
 from services.api.gateway import Gateway, Inflight
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
-from services.api.replies import HubError, ReplyHub
-from services.api.sse import SSEResponse, sse_event
+from services.api.replies import ReplyHub
+from services.api.sse import DONE, SSEResponse, sse_event
 from shared import streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, TokenizeJob
@@ -37,37 +47,9 @@ from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
-Replies = AsyncIterator[list[tuple[str, ReplyEvent]]]
-ChunkSource = Callable[[list[tuple[str, ReplyEvent]], Replies], AsyncIterator[bytes]]
-
-
-DONE = sse_event(b"[DONE]")
-
-
-def stage_error(e: StageFailed) -> ApiError:
-    err = e.error
-    return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
-
-
-def timeout_error() -> ApiError:
-    return ApiError(504, "the request did not finish before its deadline", code="request_timeout")
-
-
-ENDED_EARLY = (StageFailed, DeadlineExceeded, HubError)
-
-
-def ended_early(flight: Inflight, e: Exception) -> ApiError:
-    """The HTTP error for a reply that ended before it finished; notes on the flight why it ended."""
-    if isinstance(e, StageFailed):
-        # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
-        timed_out = e.error.code == "request_timeout"
-        flight.end_reason = "timeout" if timed_out else "rejected" if 400 <= e.error.status < 500 else "failed"
-        return stage_error(e)
-    if isinstance(e, DeadlineExceeded):
-        flight.end_reason = "timeout"
-        return timeout_error()
-    flight.end_reason = "broker_unavailable"
-    return redis_down()
+Pairs = list[tuple[str, ReplyEvent]]
+Replies = AsyncIterator[Pairs]
+Flight = Inflight | FlightGroup
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
@@ -152,9 +134,37 @@ class ApiService:
             raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued; retry shortly",
                            code="overloaded", retry_after=1)
 
-    # -- answering --------------------------------------------------------------------------------------
-    async def open(self, job: TokenizeJob, record: dict, stream: bool) -> Inflight:
-        """Submit a request; the caller must end it with `finish`. Its trace (if tracing) starts here."""
+    # -- one request's path: submit -> ordered replies -> format -> bytes -> finish ----------------------
+    async def answer(self, request: Request, jobs: list[TokenizeJob], fmt: Format, stream: bool, kind: str,
+                     annotations: dict[str, str] | None = None, endpoint: str | None = None):
+        """Submit new requests and answer them as one response (several jobs: a completion with a list of
+        prompts, whose choices follow each other). `endpoint` labels the metrics (default stream / full)."""
+        flight = await self.submit(jobs, fmt, kind, annotations or {}, stream)
+        return await self.deliver(request, flight, fmt, stream, endpoint or ("stream" if stream else "full"))
+
+    async def reattach(self, request: Request, uid: str, record: dict, last_event_id: str | None):
+        """Stream a request submitted by any API process, from its record: entries up to `last_event_id`
+        go into the format unsent."""
+        fmt = format_of_record(record, uid)
+        flight = await self.gateway.attach(uid, record, last_event_id)
+        return await self.deliver(request, flight, fmt, True, "reattach", skip_until=last_event_id)
+
+    async def submit(self, jobs: list[TokenizeJob], fmt: Format, kind: str, annotations: dict[str, str],
+                     stream: bool) -> Flight:
+        """Step 1: open every job; if one cannot be opened, those already open are ended (`rejected`)."""
+        record = {"kind": kind, "n": jobs[0].params.n, **fmt.record_fields(), **annotations}
+        flights: list[Inflight] = []
+        try:
+            for job in jobs:
+                flights.append(await self._open(job, record, stream))
+        except BaseException:
+            for f in flights:
+                await self.finish(f, "full", "rejected")
+            raise
+        return flights[0] if len(flights) == 1 else FlightGroup(flights, jobs[0].params.n)
+
+    async def _open(self, job: TokenizeJob, record: dict, stream: bool) -> Inflight:
+        """Submit one job; its trace (if tracing) starts here."""
         span = self.tracer.start("request", root=True, uid=job.uid, model=job.model, kind=record.get("kind", ""),
                                  stream=stream)
         if span.traceparent:
@@ -168,127 +178,94 @@ class ApiService:
         self.metrics.inflight.labels(job.model).inc()
         return flight
 
-    async def respond(self, request: Request, job: TokenizeJob, fmt: Format, stream: bool, kind: str,
-                      annotations: dict[str, str]):
-        record = {"kind": kind, "n": job.params.n, "rid": fmt.rid, "created": fmt.created,
-                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs), **annotations}
-        flight = await self.open(job, record, stream)
+    async def deliver(self, request: Request, flight: Flight, fmt: Format, stream: bool, endpoint: str,
+                      skip_until: str | None = None):
+        """Steps 2 to 5: a JSON body once every choice finished, or an SSE stream; then finish."""
+        fmt.counts = flight.order
         if stream:
-            return await self.start_stream(request, flight, lambda first, rest: self.stream_chunks(
-                flight, fmt, job.model, first, rest), lambda reason: self.finish(flight, job.model, "stream", reason))
+            return await self.start_stream(request, flight, fmt, endpoint, skip_until)
         try:
-            connected, result = await until_disconnect(request, self.collect(flight, fmt, job.model))
-            return result if connected else None
+            connected, body = await until_disconnect(request, self.full_body(flight, fmt))
+            return body if connected else None
         finally:
-            await self.finish(flight, job.model, "full")
+            await self.finish(flight, endpoint)
 
-    async def respond_many(self, request: Request, jobs: list[TokenizeJob], fmt: Format, stream: bool, kind: str,
-                           annotations: dict[str, str]):
-        """Several requests answered as one response (a completion with a list of prompts): their choices
-        follow each other, `per` by `per`."""
-        per = jobs[0].params.n
-        record = {"kind": kind, "n": per, "rid": fmt.rid, "created": fmt.created,
-                  "include_usage": int(fmt.include_usage), "logprobs": int(fmt.want_logprobs), **annotations}
-        flights: list[Inflight] = []
+    async def full_body(self, flight: Flight, fmt: Format) -> dict:
         try:
-            for job in jobs:
-                flights.append(await self.open(job, record, stream))
-        except BaseException:
-            for f in flights:
-                await self.finish(f, jobs[0].model, "full", "rejected")
-            raise
-        group, model = FlightGroup(flights, per), jobs[0].model
+            async for _, events in flight.events():
+                self._first_token(flight, fmt)
+                fmt.add(events)
+        except ENDED_EARLY as e:
+            raise ended_early(flight, e) from None
+        return fmt.response()
 
-        async def finish_all(reason: str | None = None) -> None:
-            for f in flights:
-                await self.finish(f, model, "stream" if stream else "full", reason)
-
-        if stream:
-            return await self.start_stream(request, group, lambda first, rest: self.stream_chunks(  # type: ignore
-                group, fmt, model, first, rest), finish_all)  # type: ignore[arg-type]
-        try:
-            connected, result = await until_disconnect(request, self.collect(group, fmt, model))  # type: ignore
-            return result if connected else None
-        finally:
-            await finish_all()
-
-    async def start_stream(self, request: Request, flight: Inflight, chunks: ChunkSource,
-                           on_close: Callable[[str | None], Awaitable[None]]) -> SSEResponse | None:
+    async def start_stream(self, request: Request, flight: Flight, fmt: Format, endpoint: str,
+                           skip_until: str | None) -> SSEResponse | None:
         """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
         so that an error known before generation gets its HTTP status rather than a 200 and an error event.
         The stream then starts with those entries at once: waiting costs the first token nothing."""
         replies = flight.entries(idle_s=self.settings.sse_ping_s)
         started = False
         try:
-            connected, first = await until_disconnect(request, self._first_replies(flight, replies))
+            connected, first = await until_disconnect(request, first_replies(flight, replies))
             if not connected:
                 return None
             started = True
-            return SSEResponse(chunks(first, replies), on_close, self.settings.sse_ping_s,
+            # The one call back up: the response is sent after this handler returned, so it finishes the
+            # request itself, when its last byte is sent or it ends early (with the reason).
+            return SSEResponse(self.sse_chunks(flight, fmt, first, replies, skip_until),
+                               partial(self.finish, flight, endpoint), self.settings.sse_ping_s,
                                self.settings.slow_client_timeout_s, self.closing)
         finally:
             if not started:
-                await on_close(None)
+                await self.finish(flight, endpoint)
 
-    async def _first_replies(self, flight: Inflight, replies: Replies) -> list[tuple[str, ReplyEvent]]:
-        try:
-            return await anext(replies, [])
-        except ENDED_EARLY as e:
-            raise ended_early(flight, e) from None
-
-    async def collect(self, flight: Inflight, fmt: Format, model: str) -> dict:
-        try:
-            async for _, events in flight.events():
-                self._first_token(flight, model)
-                fmt.add(events)
-        except ENDED_EARLY as e:
-            raise ended_early(flight, e) from None
-        return fmt.response(flight.order.prompt_tokens, flight.order.completion_tokens, flight.order.cached_tokens)
-
-    async def stream_chunks(self, flight: Inflight, fmt: Format, model: str, first: list[tuple[str, ReplyEvent]],
-                            rest: Replies, skip_until: str | None = None) -> AsyncIterator[bytes]:
-        """SSE events for one request; entries up to `skip_until` (Last-Event-ID) are not sent again."""
+    async def sse_chunks(self, flight: Flight, fmt: Format, first: Pairs, rest: Replies,
+                         skip_until: str | None = None) -> AsyncIterator[bytes]:
+        """Ordered replies -> chunk dicts -> SSE events; entries up to `skip_until` (Last-Event-ID) go into
+        the format but are not sent again."""
         try:
             async for pairs in chain_replies(first, rest):
                 if not pairs:
                     continue  # nothing arrived for a while (pings keep the connection)
-                self._first_token(flight, model)
+                self._first_token(flight, fmt)
                 if skip_until:  # replay what the client already has into the formatter, unsent
                     fmt.chunks([ev for eid, ev in pairs if not streams.id_after(eid, skip_until)])
                     pairs = [(eid, ev) for eid, ev in pairs if streams.id_after(eid, skip_until)]
-                if not pairs:
-                    continue
-                last_id = pairs[-1][0]
-                order = flight.order
+                    if not pairs:
+                        continue
+                last_id = pairs[-1][0] if fmt.event_ids else None
                 for chunk in fmt.chunks([ev for _, ev in pairs]):
-                    if fmt.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
-                        chunk["usage"] = usage(order.prompt_tokens, order.completion_tokens, order.cached_tokens)
                     yield sse_event(orjson.dumps(chunk), last_id)
             if fmt.include_usage:
-                order = flight.order
-                yield sse_event(orjson.dumps(fmt.usage_chunk(order.prompt_tokens, order.completion_tokens,
-                                                             order.cached_tokens)))
+                yield sse_event(orjson.dumps(fmt.usage_chunk()))
         except ENDED_EARLY as e:
             yield sse_event(orjson.dumps(ended_early(flight, e).body()))
         yield DONE
 
-    def _first_token(self, flight: Inflight, model: str) -> None:
-        if flight.first_token_at is None:
+    def _first_token(self, flight: Flight, fmt: Format) -> None:
+        if flight.first_token_at is None and fmt.times_first_token:
             flight.first_token_at = time.monotonic()
             flight.span.event("first_token")
-            self.metrics.ttft.labels(model).observe(flight.first_token_at - flight.started)
+            self.metrics.ttft.labels(flight.model).observe(flight.first_token_at - flight.started)
 
-    async def finish(self, flight: Inflight, model: str, endpoint: str, reason: str | None = None) -> None:
-        if flight.closed:
-            return
-        if reason:
-            flight.end_reason = reason
-        await flight.close()
-        if not flight.owner:
-            return
+    async def finish(self, flight: Flight, endpoint: str, reason: str | None = None) -> None:
+        """Step 5, once per request it answers: close it (services/api/gateway.py `Inflight.close` aborts it
+        unless it finished) and, on the process that submitted it, end its span and count it."""
+        for f in flight.flights:
+            if f.closed:
+                continue
+            if reason:
+                f.end_reason = reason
+            await f.close()
+            if f.owner:
+                self._count(f, endpoint)
+
+    def _count(self, flight: Inflight, endpoint: str) -> None:
         status = "ok" if flight.done else flight.end_reason
         flight.span.set(status=status, completion_tokens=flight.order.completion_tokens)
         flight.span.end(error=None if flight.done else status)  # after the last byte was sent
+        model = flight.model
         self.metrics.inflight.labels(model).dec()
         self.metrics.requests.labels(model, endpoint, status).inc()
         self.metrics.duration.labels(model).observe(time.monotonic() - flight.started)
@@ -296,7 +273,14 @@ class ApiService:
         self.metrics.generated_tokens.labels(model).inc(flight.order.completion_tokens)
 
 
-async def chain_replies(first: list[tuple[str, ReplyEvent]], rest: Replies) -> Replies:
+async def first_replies(flight: Flight, replies: Replies) -> Pairs:
+    try:
+        return await anext(replies, [])
+    except ENDED_EARLY as e:
+        raise ended_early(flight, e) from None
+
+
+async def chain_replies(first: Pairs, rest: Replies) -> Replies:
     yield first
     async for pairs in rest:
         yield pairs

@@ -1,4 +1,5 @@
-"""The SSE response every stream is sent with: a plain ASGI response, lean on the per-chunk path.
+"""Step 4 of a request's path (services/api/service.py `ApiService.answer`): the bytes. `sse_event` frames
+each chunk, and every stream is sent with `SSEResponse`: a plain ASGI response, lean on the per-chunk path.
 
 Per chunk it does one `send` and nothing else: no task group, lock or cancel scope per send (sse-starlette's
 cost), and the send goes straight to the server, past the middleware stack's wrappers (`Guard` hands us the
@@ -10,7 +11,7 @@ another response). Around the chunks, three watchers, each one task for the stre
 - every `ping_s` a keep-alive comment line (`PING`) is sent;
 - the server shutting down (`closing` set) ends it.
 
-`on_close(reason)` runs when the response ends for any reason, even before its first chunk.
+`on_close(reason)` runs when the response ends for any reason (step 5, finishing the request).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ PING = b": ping\n"
 def sse_event(data: bytes, event_id: str | None = None) -> bytes:
     head = f"id: {event_id}\n".encode() if event_id else b""
     return head + b"data: " + data + b"\n\n"
+
+
+DONE = sse_event(b"[DONE]")
 
 
 class SSEResponse(Response):
