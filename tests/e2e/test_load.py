@@ -45,7 +45,8 @@ def test_slow_client_is_aborted_and_slows_nobody(loaded):
         assert fast.json()["choices"][0]["message"]["content"] == expected
         assert time.monotonic() - t0 < 5, "a stuck client slowed another request"
         if uid is None:  # the id was not in the first bytes: find the running request
-            uid = wait_for(lambda: next((k.rsplit(":", 1)[1] for k in r.scan_iter(match=s.keys.request_pattern())
+            records = s.keys.request_pattern()
+            uid = wait_for(lambda: next((s.keys.uid_of_request_key(k) for k in r.scan_iter(match=records)
                                          if r.hget(k, "status") == "running"), None))
         wait_for(lambda: r.get(s.keys.abort(uid)) == "slow_client", timeout=60, every=0.1)
         wait_for(lambda: r.hget(s.keys.request(uid), "status") == "aborted", timeout=10)
