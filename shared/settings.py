@@ -64,7 +64,9 @@ class StageSettings(CommonSettings):
     model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")
     served_model_name: str | None = Field(None, description="name clients use; default: folder name")
     batch_size: int = Field(64, ge=1, description="most stream entries taken in one read")
-    claim_idle_ms: int = Field(10_000, ge=100, description="claim a dead peer's entries after this idle")
+    # Short: a live worker's held entries are touched every claim_idle_ms / 3 by a task of their own, however
+    # long a step runs (StageWorker.keep_alive), so only a dead or frozen peer's entries get this old.
+    claim_idle_ms: int = Field(3_000, ge=100, description="claim a dead peer's entries after this idle")
     trust_remote_code: bool = Field(False, description="allow model code from the checkpoint")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long in-flight work may finish "
                                   "before the rest is handed to a peer")
