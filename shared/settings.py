@@ -79,14 +79,20 @@ class TokenizerSettings(StageSettings):
         "auto", description="format of the model's tool calls; auto = the one its chat template writes")
     reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
         "auto", description="how the model marks its thinking; auto = qwen3 when the template has <think>")
+    # An entry is handled within milliseconds, and a dead one's entries stall every stream behind them.
+    claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
 
 
 class DetokenizerSettings(StageSettings):
-    pass
+    # As the tokenizer's: one held detokenize entry is a step of every request of one scheduler.
+    claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
 
 
 class SchedulerSettings(StageSettings):
     batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
+    # Its keep-alive touches held entries every third of this (StageWorker.keep_alive); a claim costs a resume,
+    # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
+    claim_idle_ms: int = Field(3_000, ge=100, description="claim a dead peer's entries after this idle")
     engine: Literal["paged", "simple", "synthetic"] = Field("paged", description="engine behind the scheduler; "
                                                             "synthetic: pseudo-random tokens, no model, to "
                                                             "measure the plumbing alone")
