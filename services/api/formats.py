@@ -255,11 +255,9 @@ class CompletionFormat(Format):
 
 class GenerateFormat(Format):
     """SGLang's /generate shape: text, output_ids and meta_info; a stream sends the whole body so far with
-    every batch, without event ids. Every event goes to one choice (its record says `n` 1), and it does not
-    time the first token: both as /generate always did."""
+    every batch, without event ids. One choice (schemas.GenerateRequest refuses `n` above 1)."""
 
     event_ids = False
-    times_first_token = False
 
     def __init__(self, uid: str, model: str, created: int):
         super().__init__(uid, model, created, 1, False, False)

@@ -444,6 +444,9 @@ class GenerateRequest(BaseModel):
         if "priority" in sp:
             raise BadRequest("`priority` goes at the top level of the request, not in sampling_params",
                              "sampling_params")
+        if sp.get("n") not in (None, 1):  # one text answers: several choices would run together in it
+            raise BadRequest("/generate answers with one text; for several choices use /v1/completions with `n`",
+                             "sampling_params.n")
         renames = (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"), ("json_schema", "json"))
         for sglang, ours in renames:
             if sglang in sp:

@@ -58,6 +58,14 @@ def test_generate_sampling_params():
     assert g.params().max_tokens == 9 and g.params().greedy
 
 
+def test_generate_refuses_several_choices():
+    """/generate answers with one text: n > 1 would be generated and its choices run together into it."""
+    with pytest.raises(BadRequest) as e:
+        GenerateRequest(text="hi", sampling_params={"n": 2}).params()
+    assert e.value.param == "sampling_params.n"
+    assert GenerateRequest(text="hi", sampling_params={"n": 1}).params().n == 1
+
+
 def test_structured_output_fields_become_one_constraint():
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
     g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, response_format=fmt)).params().guided
