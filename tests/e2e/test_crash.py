@@ -55,6 +55,10 @@ class Streamer(threading.Thread):
     def run(self) -> None:
         try:
             with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.payload, timeout=90) as resp:
+                if resp.status_code != 200:  # refused before the stream started: a JSON body, no events
+                    resp.read()
+                    self.error = {"status": resp.status_code, **resp.json()["error"]}
+                    return
                 for line in resp.iter_lines():
                     if line.startswith("id: "):
                         self.ids.append(line[4:])
