@@ -7,6 +7,8 @@ the session's own API (window 0) is the "other API process" a client reattaches 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -45,23 +47,25 @@ def greedy_text(stack, payload: dict) -> str:
     return resp.json()["choices"][0]["message"]["content"]
 
 
-def read_some(base_url: str, payload: dict, events: int) -> tuple[str, str, str]:
-    """Stream `payload`, read `events` content events, then drop the connection: (uid, text, last event id)."""
-    text, last, uid = "", "", ""
+def stream_events(base_url: str, payload: dict, timeout: float = 60) -> Iterator[tuple[str, str, str]]:
+    """Stream `payload`: (uid, event id, content) per content event; leaving early drops the connection."""
+    last = ""
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**payload, "stream": True},
-                      timeout=30) as resp:
-        seen = 0
+                      timeout=timeout) as resp:
         for line in resp.iter_lines():
             if line.startswith("id: "):
                 last = line[4:]
-            if line.startswith("data: {"):
+            elif line.startswith("data: {"):
                 chunk = json.loads(line[6:])
-                uid = chunk["id"].removeprefix("chatcmpl-")
-                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
-                seen += 1
-                if seen >= events:
-                    break
-    return uid, text, last
+                text = "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                yield chunk["id"].removeprefix("chatcmpl-"), last, text
+
+
+def read_some(base_url: str, payload: dict, events: int) -> tuple[str, str, str]:
+    """Stream `payload`, read `events` content events, then drop the connection: (uid, text, last event id)."""
+    with contextlib.closing(stream_events(base_url, payload, timeout=30)) as stream:  # closed: connection dropped
+        got = list(itertools.islice(stream, events))
+    return got[-1][0], "".join(text for _, _, text in got), got[-1][1]
 
 
 def reattach(base_url: str, uid: str, last: str | None = None) -> str:
@@ -141,26 +145,12 @@ def test_background_request_runs_to_the_end_unattended_then_reads_in_full(stack,
 
 
 
-def events_with_ids(base_url: str, payload: dict) -> tuple[str, list[tuple[str, str]]]:
-    """Stream `payload` to its end: the request's uid and (event id, content) per content event."""
-    out, last, uid = [], "", ""
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**payload, "stream": True},
-                      timeout=60) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("id: "):
-                last = line[4:]
-            elif line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                uid = chunk["id"].removeprefix("chatcmpl-")
-                out.append((last, "".join(c["delta"].get("content") or "" for c in chunk["choices"])))
-    return uid, out
-
-
 def test_reattach_to_a_stream_whose_head_was_trimmed(stack):
     """Past --reply-maxlen entries a reply stream's head is gone: a reattach after an id it still has gets
     exactly the rest (the first range it reads says where the choice stands); one from before its head gets a
     410 before any byte of stream (the text in between is gone), and so does one with no Last-Event-ID."""
-    uid, events = events_with_ids(stack.base_url, chat(4, 300))
+    got = list(stream_events(stack.base_url, chat(4, 300)))
+    uid, events = got[0][0], [(eid, text) for _, eid, text in got]
     r = stack.redis()
     key = stack.keys.reply(uid)
     assert r.xlen(key) > 200
