@@ -36,6 +36,7 @@ class OrderedReplies:
         self.epoch = 0  # the newest fence passed
         self.refused = 0  # events of a taken-over scheduler, refused after its successor's fence
         self.headless: set[int] | None = None  # choices not seen yet, when the stream's head was trimmed
+        self.head_unsure = False  # a reattach's reader: the head may be trimmed before its first read
 
     def start_headless(self) -> None:
         """Read a stream whose head MAXLEN trimmed away: each choice starts where its first range seen starts

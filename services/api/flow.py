@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import msgspec
+from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
 from services.api.replies import HubError, Subscription
+from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, decode
 from shared.replies import OrderedReplies
 
@@ -64,6 +66,19 @@ def ended_early(flight: Ending, e: Exception) -> ApiError:
     return redis_down()
 
 
+async def head_trimmed_since(sub: Subscription, order: OrderedReplies, ev: ReplyEvent) -> bool:
+    """A reattach found the stream whole (Gateway.attach), but MAXLEN may trim its head before the first read:
+    then a choice's first range starts past 0. Only that (or a range redone out of order) explains such a
+    first range, so ask Redis once, then."""
+    if not 0 <= ev.index < len(order.next) or order.next[ev.index] or ev.start == 0:
+        return False
+    order.head_unsure = False
+    try:
+        return await streams.trimmed_head(sub.hub.redis, sub.key) is not None
+    except (RedisError, OSError):
+        return False  # read on as a whole stream; a Redis outage shows in the next read
+
+
 async def ordered_events(sub: Subscription, order: OrderedReplies, deadline: float
                          ) -> AsyncIterator[tuple[str, list[ReplyEvent]]]:
     """Yield (last entry id, events) for everything that arrives at once, until every choice finished.
@@ -105,6 +120,8 @@ async def ordered_entries(sub: Subscription, order: OrderedReplies, deadline: fl
             if isinstance(msg, ReplyFence):
                 order.fence(msg.epoch)
             elif not isinstance(msg, ReplyCheckpoint):  # checkpoints are for a resuming scheduler
+                if order.head_unsure and await head_trimmed_since(sub, order, msg):
+                    order.start_headless()
                 pairs.extend((entry_id, ev) for ev in order.accept(msg))
         if pairs:
             yield pairs

@@ -155,6 +155,8 @@ class Gateway:
                           background=bool(int(record.get("background", 0))))
         if kept_from is not None:
             flight.order.start_headless()
+        else:
+            flight.order.head_unsure = True  # MAXLEN may still trim it before the hub's first read (flow.py)
         return flight
 
     async def left(self, flight: Inflight) -> None:

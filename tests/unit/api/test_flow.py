@@ -74,3 +74,45 @@ async def test_cancelling_a_reader_is_never_swallowed_by_an_arriving_entry():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(task), 1)
         assert task.cancelled(), "the cancellation was swallowed"
+
+
+async def test_a_reattach_reads_a_stream_trimmed_after_it_looked_whole(redis_server):
+    """Gateway.attach found the reply stream whole, then MAXLEN trimmed its head before the hub's first read:
+    the first range the reader gets starts past 0, so it asks Redis, learns the head is gone and starts there
+    (before, it held everything for token 0, which never came, until the deadline)."""
+    import asyncio
+    import time
+    import types
+
+    from services.api.flow import ordered_entries
+    from shared import streams
+    from shared.messages import encode
+    from shared.redis_conn import connect
+
+    redis = connect(redis_server.url)
+    key = f"t{time.time_ns()}:reply"
+    ids = [await redis.xadd(key, {streams.FIELD: encode(ev(i, i + 1, finish="length" if i == 9 else None))})
+           for i in range(10)]
+    await redis.xtrim(key, maxlen=6, approximate=False)
+
+    class Sub:  # the Subscription surface ordered_entries uses, fed what an XREAD from 0-0 now returns
+        uid, hub = "u", types.SimpleNamespace(redis=redis)
+
+        def __init__(self, entries):
+            self.key, self.queue = key, asyncio.Queue()
+            for eid, fields in entries:
+                self.queue.put_nowait((eid.decode(), streams.payload(fields)))
+
+        async def get(self):
+            return await self.queue.get()
+
+        def drain(self):
+            return [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+
+    order = OrderedReplies(1)
+    order.head_unsure = True
+    got = [ev for pairs in [p async for p in ordered_entries(Sub(await redis.xrange(key)), order, time.time() + 5)]
+           for _, ev in pairs]
+    assert [e.start for e in got] == [4, 5, 6, 7, 8, 9] and order.done
+    assert ids[4] == (await redis.xrange(key, count=1))[0][0]
+    await redis.aclose()
