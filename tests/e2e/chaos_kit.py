@@ -324,10 +324,13 @@ class Delivered:
 
 
 def deliverable(entries: list[dict], n: int) -> Delivered:
-    """Apply fencing (an entry whose `epoch` is below that of a fence, or of any entry, before it in the stream
-    is stale and refused; entries without an epoch are epoch 0), then deliver each choice's ranges in token
-    order as services/api/flow.py OrderedReplies does: hold early ones, drop what was delivered."""
+    """Apply fencing as services/api/flow.py's OrderedReplies does: an entry whose `epoch` is below that of a
+    fence, or of any entry, before it in the stream is stale and refused (entries without an epoch are epoch
+    0), and when the epoch rises the ranges of an older one still held behind a gap are forgotten (the successor
+    resumed from what lay before the gap). Then each choice's ranges are delivered in token order: early ones
+    held, delivered ones dropped. Two different tokens for one index among the entries not stale are conflicts."""
     out = Delivered([""] * n, [None] * n, [0] * n, [])
+    order = _Order(out)
     surviving, stale, epoch = [], [], 0
     for e in entries:
         kind = e.get("kind", "?")
@@ -337,15 +340,20 @@ def deliverable(entries: list[dict], n: int) -> Delivered:
             out.refused += kind in ("delta", "error")
             stale.append(e)
             continue
-        epoch = ep
+        if ep > epoch:
+            forgotten = order.forget_below(ep)
+            out.refused += len(forgotten)
+            stale += forgotten
+            surviving = [x for x in surviving if not any(x is f for f in forgotten)]
+            epoch = ep
         if kind == "delta":
             surviving.append(e)
+            order.accept(e)
         elif kind == "error":
             out.errors.append(e)
     tokens = _tokens(surviving, out.conflicts)
     out.stale_disagreeing = sum(1 for e in stale if any(
         tokens.get((e.get("index", 0), e["start"] + k), t) != t for k, t in enumerate(e.get("ids") or [])))
-    _order(surviving, out)
     return out
 
 
@@ -363,36 +371,46 @@ def _tokens(events: list[dict], conflicts: list[str]) -> dict[tuple[int, int], i
     return seen
 
 
-def _order(events: list[dict], out: Delivered) -> None:
-    n = len(out.texts)
-    held: list[dict[int, dict]] = [{} for _ in range(n)]
-    done: set[int] = set()
+class _Order:
+    """One reply stream's choices delivered in token order (as OrderedReplies)."""
 
-    def advance(e: dict) -> None:
-        i = e.get("index", 0)
+    def __init__(self, out: Delivered):
+        self.out, n = out, len(out.texts)
+        self.held: list[dict[int, dict]] = [{} for _ in range(n)]
+        self.done: set[int] = set()
+
+    def forget_below(self, epoch: int) -> list[dict]:
+        gone = []
+        for held in self.held:
+            for start in [s for s, e in held.items() if int(e.get("epoch") or 0) < epoch]:
+                gone.append(held.pop(start))
+        return gone
+
+    def _advance(self, e: dict) -> None:
+        i, out = e.get("index", 0), self.out
         out.texts[i] += e.get("text", "")
         out.ends[i] = max(out.ends[i], e["end"])
         if e.get("finish_reason"):
             out.finish[i] = e["finish_reason"]
-            done.add(i)
+            self.done.add(i)
 
-    for e in events:
-        i = e.get("index", 0)
-        if not 0 <= i < n or i in done:
-            continue
+    def accept(self, e: dict) -> None:
+        i, out = e.get("index", 0), self.out
+        if not 0 <= i < len(out.texts) or i in self.done:
+            return
         if e.get("finish_reason") and not e.get("ids") and e["start"] <= out.ends[i]:
             out.finish[i] = e["finish_reason"]
-            done.add(i)
+            self.done.add(i)
         elif e["end"] < out.ends[i] or (e["end"] == out.ends[i] and not e.get("finish_reason")):
-            continue  # already delivered
+            return  # already delivered
         elif e["start"] > out.ends[i]:
-            held[i][e["start"]] = e
+            self.held[i][e["start"]] = e
         elif e["start"] < out.ends[i]:
             out.overlaps += 1
         else:
-            advance(e)
-            while i not in done and (nxt := held[i].pop(out.ends[i], None)) is not None:
-                advance(nxt)
+            self._advance(e)
+            while i not in self.done and (nxt := self.held[i].pop(out.ends[i], None)) is not None:
+                self._advance(nxt)
 
 
 # ---- disruptions
