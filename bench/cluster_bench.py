@@ -123,18 +123,8 @@ def failover(stack: StackOn, cluster: LocalCluster, streams: int, tokens: int) -
     while not all(len(r.arrivals) > 5 for r in runs) and time.monotonic() < deadline:
         time.sleep(0.05)
     victim = cluster.primary_of(Keys().detokenize(NAME))
-    healthy_at: list[float] = []
-
-    def watch() -> None:
-        time.sleep(0.5)
-        while not cluster.healthy():
-            time.sleep(0.05)
-        healthy_at.append(time.monotonic())
-
-    killed = time.monotonic()
-    cluster.kill(victim)
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    failover = cluster.fail_over(victim)
+    killed = failover.killed
     probes = []
     while time.monotonic() - killed < 60:
         sent = time.monotonic()
@@ -149,14 +139,14 @@ def failover(stack: StackOn, cluster: LocalCluster, streams: int, tokens: int) -
         if status == 200:
             break
         time.sleep(0.1)
-    watcher.join(60)
+    healthy_s = failover.seconds(60)
     for r in runs:
         r.join(150)
     ok = [r for r in runs if r.error is None and r.finish == "length"]
     first_ok = next((p["sent_s"] + p["took_s"] for p in probes if p["status"] == 200), None)
     return {"victim_port": victim, "streams": streams, "completed": len(ok),
             "ended_with_error": sum(r.error is not None for r in runs), "hung": sum(r.is_alive() for r in runs),
-            "cluster_healthy_after_s": round(healthy_at[0] - killed, 2) if healthy_at else None,
+            "cluster_healthy_after_s": round(healthy_s, 2) if healthy_s is not None else None,
             "longest_stream_pause_s": round(max(r.gap_around(killed) for r in runs), 2),
             "median_stream_pause_s": round(sorted(r.gap_around(killed) for r in runs)[streams // 2], 2),
             "new_request_served_after_s": round(first_ok, 2) if first_ok is not None else None, "probes": probes}

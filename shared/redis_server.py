@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,12 +56,17 @@ def wait_until_up(client: redis.Redis, proc: subprocess.Popen, timeout: float = 
 
 
 class RedisServer:
-    """Starts redis-server on 127.0.0.1 (no persistence) and stops it; its files go to a temp dir."""
+    """Starts redis-server on 127.0.0.1 and stops it; restartable. No persistence, files in a temp dir removed
+    at stop; or, with `aof_dir`, an append-only file there (`appendfsync everysec`, as the chart runs it) that
+    a restart loads again."""
 
-    def __init__(self, port: int = 0, binary: str | None = None):
+    def __init__(self, port: int = 0, binary: str | None = None, aof_dir: Path | None = None):
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
-        self.dir = tempfile.mkdtemp(prefix="rsinfer-redis-")
+        self.aof = aof_dir is not None
+        if aof_dir is not None:
+            aof_dir.mkdir(parents=True, exist_ok=True)
+        self.dir = str(aof_dir) if aof_dir is not None else tempfile.mkdtemp(prefix="rsinfer-redis-")
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -68,9 +74,12 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        log = open(Path(self.dir) / "redis.log", "wb")  # noqa: SIM115  (owned by the child)
+        """Spawn it from the calling thread (children.spawn: never from a pool thread) and wait for PING, which
+        answers once an AOF is loaded."""
+        log = open(Path(self.dir) / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
+        persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.aof else ["--appendonly", "no"]
         self.proc = children.spawn(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
              "--dir", self.dir, "--protected-mode", "no"], stdout=log, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         try:
@@ -82,14 +91,16 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
+        """SIGTERM (an AOF is written out, as at a pod's termination), SIGKILL after 10 s."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.aof:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -208,6 +219,10 @@ class LocalCluster:
         proc.kill()
         proc.wait()
 
+    def fail_over(self, port: int) -> Failover:
+        """kill -9 the primary on `port` and time, in a thread, until the cluster is healthy again."""
+        return Failover(self, port)
+
     def stop(self) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -253,3 +268,25 @@ def _parse_node(line: str) -> dict:
             "role": "master" if "master" in flags else "slave",
             "ok": "myself" in flags or ("fail" not in flags and "fail?" not in flags and parts[7] == "connected"),
             "slots": slots}
+
+
+class Failover:
+    """A primary killed now (`killed`, monotonic) and the time until its replica took over (`seconds`)."""
+
+    def __init__(self, cluster: LocalCluster, port: int):
+        self.killed = time.monotonic()
+        cluster.kill(port)
+        self.healthy_at: float | None = None
+        self.watcher = threading.Thread(target=self._watch, args=(cluster,), daemon=True)
+        self.watcher.start()
+
+    def _watch(self, cluster: LocalCluster) -> None:
+        time.sleep(0.5)  # the cluster has not noticed yet
+        while not cluster.healthy():
+            time.sleep(0.05)
+        self.healthy_at = time.monotonic()
+
+    def seconds(self, timeout: float) -> float | None:
+        """Seconds from the kill to a healthy cluster, waiting up to `timeout`; None if it never got there."""
+        self.watcher.join(timeout)
+        return None if self.healthy_at is None else self.healthy_at - self.killed

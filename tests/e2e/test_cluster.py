@@ -187,18 +187,8 @@ def test_a_primary_killed_under_load_fails_over(stack, cluster):
     runs = [TimedStream(s.base_url, b) for b in bodies]
     wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
     victim = cluster.primary_of(s.keys.detokenize(MODEL))
-    healthy_at: list[float] = []
-
-    def watch() -> None:
-        time.sleep(0.5)  # the cluster has not noticed yet
-        while not cluster.healthy():
-            time.sleep(0.05)
-        healthy_at.append(time.monotonic())
-
-    killed = time.monotonic()
-    cluster.kill(victim)
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    failover = cluster.fail_over(victim)
+    killed = failover.killed
     probes = []  # new requests sent during the failover, one after another: (sent, status, seconds taken)
     while time.monotonic() - killed < 30:
         sent = time.monotonic()
@@ -207,8 +197,8 @@ def test_a_primary_killed_under_load_fails_over(stack, cluster):
         if resp.status_code == 200:
             break
         time.sleep(0.1)
-    watcher.join(30)
-    failover_s = healthy_at[0] - killed
+    failover_s = failover.seconds(30)
+    assert failover_s is not None, "the cluster did not recover"
 
     for r in runs:
         r.join(max(0.0, killed + DEADLINE_S + 5 - time.monotonic()))

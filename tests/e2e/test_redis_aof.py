@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import redis
 
-from shared import children
 from shared.keys import STAGES
-from shared.redis_server import find_redis_server, free_port, wait_until_up
+from shared.redis_server import RedisServer
 from tests.e2e.chaos_kit import Clients, Job, Outcome, reference_texts
 from tests.e2e.conftest import MODEL, Stack, new_stack, start_pipeline
 from tests.e2e.helpers import engines_idle, wait_for
@@ -28,52 +24,16 @@ from tests.e2e.helpers import engines_idle, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
-class AofRedis:
-    """redis-server on a fixed port with AOF in `data_dir`, as the chart's StatefulSet runs it; restartable."""
-
-    def __init__(self, data_dir: Path):
-        self.port, self.dir, self.binary = free_port(), data_dir, find_redis_server()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> AofRedis:
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
-        self.proc = children.spawn(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        try:
-            wait_until_up(client, self.proc, timeout=30)  # PING answers once the AOF is loaded
-        finally:
-            client.close()
-        return self
-
-    def stop(self) -> None:
-        """SIGTERM: redis-server flushes the AOF and exits (a pod's termination does the same)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture
-def aof_redis(tmp_path) -> Iterator[AofRedis]:
-    server = AofRedis(tmp_path / "redis-data").start()
+def aof_redis(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(aof_dir=tmp_path / "redis-data").start(timeout=30)
     try:
         yield server
     finally:
         server.stop()
 
 
-async def through_a_restart(s: Stack, server: AofRedis, jobs: list[Job], outage_s: float
+async def through_a_restart(s: Stack, server: RedisServer, jobs: list[Job], outage_s: float
                             ) -> tuple[list[Outcome], int, dict[str, int], float]:
     """Stream `jobs`; once every one has text, stop Redis and start it again `outage_s` later. The outcomes, how
     many were in flight when Redis stopped, each reply stream's length then, and the outage's length."""
@@ -90,7 +50,7 @@ async def through_a_restart(s: Stack, server: AofRedis, jobs: list[Job], outage_
         await asyncio.to_thread(server.stop)
         in_flight = sum(not o.done for o in clients.outcomes)
         await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
-        server.start()  # from this thread: the kernel's PDEATHSIG fires when the spawning *thread* ends
+        server.start(timeout=30)  # from this thread (RedisServer.start says why)
         outage = time.monotonic() - began
         return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
     finally:
