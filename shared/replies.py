@@ -11,15 +11,14 @@ later event of an older epoch and forgets what it held of one: those are the tak
 may differ from its successor's (sampling) and would otherwise interleave with them. What came before the
 fence is exactly what the successor resumed from, so the two never both reach a client.
 
-The API reads with this to deliver; a resuming scheduler reads with it (and with `checkpoint` entries, which
-carry every token so far, because the stream is capped) to know where to resume. Both see the same tokens.
+The API reads with this to deliver; a resuming scheduler reads with it to know where to resume, and both stop
+at the same token. `checkpoint` entries, which carry every token so far, give the resuming scheduler only the
+tokens before a capped stream's first range: they may run ahead of the ranges the API has (ProducedTokens).
 """
 
 from __future__ import annotations
 
 import logging
-
-import msgspec
 
 from shared.messages import ReplyCheckpoint, ReplyEvent
 
@@ -103,13 +102,38 @@ class OrderedReplies:
 
 
 class ProducedTokens(OrderedReplies):
-    """The tokens each choice has in a reply stream, as a scheduler resuming the request needs them: the
-    events the API would deliver, plus checkpoints (the stream is capped, so its head may be gone)."""
+    """The tokens each choice has in a reply stream, as a scheduler resuming the request needs them: exactly the
+    ranges the API delivers, so each choice resumes where its client stands.
 
-    def __init__(self, n: int):
+    A checkpoint must never move that point forward. The scheduler writes it straight into the stream, ahead of
+    the ranges of the same tokens that the detokenizer has yet to append; one that lands after the successor's
+    fence is refused by every reader, so a successor resuming at the checkpoint would leave its client a gap
+    that nothing ever fills. Checkpoints only supply the tokens before a trimmed stream's first range (MAXLEN
+    took the head), and a fence passed keeps what its successor resumed from, as a checkpoint of its epoch.
+    """
+
+    def __init__(self, n: int, trimmed: bool = False):
         super().__init__(n)
-        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.known: list[list[int]] = [[] for _ in range(n)]  # newest checkpoint of the epoch, or a fence's
+        self.base = [0] * n  # where each choice's ranges start: past 0 only in a trimmed stream
+        self.ranges: list[list[int]] = [[] for _ in range(n)]  # ids of the ranges delivered since `base`
         self.failed = False
+        if trimmed:
+            self.start_headless()
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [self._output(i) for i in range(len(self.next))]
+
+    @property
+    def unresumable(self) -> bool:
+        """A trimmed stream whose first range of some choice lies past every checkpoint read."""
+        return any(self.base[i] > len(self.known[i]) for i in range(len(self.next)))
+
+    def _output(self, i: int) -> list[int]:
+        if self.headless and i in self.headless:  # no range left of this choice: its newest checkpoint
+            return list(self.known[i])
+        return self.known[i][:self.base[i]] + self.ranges[i]
 
     def add(self, msg: object) -> None:
         from shared.messages import ReplyError, ReplyFence
@@ -119,31 +143,23 @@ class ProducedTokens(OrderedReplies):
         elif isinstance(msg, ReplyFence):
             self.fence(msg.epoch)
         elif isinstance(msg, ReplyCheckpoint):
-            self.checkpoint(msg)
+            if msg.epoch >= self.epoch:  # an older one after a fence is a taken-over scheduler's
+                for i, ids in enumerate(msg.outputs[:len(self.next)]):
+                    if len(ids) >= len(self.known[i]):
+                        self.known[i] = list(ids)
         elif isinstance(msg, ReplyEvent):
-            for ev in self.accept(self._beyond_next(msg)):
-                self.outputs[ev.index].extend(ev.ids[len(self.outputs[ev.index]) - ev.start:])
+            i = msg.index
+            first = bool(self.headless) and i in self.headless
+            for ev in self.accept(msg):
+                if first and not (self.headless and i in self.headless):
+                    self.base[i], first = ev.start, False
+                self.ranges[ev.index].extend(ev.ids)
 
-    def _beyond_next(self, ev: ReplyEvent) -> ReplyEvent:
-        # A checkpoint may land in the stream after deltas that straddle it (the scheduler writes checkpoints,
-        # the detokenizer writes deltas, later): the tokens past the checkpoint are still needed, and only ids
-        # matter here, not text.
-        i = ev.index
-        if 0 <= i < len(self.next) and ev.start < self.next[i] < ev.end and ev.ids:
-            return msgspec.structs.replace(ev, start=self.next[i], ids=ev.ids[self.next[i] - ev.start:])
-        return ev
-
-    def checkpoint(self, ck: ReplyCheckpoint) -> None:
-        if ck.epoch < self.epoch:
-            return
-        for i, ids in enumerate(ck.outputs[:len(self.next)]):
-            if i not in self.finished and len(ids) > self.next[i]:
-                self.outputs[i] = list(ids)
-                self.next[i] = len(ids)
-                for start in [s for s in self.held[i] if s < len(ids)]:
-                    ev = self.held[i].pop(start)
-                    if ev.end > len(ids):
-                        self.held[i][len(ids)] = self._beyond_next(ev)
-                while (nxt := self.held[i].pop(self.next[i], None)) is not None:
-                    self.outputs[i].extend(nxt.ids)
-                    self._advance(nxt)
+    def fence(self, epoch: int) -> None:
+        if epoch > self.epoch and not self.unresumable:
+            # What the successor resumed from is the truth from here on: later checkpoints of older epochs are
+            # refused, and what an older one held past this point was never delivered.
+            for i in range(len(self.next)):
+                if not (self.headless and i in self.headless):  # those still start at their first range
+                    self.known[i], self.base[i], self.ranges[i] = self._output(i), self.next[i], []
+        super().fence(epoch)

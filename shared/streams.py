@@ -151,9 +151,14 @@ async def trimmed_head(redis: Redis, key: str) -> str | None:
         info = await redis.xinfo_stream(key)
     except ResponseError:
         return None
-    if int(info["entries-added"]) <= int(info["length"]) or not info.get("first-entry"):
+    if not was_trimmed(info) or not info.get("first-entry"):
         return None
     return _s(info["first-entry"][0])
+
+
+def was_trimmed(info: dict) -> bool:
+    """From XINFO STREAM: entries were removed from the stream (MAXLEN trimmed its head)."""
+    return int(info["entries-added"]) > int(info["length"])
 
 
 def payload(fields: dict[bytes, bytes]) -> bytes:

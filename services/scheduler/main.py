@@ -244,7 +244,13 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 job = d.msg
                 owner, owner_entry = owners[job.uid]
                 if job.uid in self.running:
-                    continue  # delivered twice to us: already running
+                    if not (claimed and self.running[job.uid].entry_id == d.entry_id):
+                        continue  # delivered twice to us: already running
+                    # Its entry went idle while we ran it: we stalled past the claim idle, and a peer may have
+                    # taken it over and died before it recorded itself as the owner. What we run may be fenced
+                    # out: take it over like any claimed entry, under a new epoch.
+                    log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
+                    self._drop(job.uid, "taken_over")
                 if owner and owner_entry and owner_entry != d.entry_id:
                     # Another schedule entry of the same request was admitted (the tokenizer forwarded it
                     # twice): acknowledge this one, or every claim interval a peer would resume the request
@@ -271,6 +277,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             produced, epoch = await self._take_over(job)
             if produced.failed or produced.done:
                 return False
+            if produced.unresumable:
+                log.error("uid=%s cannot resume: its reply stream was trimmed past every checkpoint", job.uid)
+                records.end_failed(pipe, self.keys, job.uid, ReplyError(
+                    message="the request could not be resumed after its scheduler failed"), self.ttl, self.maxlen)
+                return False
             outputs, done = produced.outputs, set(produced.finished)
             log.info("uid=%s resumed after %s tokens (epoch %d)", job.uid, [len(o) for o in outputs], epoch)
         try:
@@ -296,9 +307,10 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         epoch = await self.redis.hincrby(self.keys.request(job.uid), "epoch", 1)
         async with self.redis.pipeline(transaction=False) as pipe:
             records.reply(pipe, self.keys, job.uid, ReplyFence(epoch=epoch, scheduler=self.id), self.ttl, self.maxlen)
+            pipe.xinfo_stream(self.keys.reply(job.uid))
             pipe.xrange(self.keys.reply(job.uid))
-            fence_id, _, entries = await pipe.execute()
-        produced = ProducedTokens(job.params.n)
+            fence_id, _, info, entries = await pipe.execute()
+        produced = ProducedTokens(job.params.n, trimmed=streams.was_trimmed(info))
         for entry_id, fields in entries:
             if entry_id == fence_id:
                 break
@@ -351,17 +363,20 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
             for r in runs:
-                pipe.hget(self.keys.request(r.job.uid), "scheduler")
+                pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
                 pipe.expire(self.keys.request(r.job.uid), self.ttl)
                 pipe.expire(self.keys.reply(r.job.uid), self.ttl)
             found = await pipe.execute()
         alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
         owners = found[len(pods)::3]
         out = {}
-        for r, owner in zip(runs, owners, strict=True):
+        for r, (owner, epoch) in zip(runs, owners, strict=True):
             if owner is None:
                 out[r.job.uid] = "record_lost"
-            elif owner.decode() != self.id:
+            elif owner.decode() != self.id or int(epoch or 0) != r.epoch:
+                # A newer epoch with us still recorded as the owner: a peer took over and died before it
+                # recorded itself. Our steps are refused after its fence; dropped, the entry goes idle and
+                # whoever claims it resumes from what the client has.
                 out[r.job.uid] = "taken_over"
             elif r.job.pod not in alive and not r.job.background:
                 out[r.job.uid] = "owner_gone"

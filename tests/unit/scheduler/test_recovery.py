@@ -9,11 +9,12 @@ import uuid
 
 import pytest
 
+from services.detokenizer.main import DetokenizerWorker
 from services.scheduler.main import build_worker
 from shared import records, streams
-from shared.messages import Reply, ReplyFence, SamplingParams, ScheduleJob, decode
-from shared.replies import ProducedTokens
-from shared.settings import SchedulerSettings
+from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
+from shared.replies import OrderedReplies, ProducedTokens
+from shared.settings import DetokenizerSettings, SchedulerSettings
 from shared.streams import Delivery
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,6 +33,13 @@ async def make(redis_server, demo_model_dir):
         workers.append(w)
         return w
 
+    def detokenizer(**kw) -> DetokenizerWorker:
+        settings = DetokenizerSettings(redis_url=redis_server.url, namespace=namespace, worker_id="detok", **kw)
+        w = DetokenizerWorker(settings, str(demo_model_dir), "demo")
+        workers.append(w)
+        return w
+
+    make.detokenizer = detokenizer
     yield make
     for w in workers:
         await w.close()
@@ -48,6 +56,24 @@ async def run_until_idle(w, steps: int = 1000) -> None:
             break
         await w.work()
     await w.flush()
+
+
+async def detokenize(d: DetokenizerWorker) -> None:
+    """What the detokenizer does with every step published so far: ranges appended to the reply streams."""
+    await d.source.ensure_group()
+    while batch := await d.source.read(100, None):
+        await d.handle(batch, claimed=False)
+
+
+def delivered(messages: list, n: int = 1) -> OrderedReplies:
+    """What the API's reader delivers of these reply entries, in this order."""
+    order = OrderedReplies(n)
+    for m in messages:
+        if isinstance(m, ReplyFence):
+            order.fence(m.epoch)
+        elif isinstance(m, ReplyEvent):
+            order.accept(m)
+    return order
 
 
 async def replies(w, uid: str) -> list:
@@ -69,30 +95,65 @@ async def test_a_duplicate_schedule_entry_is_acknowledged_not_resumed(make):
 
 async def test_a_takeover_fences_the_old_owner_and_resumes_past_the_cap(make):
     """The reply stream is capped at 16 entries and holds 200 tokens' worth: the peer resumes from the newest
-    checkpoint plus what follows, after its fence; what the stalled owner publishes later is refused."""
+    checkpoint plus the ranges after it, after its fence; what the stalled owner publishes later is refused."""
     owner, peer = await make("owner", reply_maxlen=16), await make("peer", reply_maxlen=16)
+    detok = make.detokenizer(reply_maxlen=16)
     await streams.add(owner.redis, owner.source.key, job("u2", 300))
     await owner.admit(await owner.source.read(1, None), claimed=False)
     for _ in range(200):
         await owner.work()
+        await owner.flush()
+        await detokenize(detok)
     entry = owner.running["u2"].entry_id
-    assert await owner.redis.xlen(owner.keys.reply("u2")) <= 40  # trimmed: the head is gone
+    info = await owner.redis.xinfo_stream(owner.keys.reply("u2"))
+    assert streams.was_trimmed(info) and info["length"] <= 40  # the head is gone
     written = list(owner.running["u2"].outputs[0])
     await asyncio.sleep(0.3)  # the owner stalls (no keep-alive): the peer claims its entry
     [claimed] = await peer.source.claim(200, 1)
     assert claimed.entry_id == entry
     await peer.admit([claimed], claimed=True)
     resumed = peer.running["u2"]
-    assert resumed.epoch == 1 and resumed.outputs[0] == written[:len(resumed.outputs[0])]
-    assert len(resumed.outputs[0]) >= 160  # from the checkpoint, not from token 0
+    assert resumed.epoch == 1 and resumed.outputs[0] == written  # the ranges reached the last token made
     await owner.work()  # the stalled owner's last steps, made before it noticed ...
     await owner.flush()
+    await detokenize(detok)
     assert await owner.source.touch([entry]) == [entry]  # ... which it notices now
-    order = ProducedTokens(1)
+    order = ProducedTokens(1, trimmed=True)
     for m in await replies(peer, "u2"):
         order.add(m)
     assert any(isinstance(m, ReplyFence) and m.epoch == 1 for m in await replies(peer, "u2"))
-    assert order.outputs[0] == written[:len(order.outputs[0])]  # nothing of the owner after the fence
+    assert order.outputs[0] == written  # nothing of the owner after the fence
+
+
+async def test_a_successor_resumes_where_the_client_stands_not_at_a_checkpoint_ahead_of_it(make):
+    """The owner's last step wrote its checkpoint straight into the reply stream, but the detokenizer appends
+    that step's range only after the peer's fence, where the client refuses it (older epoch). The peer must
+    make that step's tokens again: resuming at the checkpoint left the client at a gap until its deadline."""
+    owner, peer = await make("owner", reply_maxlen=400), await make("peer", reply_maxlen=400)
+    detok = make.detokenizer(reply_maxlen=400)
+    await streams.add(owner.redis, owner.source.key, job("u4", 160, n=2))
+    await owner.admit(await owner.source.read(1, None), claimed=False)
+    while True:
+        checkpointed = owner.running["u4"].checkpointed
+        await owner.work()
+        await owner.flush()
+        if owner.running["u4"].checkpointed > checkpointed:
+            break  # this step's checkpoint is in the reply stream; its ranges are not
+        await detokenize(detok)
+    made = [list(o) for o in owner.running["u4"].outputs]
+    await asyncio.sleep(0.3)
+    [claimed] = await peer.source.claim(200, 1)
+    await peer.admit([claimed], claimed=True)
+    client = delivered(await replies(peer, "u4"), n=2)
+    assert peer.running["u4"].outputs == [o[:k] for o, k in zip(made, client.next, strict=True)]
+    assert client.next == [len(o) - 1 for o in made]  # one token each is in the detokenizer's hands
+    await detokenize(detok)  # the owner's step lands after the fence: refused
+    await run_until_idle(peer)
+    await detokenize(detok)
+    entries = await replies(peer, "u4")
+    assert any(isinstance(m, ReplyCheckpoint) for m in entries)
+    client = delivered(entries, n=2)
+    assert client.done and client.next == [160, 160] and client.refused == 2
 
 
 async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
@@ -109,3 +170,65 @@ async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
     assert {s.index for s in w.engine.running if s.uid == "u3"} == {1}  # choice 0 no longer generated
     await run_until_idle(w)
     assert "u3" not in w.running and w.engine.stats()["running"] == 0
+
+
+async def pump(w, detok: DetokenizerWorker) -> None:
+    """Step `w` until its engine is idle, the detokenizer rendering each step."""
+    while w.engine.has_work():
+        await w.work()
+        await w.flush()
+        await detokenize(detok)
+
+
+async def a_peer_took_over_and_died(w, uid: str, to: str | None = "ghost") -> None:
+    """What a peer does before it records itself as the owner (services/scheduler/main.py `_take_over`): claim the
+    entry (unless `to` is None), raise the epoch, fence. Then it is SIGKILLed."""
+    if to is not None:
+        await w.redis.xclaim(w.source.key, "scheduler", to, 0, [w.running[uid].entry_id], justid=True)
+    epoch = await w.redis.hincrby(w.keys.request(uid), "epoch", 1)
+    async with w.redis.pipeline(transaction=False) as pipe:
+        records.reply(pipe, w.keys, uid, ReplyFence(epoch=epoch, scheduler="ghost"), w.ttl, w.maxlen)
+        await pipe.execute()
+
+
+async def test_an_owner_that_claims_back_its_own_entry_resumes_it_under_a_new_epoch(make):
+    """The owner stalled; a peer claimed its entry, fenced, and died before recording itself; the owner, awake,
+    claims the dead peer's entry before its keep-alive notices the loss. Running on at its old epoch, every step
+    it made would be refused after the fence and the client would wait until its deadline."""
+    owner, detok = await make("owner"), make.detokenizer()
+    await streams.add(owner.redis, owner.source.key, job("u5", 60))
+    await owner.admit(await owner.source.read(1, None), claimed=False)
+    for _ in range(10):
+        await owner.work()
+        await owner.flush()
+        await detokenize(detok)
+    await a_peer_took_over_and_died(owner, "u5")
+    await asyncio.sleep(0.3)
+    [claimed] = await owner.source.claim(200, 1)
+    await owner.admit([claimed], claimed=True)
+    assert owner.running["u5"].epoch == 2
+    await pump(owner, detok)
+    client = delivered(await replies(owner, "u5"))
+    assert client.done and client.next == [60]
+
+
+async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(make):
+    """As above, but the owner holds the entry still (the peer died between its fence and its claim being seen):
+    the owner's sweep sees the newer epoch, drops the request, and the idle entry is claimed and resumed."""
+    owner, detok = await make("owner"), make.detokenizer()
+    await streams.add(owner.redis, owner.source.key, job("u6", 60))
+    await owner.admit(await owner.source.read(1, None), claimed=False)
+    for _ in range(10):
+        await owner.work()
+        await owner.flush()
+        await detokenize(detok)
+    await a_peer_took_over_and_died(owner, "u6", to=None)
+    owner._last.pop("sweep", None)  # the once-a-second sweep is due
+    await owner.work()
+    assert "u6" not in owner.running
+    await asyncio.sleep(0.3)
+    [claimed] = await owner.source.claim(200, 1)
+    await owner.admit([claimed], claimed=True)
+    await pump(owner, detok)
+    client = delivered(await replies(owner, "u6"))
+    assert client.done and client.next == [60]

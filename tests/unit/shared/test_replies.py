@@ -16,7 +16,7 @@ def delivered(order: OrderedReplies, messages: list) -> list[int]:
     for m in messages:
         if isinstance(m, ReplyFence):
             order.fence(m.epoch)
-        else:
+        elif not isinstance(m, ReplyCheckpoint):  # as the API's reader, which delivers ranges only
             out += [t for e in order.accept(m) for t in e.ids]
     return out
 
@@ -40,7 +40,7 @@ def test_held_ranges_of_an_older_epoch_are_forgotten_at_the_fence():
 
 def test_a_resume_reads_the_tokens_before_the_fence_and_past_the_cap_from_a_checkpoint():
     """The stream's head was trimmed (MAXLEN): the checkpoint has every token up to 6, then ranges follow."""
-    produced = ProducedTokens(2)
+    produced = ProducedTokens(2, trimmed=True)
     for m in [ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3, 4, 5, 6], [7, 8]]), ev(5, [6]),  # already covered
               ev(6, [20]), ev(2, [30], index=1), ev(7, [21]), ReplyFence(epoch=1), ev(8, [98])]:
         produced.add(m)
@@ -67,11 +67,45 @@ def test_a_range_straddling_a_later_checkpoint_still_gives_its_tokens_past_it():
     assert produced.outputs == [[*head, 166, 167, 168, 169]]
 
 
-def test_a_held_range_straddling_a_checkpoint_is_cut_to_its_tail():
+def test_a_checkpoint_ahead_of_the_ranges_does_not_move_the_resume_point():
+    """The scheduler wrote a checkpoint with token 3 in it straight into the stream; the detokenizer appends the
+    range of token 3 only after the successor's fence, where every reader refuses it (epoch 0). Resuming at the
+    checkpoint would leave the client waiting at token 3 for ever: the successor must make token 3 again."""
+    before_fence = [ev(0, [1, 2]), ev(2, [3]), ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3, 4]])]
+    produced = ProducedTokens(1)
+    for m in before_fence:
+        produced.add(m)
+    produced.fence(1)
+    assert produced.outputs == [[1, 2, 3]]
+    client = OrderedReplies(1)
+    successor = [ev(3, [44], epoch=1), ev(4, [45], epoch=1, finish="length")]
+    assert delivered(client, [*before_fence, ReplyFence(epoch=1), ev(3, [4]), *successor]) == [1, 2, 3, 44, 45]
+    assert client.done
+
+
+def test_a_range_after_a_gap_does_not_move_the_resume_point_past_it():
     produced = ProducedTokens(1)
     for m in [ev(0, [1]), ev(3, [4, 5, 6]), ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3, 4]])]:
         produced.add(m)
-    assert produced.outputs == [[1, 2, 3, 4, 5, 6]]
+    assert produced.outputs == [[1]]
+
+
+def test_a_fence_keeps_what_its_successor_resumed_from():
+    """After a fence, a later resume of a trimmed stream takes the tokens before its first range from what the
+    fence's successor resumed from, not from an older checkpoint that ran ahead of it."""
+    produced = ProducedTokens(1)
+    for m in [ev(0, [1, 2]), ReplyCheckpoint(epoch=0, outputs=[[1, 2, 3]]), ReplyFence(epoch=1),
+              ev(2, [3]), ev(2, [33], epoch=1), ev(3, [34], epoch=1), ReplyFence(epoch=2)]:
+        produced.add(m)
+    assert produced.outputs == [[1, 2, 33, 34]]
+    assert produced.known == [[1, 2, 33, 34]] and produced.epoch == 2
+
+
+def test_a_trimmed_stream_past_every_checkpoint_cannot_be_resumed():
+    produced = ProducedTokens(1, trimmed=True)
+    for m in [ReplyCheckpoint(epoch=0, outputs=[[1, 2]]), ev(5, [6])]:
+        produced.add(m)
+    assert produced.unresumable
 
 
 def test_a_reader_of_a_trimmed_stream_starts_each_choice_at_its_first_range():
