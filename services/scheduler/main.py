@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -156,6 +157,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.outbox: list[Callable[[Pipeline], None]] = []
         # Read between steps only: the heartbeat runs while a step mutates the engine in its thread.
         self.engine_stats = engine.stats()
+        # --stream-interval: each open choice's tokens not published yet, merged over steps, and how many steps
+        self.unsent: dict[tuple[str, int], tuple[StepOutput, int]] = {}
 
     def load(self) -> dict:
         return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox)}
@@ -227,6 +230,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 await asyncio.sleep(0.5)
         if self.running:
             log.info("grace period over with %d requests running; handing them back", len(self.running))
+        self.publish_unsent()  # a successor resumes where the client stands: after these
         try:
             await self.flush()
         except (RedisError, OSError) as e:
@@ -389,6 +393,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         if run is None or index in run.done:
             return
         self.engine.abort(uid, index)
+        self._take_unsent(uid, index)  # past the stop string: the detokenizer would drop them
         run.done.add(index)
         log.info("uid=%s choice=%d stopped by a stop string", uid, index)
         if len(run.done) == run.job.params.n:
@@ -397,6 +402,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             self.outbox.append(lambda pipe: self.source.ack_in(pipe, [run.entry_id]))
 
     def _drop(self, uid: str, reason: str) -> None:
+        unsent = self._take_unsent(uid)
         run = self.running.pop(uid)
         self.engine.abort(uid)
         run.end_span(reason)
@@ -410,7 +416,9 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             elif reason != "stop":  # a stop string already ended the reply in the detokenizer
                 records.set_status(pipe, self.keys, uid, self.ttl, error=f"aborted: {reason}")
                 pipe.expire(self.keys.abort(uid), self.ttl)  # an operator's flag need not outlive the request
-                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, run.abort_deltas()))
+                # the tokens made before the abort first, so the abort lands where the client stands
+                deltas = [run.delta(o) for o in unsent] + run.abort_deltas()
+                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, deltas))
             self.source.ack_in(pipe, [run.entry_id])
 
         self.outbox.append(write)
@@ -430,7 +438,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 run.steps += 1
                 if run.steps == 1:
                     run.span.event("first_tokens")
-            items.append(run.delta(out))
+            if (due := self._due(out)) is not None:
+                items.append(run.delta(due))
             run.outputs[out.index].extend(out.ids)
             if out.finish_reason is not None:
                 run.done.add(out.index)
@@ -451,7 +460,37 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
         self.outbox.append(write)
 
+    def _due(self, out: StepOutput) -> StepOutput | None:
+        """With --stream-interval N, a choice's tokens wait until N steps' worth are merged into one output; its
+        first output (time to first token) and its last go at once. None while they wait."""
+        if self.settings.stream_interval == 1:
+            return out
+        key = (out.uid, out.index)
+        if key in self.unsent:
+            held, steps = self.unsent.pop(key)
+            out, steps = merge_outputs(held, out), steps + 1
+        else:
+            steps = 1
+        if out.start == 0 or out.finish_reason is not None or steps >= self.settings.stream_interval:
+            return out
+        self.unsent[key] = (out, steps)
+        return None
+
+    def _take_unsent(self, uid: str, index: int | None = None) -> list[StepOutput]:
+        """Remove and return the request's (or one choice's) tokens not published yet."""
+        keys = [k for k in self.unsent if k[0] == uid and index in (None, k[1])]
+        return [self.unsent.pop(k)[0] for k in keys]
+
+    def publish_unsent(self) -> None:
+        """Queue every choice's tokens not published yet (a drain hands the requests back after this)."""
+        items = [self.running[o.uid].delta(o) for o, _ in self.unsent.values() if o.uid in self.running]
+        self.unsent.clear()
+        if items:
+            batch = DetokenizeBatch(self.id, self.steps, items)
+            self.outbox.append(lambda pipe: streams.add(pipe, self.detokenize_key, batch))
+
     def _fail(self, uid: str, error: str) -> None:
+        self._take_unsent(uid)
         run = self.running.pop(uid)
         self.engine.abort(uid)
         run.end_span("failed", error)
@@ -483,6 +522,16 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         for run in self.running.values():
             run.end_span("handed_back")  # a peer resumes it under the same trace
         await super().close()
+
+
+def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
+    """One choice's outputs of consecutive steps as one: b's tokens (and logprobs) after a's."""
+    def joined(x: list | None, y: list | None) -> list | None:
+        return None if x is None and y is None else (x or []) + (y or [])
+
+    return dataclasses.replace(a, ids=a.ids + b.ids, finish_reason=b.finish_reason,
+                               logprobs=joined(a.logprobs, b.logprobs), top_logprobs=joined(a.top_logprobs,
+                                                                                            b.top_logprobs))
 
 
 async def build_worker(settings: SchedulerSettings, model_path: str, model_name: str) -> SchedulerWorker:

@@ -489,7 +489,7 @@ class Chaos:
             time.sleep(0.01)
         return held
 
-    async def kill_holding(self, role: str, name: str, timeout: float = 3.0) -> Disruption:
+    async def kill_holding(self, role: str, name: str, timeout: float = 8.0) -> Disruption:
         """Freeze a stage worker the moment it holds entries (it will never finish them), then kill it."""
         await asyncio.to_thread(self.freeze_once_holding, role, name, timeout)
         return await self.kill(role, name)

@@ -62,7 +62,10 @@ REPLY_MAXLEN = 300
 CLAIM_IDLE_S = int(LIFECYCLE_ENV["RSINFER_CLAIM_IDLE_MS"]) / 1000
 STOP_S = CLAIM_IDLE_S + 2.0  # a frozen scheduler stays frozen well past the claim idle time
 # Eight running requests per scheduler: the 100 streams stay open long enough for every disruption to hit some.
-ENV = {**LIFECYCLE_ENV, "RSINFER_REPLY_MAXLEN": str(REPLY_MAXLEN), "RSINFER_MAX_RUNNING": "8"}
+# No reasoning or tool-call parsing: the demo model samples `<think>` (and `</think>`) like any token, and a chat
+# answer that starts with one would go to reasoning_content, not the text the clients compare.
+ENV = {**LIFECYCLE_ENV, "RSINFER_REPLY_MAXLEN": str(REPLY_MAXLEN), "RSINFER_MAX_RUNNING": "8",
+       "RSINFER_REASONING_PARSER": "none", "RSINFER_TOOL_CALL_PARSER": "none"}
 KINDS = ("greedy", "seeded", "unseeded")
 ROOT = Path(__file__).resolve().parents[2]
 

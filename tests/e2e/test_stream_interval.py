@@ -1,0 +1,66 @@
+"""--stream-interval N: the scheduler merges N steps' tokens into one delta per choice. Clients get the same
+text, logprobs and finish reasons as with a delta per step (stop strings that fall inside a merged range
+included), in fewer chunks; a choice's first token is not held back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.conftest import MODEL, Stack, running_pipeline
+
+pytestmark = pytest.mark.timeout(120)
+INTERVAL = 4
+
+
+@pytest.fixture(scope="module")
+def merged(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
+    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "merge",
+                          RSINFER_STREAM_INTERVAL=str(INTERVAL)) as s:
+        yield s
+
+
+def streamed(stack: Stack, **body) -> tuple[dict[int, dict], list[int]]:
+    """Per choice: text, token logprobs and finish reason joined over the chunks; and the tokens per chunk."""
+    out: dict[int, dict] = {}
+    sizes: list[int] = []
+    ignore_eos = body.pop("ignore_eos", False)
+    for chunk in stack.client().completions.create(model=MODEL, stream=True, extra_body={"ignore_eos": ignore_eos},
+                                                   **body):
+        for c in chunk.choices:
+            acc = out.setdefault(c.index, {"text": "", "logprobs": [], "finish": None})
+            acc["text"] += c.text
+            if c.logprobs:
+                acc["logprobs"] += c.logprobs.token_logprobs
+                sizes.append(len(c.logprobs.token_logprobs))
+            acc["finish"] = c.finish_reason or acc["finish"]
+    return out, sizes
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=41),
+    dict(temperature=0.8, seed=11, n=2, max_tokens=30),
+], ids=["greedy", "seeded-n2"])
+def test_merged_steps_give_the_same_choices_in_fewer_chunks(stack, merged, params):
+    body = dict(prompt="The capital of France is", logprobs=1, ignore_eos=True, **params)
+    want, per_step = streamed(stack, **body)
+    got, per_chunk = streamed(merged, **body)
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i]["text"] == want[i]["text"] and got[i]["finish"] == want[i]["finish"] == "length"
+        assert got[i]["logprobs"] == pytest.approx(want[i]["logprobs"], abs=1e-4)
+    # (the API joins ranges that are ready together into one chunk, so a step's may hold more than one)
+    assert per_chunk[0] == 1  # the first token is not held back
+    assert max(per_chunk) >= INTERVAL and len(per_chunk) < len(per_step) / 2
+
+
+def test_a_stop_string_inside_a_merged_range_ends_the_text_where_it_would(stack, merged):
+    body = dict(prompt="Once upon a time", temperature=0, max_tokens=40, ignore_eos=True)
+    full, _ = streamed(stack, **body)
+    text = full[0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # lands inside some merged range
+    want, _ = streamed(stack, stop=[stop], **body)
+    got, _ = streamed(merged, stop=[stop], **body)
+    assert got[0]["text"] == want[0]["text"] == text[:text.index(stop)]
+    assert got[0]["finish"] == want[0]["finish"] == "stop"
