@@ -174,6 +174,20 @@ def rows(r: dict) -> list[Row]:
     out.append(Row("redis", "Redis commands per generated token (paged engine, 1 token per step)",
                    _fmt(cmds, ".2f"), "<= 1.1 at one token per step; <= 0.5 when steps are merged",
                    _check(cmds, 1.1, True)))
+    merged = _get(r, "merged", default={})
+    if merged:
+        k = merged["stream_interval"]
+        out.append(Row("merged", f"--stream-interval {k}: full pipeline / engine in-process",
+                       _fmt(merged.get("ratio_vs_engine"), ".2f", "x") + f" ({merged['tok_per_s']:,.0f} tok/s)",
+                       ">= 0.85x here", _check(merged.get("ratio_vs_engine"), 0.85, False)))
+        mcpu = merged.get("us_per_token", {})
+        for stage in ("api", "detokenizer"):
+            out.append(Row("merged", f"--stream-interval {k}: CPU per generated token: {stage}",
+                           _fmt(mcpu.get(stage), ",.1f", " µs"), f"<= {goals[stage]:.0f} µs",
+                           _check(mcpu.get(stage), goals[stage], True)))
+        out.append(Row("merged", f"--stream-interval {k}: Redis commands per generated token",
+                       _fmt(merged.get("redis_cmds_per_token"), ".2f"), "<= 0.5 when steps are merged",
+                       _check(merged.get("redis_cmds_per_token"), 0.5, True)))
     syn = _get(r, "synthetic", default={})
     for key, label in (("api1", "one API process"), ("api2", "two API processes")):
         run = syn.get(key)

@@ -59,7 +59,8 @@ RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"
 DOCS = ROOT / "docs" / "benchmarks.md"
 HISTORY = ROOT / "bench" / "results" / "history.jsonl"  # one headline line per run written to RESULTS
-SECTIONS = ("engine", "pipeline", "cpu", "transformers", "synthetic", "10k")
+SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k")
+MERGED_INTERVAL = 4  # --stream-interval of the merged-steps section
 STEP_MS = 20.0
 PROMPT_LEN, OUTPUT_LEN = 64, 64
 
@@ -165,6 +166,32 @@ def engine_and_pipeline(stack: BenchStack, model_dir: str, name: str, size: dict
         results["pipeline"]["ratio_vs_engine"] = round(median(ratios), 3)
         say(f"  engine {results['engine']['tok_per_s']:,.0f} tok/s; pipeline / engine in-process, median of the "
             f"pairs: {median(ratios):.2f}x")
+
+
+def merged_section(model_dir: str, name: str, size: dict, results: dict) -> None:
+    """(g) the pipeline workload and the CPU one again with the scheduler merging MERGED_INTERVAL steps into one
+    delta per choice (--stream-interval): what the plumbing costs per token when it pays per delta."""
+    env = {"scheduler": {"RSINFER_STREAM_INTERVAL": str(MERGED_INTERVAL)}}
+    with BenchStack(model_dir, name, env=env) as stack:
+        url = stack.urls[0]
+        run_load([url], [completion_body(name, p, 16) for p in id_prompts(8, 1)], 8)  # warm-up
+        runs = []
+        for i in range(size["runs"]):
+            bodies = [completion_body(name, p, OUTPUT_LEN) for p in id_prompts(64, 100 + i)]
+            runs.append(run_load([url], bodies, concurrency=64).summary())
+            say(f"    run {i + 1}/{size['runs']}: {runs[-1]['tok_per_s']:,.0f} tok/s, TTFT p50 "
+                f"{runs[-1]['ttft_p50_ms']:.0f} ms, ITL p50 {runs[-1]['itl_p50_ms']:.0f} ms")
+        merged = {"stream_interval": MERGED_INTERVAL, "tok_per_s": median([r["tok_per_s"] for r in runs]),
+                  "runs": runs, **cpu_run(stack, name, size)}
+    engine = _get_engine(results)
+    if engine:
+        merged["ratio_vs_engine"] = round(merged["tok_per_s"] / engine, 3)
+        say(f"  merged pipeline / engine in-process: {merged['ratio_vs_engine']:.2f}x")
+    results["merged"] = merged
+
+
+def _get_engine(results: dict) -> float | None:
+    return (results.get("engine") or {}).get("tok_per_s")
 
 
 def median(values: list[float]) -> float:
@@ -434,6 +461,10 @@ def main() -> int:
         cpu = results["cpu"]
         cpu["scheduler_plumbing"] = round(cpu["us_per_token"]["scheduler"] / cpu["engine_alone_us_per_token"] - 1, 3)
         say(f"  scheduler plumbing over the engine alone: {cpu['scheduler_plumbing']:+.0%}")
+    if "merged" in want:
+        say(f"(g) the pipeline with merged steps (--stream-interval {MERGED_INTERVAL}): 64 requests x 64 prompt x 64 "
+            f"out, then the CPU workload")
+        merged_section(model_dir, name, size, results)
     if "synthetic" in want:
         say(f"(d) synthetic engine, {STEP_MS:.0f} ms step")
         synthetic_section(model_dir, name, size, results)

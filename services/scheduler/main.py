@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 CONTEXT_TOKENS = 8
 SWEEP_EVERY_S = 1.0  # how often abort flags, owners' heartbeats and request records are checked
 ABORTS_PER_READ = 1000
+TTL_REFRESH_S = 60.0  # at most this long between refreshes of a running request's TTLs (a tenth of the TTL if less)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Running:
     epoch: int = 0  # raised by every takeover; on every delta, so a successor's fence refuses ours
     checkpointed: int = 0  # tokens (all choices) at the last checkpoint written to the reply stream
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
+    refreshed: float = field(default_factory=time.monotonic)  # when its keys' TTLs were last set
 
     @property
     def window(self) -> int:
@@ -363,16 +365,22 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         were stalled. Refreshes the TTLs of the rest."""
         runs = list(self.running.values())
         pods = sorted({r.job.pod for r in runs})
+        # TTLs are refreshed a few times per TTL, not every sweep: two commands per running request a second
+        # were most of what a long generation cost Redis beyond its tokens.
+        now, every = time.monotonic(), min(TTL_REFRESH_S, self.ttl / 10)
+        stale = [r for r in runs if now - r.refreshed >= every]
         async with self.redis.pipeline(transaction=False) as pipe:
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
             for r in runs:
                 pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
+            for r in stale:
                 pipe.expire(self.keys.request(r.job.uid), self.ttl)
                 pipe.expire(self.keys.reply(r.job.uid), self.ttl)
+                r.refreshed = now
             found = await pipe.execute()
         alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
-        owners = found[len(pods)::3]
+        owners = found[len(pods):len(pods) + len(runs)]
         out = {}
         for r, (owner, epoch) in zip(runs, owners, strict=True):
             if owner is None:

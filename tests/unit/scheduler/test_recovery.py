@@ -232,3 +232,22 @@ async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(m
     await pump(owner, detok)
     client = delivered(await replies(owner, "u6"))
     assert client.done and client.next == [60]
+
+
+async def test_the_sweep_refreshes_a_running_requests_ttls_a_few_times_per_ttl_not_every_second(make):
+    w, detok = await make("solo", request_ttl_s=600), make.detokenizer()
+    await streams.add(w.redis, w.source.key, job("u7", 500))
+    await w.admit(await w.source.read(1, None), claimed=False)
+    await w.work()
+    await w.flush()
+    await detokenize(detok)
+    keys = [w.keys.request("u7"), w.keys.reply("u7")]
+    for key in keys:
+        await w.redis.expire(key, 100)
+    w._last.pop("sweep", None)
+    await w.work()
+    assert [0 < await w.redis.ttl(k) <= 100 for k in keys] == [True, True]  # checked (owner, epoch), not refreshed
+    w.running["u7"].refreshed -= 61
+    w._last.pop("sweep", None)
+    await w.work()
+    assert [await w.redis.ttl(k) > 500 for k in keys] == [True, True]
