@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--only", default="", help=f"comma-separated sections of {','.join(SECTIONS)}; merged into "
                     "the last results")
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
+    ap.add_argument("--tf-load", default="64,32,64", help="transformers section: requests,concurrency,max_tokens "
+                    "(the issue's 0.6B-shape comparison: 32,16,32)")
     ap.add_argument("--report-only", action="store_true", help="only regenerate docs/benchmarks.md and plots")
     ap.add_argument("--out", default=str(RESULTS), help="results JSON")
     ap.add_argument("--big-streams", type=int, default=10_000, help="streams of the 10k section")
@@ -136,9 +138,10 @@ def pipeline_sections(model_dir: str, name: str, size: dict, want: set[str], res
         if "cpu" in want:
             results["cpu"] = {**results.get("cpu", {}), **cpu_run(stack, name, size)}
         if "transformers" in want:
+            load = tuple(int(x) for x in size["tf_load"].split(","))
             say("(f) vs transformers serve --continuous-batching (OMP_NUM_THREADS=1), the openai client for both: "
-                "64 requests, 32 concurrent, 64 tokens, runs interleaved")
-            results["vs_transformers"] = versus_transformers(url, name, model_dir, size["tf_runs"])
+                f"{load[0]} requests, {load[1]} concurrent, {load[2]} tokens, runs interleaved")
+            results["vs_transformers"] = versus_transformers(url, name, model_dir, size["tf_runs"], load)
 
 
 def engine_and_pipeline(stack: BenchStack, model_dir: str, name: str, size: dict, engine: bool,
@@ -235,7 +238,8 @@ RSINFER_BODY = {"ignore_eos": True}
 TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 
 
-def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int) -> dict:
+def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int,
+                        load: tuple[int, int, int] = (64, 32, OUTPUT_LEN)) -> dict:
     """rsinfer (already up) and `transformers serve --continuous-batching`, each warmed up, then their runs
     interleaved so that load from other processes falls on both alike (each idles near 0% CPU)."""
     why = transformers_available()
@@ -249,11 +253,12 @@ def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int) -
         out: dict[str, list[dict]] = {k: [] for k in systems}
         for i in range(runs):
             for key, (url, model, body) in systems.items():
-                s = asyncio.run(openai_load(url, model, 64, 32, OUTPUT_LEN, body))
+                s = asyncio.run(openai_load(url, model, *load, body))
                 out[key].append(s)
                 say(f"    run {i + 1}/{runs} {key:>12}: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} "
                     f"ms, {s['ok']}/{s['requests']} ok {s['error_counts'] or ''}")
     result = {k: {**sorted(v, key=lambda s: s["tok_per_s"])[len(v) // 2], "runs": v} for k, v in out.items()}
+    result["load"] = dict(zip(("requests", "concurrency", "max_tokens"), load, strict=True))
     say(f"  rsinfer / transformers: {result['rsinfer']['tok_per_s'] / result['transformers']['tok_per_s']:.2f}x")
     return result
 
@@ -430,7 +435,7 @@ def main() -> int:
     unknown = want - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    size = SIZES["full" if args.full else "quick"]
+    size = {**SIZES["full" if args.full else "quick"], "tf_load": args.tf_load}
     raise_fd_limit()
     if args.model:
         model_dir, name = args.model, Path(args.model).name
