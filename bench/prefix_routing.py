@@ -11,7 +11,8 @@ previous one answered: streamed `/generate` requests (greedy, ignore_eos, `--max
 on CPU, where prefill costs.
 
 Per configuration a fresh stack (redis-server, a tokenizer with or without `--prefix-routing`, N schedulers, a
-detokenizer, the API), warmed up with one request outside the workload, then the workload once. Figures: the
+detokenizer, the API), warmed up with one request outside the workload, then the workload once (the whole matrix
+`--repeat` times: the summary takes medians; one run moves with the machine's load). Figures: the
 prefix hit rate (prompt tokens the schedulers read from their prefix caches, their heartbeats'
 `prefix_hit_tokens`, over prompt tokens sent), the share of requests routed to a scheduler's own stream (their
 records' schedule entry), TTFT p50/p99, output tokens/s and prompt tokens/s over the wall time. Prints them and
@@ -25,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,8 +197,11 @@ def routed_share(redis_url: str) -> tuple[int, int]:
 
 
 def measure(model_dir: str, name: str, schedulers: int, routing: bool, w: Workload, concurrency: int,
-            say=print) -> dict:
-    env = {"scheduler": SCHEDULER_ENV, "tokenizer": {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"},
+            load_tokens: float | None = None, say=print) -> dict:
+    tokenizer = {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"}
+    if load_tokens is not None:
+        tokenizer["RSINFER_PREFIX_ROUTING_LOAD_TOKENS"] = str(load_tokens)
+    env = {"scheduler": SCHEDULER_ENV, "tokenizer": tokenizer,
            "api": {"RSINFER_MAX_QUEUED": str(4 * w.requests)}}
     label = f"{schedulers} schedulers, {'prefix routing' if routing else 'shared stream'}"
     with BenchStack(model_dir, name, env=env, schedulers=schedulers) as stack:
@@ -240,24 +245,31 @@ def run(model_dir: str, name: str, args: argparse.Namespace, say=print) -> dict:
         f"conversations x {args.turns} turns (+{args.user_tokens} user tokens, {args.max_tokens} answer tokens "
         f"each), {args.concurrency} at a time; {w.requests} requests per configuration")
     runs = []
-    for n in args.schedulers:
-        for routing in (False, True):
-            runs.append(measure(model_dir, name, n, routing, w, args.concurrency, say))
-    summary = {}
-    for n in args.schedulers:
-        shared, routed = (next(r for r in runs if r["schedulers"] == n and r["routing"] == flag) for flag in (0, 1))
-        summary[str(n)] = {"hit_rate": [shared["hit_rate"], routed["hit_rate"]],
-                           "ttft_p50_ms": [shared["ttft_p50_ms"], routed["ttft_p50_ms"]],
-                           "ttft_p99_ms": [shared["ttft_p99_ms"], routed["ttft_p99_ms"]],
-                           "output_tok_per_s": [shared["output_tok_per_s"], routed["output_tok_per_s"]],
-                           "throughput_ratio": round(routed["output_tok_per_s"] / shared["output_tok_per_s"], 3)
-                           if shared["output_tok_per_s"] else None}
+    for k in range(args.repeat):
+        for n in args.schedulers:
+            for routing in (False, True):
+                runs.append({**measure(model_dir, name, n, routing, w, args.concurrency, args.load_tokens, say),
+                             "repeat": k})
     return {"config": {k: v for k, v in vars(args).items() if k != "output"} | {"requests": w.requests,
                                                                               "scheduler_env": SCHEDULER_ENV},
             "meta": {"started_at": started, "cpus": os.cpu_count(), "commit": commit()},
-            "runs": runs, "summary": summary}
+            "runs": runs, "summary": summarize(runs, args.schedulers)}
 
 
+def summarize(runs: list[dict], counts: list[int]) -> dict:
+    """Per scheduler count, [shared stream, prefix routing] of each figure: the median over the repeats."""
+    out = {}
+    for n in counts:
+        pair = [[r for r in runs if r["schedulers"] == n and r["routing"] == flag] for flag in (False, True)]
+
+        def med(key: str, pair=pair) -> list[float]:
+            return [statistics.median(r[key] for r in side) for side in pair]
+
+        tps = med("output_tok_per_s")
+        out[str(n)] = {"hit_rate": med("hit_rate"), "ttft_p50_ms": med("ttft_p50_ms"),
+                       "ttft_p99_ms": med("ttft_p99_ms"), "output_tok_per_s": tps,
+                       "throughput_ratio": round(tps[1] / tps[0], 3) if tps[0] else None}
+    return out
 def commit() -> str:
     import subprocess
 
@@ -278,6 +290,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--user-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--load-tokens", type=float, default=None, help="the tokenizer's --prefix-routing-load-tokens "
+                    "(default: its default)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the whole matrix this many times; the summary "
+                    "takes the medians")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=str(RESULTS))
     return ap

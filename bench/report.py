@@ -231,6 +231,10 @@ def prefix_rows(pr: dict) -> list[Row]:
     return out
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def prefix_section(pr: dict) -> list[str]:
     """The routing section of docs/benchmarks.md: every configuration's figures, and how they were measured."""
     runs, cfg, meta = pr.get("runs", []), pr.get("config", {}), pr.get("meta", {})
@@ -244,8 +248,10 @@ def prefix_section(pr: dict) -> list[str]:
              f"user tokens; {cfg.get('max_tokens')} answer tokens, greedy), {cfg.get('concurrency')} conversations at "
              "a time, streamed `/generate` on the demo model on CPU (one torch thread per scheduler, "
              f"{_get(cfg, 'scheduler_env', 'RSINFER_MAX_KV_TOKENS', default='?')} KV tokens each). A fresh stack per "
-             "row. Hit rate: prompt tokens the schedulers read from their prefix caches (their `prefix_hit_tokens`) "
-             "over prompt tokens sent; routed: requests admitted from a scheduler's own stream.", "",
+             f"row; load weight (`--prefix-routing-load-tokens`) {_or(cfg.get('load_tokens'), 'the default, 64')}; the "
+             "summary rows above take the medians of the repeats. Hit rate: prompt tokens the schedulers read from "
+             "their prefix caches (their `prefix_hit_tokens`) over prompt tokens sent; routed: requests admitted from "
+             "a scheduler's own stream.", "",
              "| schedulers | stream | hit rate | routed | TTFT p50 | TTFT p99 | output tok/s | prompt tok/s | wall | "
              "ok | load before |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -382,8 +388,8 @@ METHOD = [
     "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), each warmed up, both servers "
     "up at once (each idles near 0% CPU) and their runs interleaved; median of the runs.",
     "- **Prefix-aware routing**: `bench/prefix_routing.py`, described with its table above; each configuration "
-    "runs once on a fresh stack after one warm-up request, so its TTFT and throughput move with the machine's "
-    "load as much as the others (the hit rate and routed share do not).",
+    "runs on a fresh stack after one warm-up request, `--repeat` times (the summary rows take medians), so its TTFT "
+    "and throughput move with the machine's load as much as the others (the hit rate and routed share hardly do).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]

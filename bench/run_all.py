@@ -69,9 +69,9 @@ PROMPT_LEN, OUTPUT_LEN = 64, 64
 # quick / full sizes
 SIZES = {
     "quick": dict(runs=3, cpu_requests=256, syn_tokens=64, syn_waves=2, sweep_tokens=64, big_tokens=16, tf_runs=3,
-                  conversations=48),
+                  conversations=48, prefix_repeat=1),
     "full": dict(runs=5, cpu_requests=1024, syn_tokens=256, syn_waves=3, sweep_tokens=128, big_tokens=32, tf_runs=5,
-                 conversations=96),
+                 conversations=48, prefix_repeat=3),
 }
 
 T0 = time.monotonic()
@@ -379,7 +379,8 @@ def streams_10k_section(model_dir: str, name: str, size: dict, results: dict, ar
 
 
 def prefix_routing_section(model_dir: str, name: str, size: dict, results: dict) -> None:
-    args = prefix_routing.parser().parse_args(["--conversations", str(size["conversations"])])
+    args = prefix_routing.parser().parse_args(["--conversations", str(size["conversations"]),
+                                               "--repeat", str(size["prefix_repeat"])])
     out = prefix_routing.run(model_dir, name, args, say=lambda m: say(f"  {m.strip()}"))
     results["prefix_routing"] = out
     prefix_routing.RESULTS.write_text(json.dumps(out, indent=1) + "\n")
