@@ -251,7 +251,10 @@ def prefix_section(pr: dict) -> list[str]:
              f"row; load weight (`--prefix-routing-load-tokens`) {_or(cfg.get('load_tokens'), 'the default, 64')}; the "
              "summary rows above take the medians of the repeats. Hit rate: prompt tokens the schedulers read from "
              "their prefix caches (their `prefix_hit_tokens`) over prompt tokens sent; routed: requests admitted from "
-             "a scheduler's own stream.", "",
+             "a scheduler's own stream. With the shared stream every replica soon caches each system prompt it has "
+             "seen, so what it misses is a prompt's first sight on each replica and the turns of a conversation that "
+             "land on another replica than the turn before; routing saves those, and grows with the replicas, at the "
+             "cost of load imbalance while one replica holds what many requests want.", "",
              "| schedulers | stream | hit rate | routed | TTFT p50 | TTFT p99 | output tok/s | prompt tok/s | wall | "
              "ok | load before |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
