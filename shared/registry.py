@@ -102,9 +102,12 @@ class Heartbeat:
                 await pipe.execute()
 
 
-async def live_workers(redis: Redis, keys: Keys, ttl: float) -> list[WorkerInfo]:
+async def live_workers(redis: Redis, keys: Keys, ttl: float, role: str | None = None) -> list[WorkerInfo]:
+    """Workers whose heartbeat is younger than `ttl` (of one role, if given)."""
     members = await redis.zrangebyscore(keys.workers(), time.time() - ttl, "+inf")
     pairs = [m.decode().split(":", 1) for m in members]
+    if role is not None:
+        pairs = [p for p in pairs if p[0] == role]
     async with redis.pipeline(transaction=False) as pipe:
         for role, wid in pairs:
             pipe.hgetall(keys.worker(role, wid))

@@ -81,8 +81,8 @@ class Router:
         self.candidates = [
             Candidate(w.id, int(w.load.get("prefix_page_size") or 0),
                       float(w.load.get("running", 0)) + float(w.load.get("waiting", 0)), w.updated_at)
-            for w in await live_workers(self.redis, self.keys, self.ttl)
-            if w.role == "scheduler" and w.model == self.model and w.load.get("prefix_page_size")]
+            for w in await live_workers(self.redis, self.keys, self.ttl, role="scheduler")
+            if w.model == self.model and w.load.get("prefix_page_size")]
         beats = {c.id: c.beat_at for c in self.candidates}
         self.sent = {sid: [t for t in times if t > beats[sid]] for sid, times in self.sent.items() if sid in beats}
 
@@ -180,11 +180,13 @@ class SchedulerLanes:
                 ) -> Callable[[Any], None] | None:
         """The outbox write telling what the cache named and evicted since the last step (all of it after the set
         was lost), or None when there is nothing to tell."""
-        if not self.publishes or not (cached or evicted or self.resync):
+        if not self.publishes:
             return None
         if self.resync:
             self.resync = False
             cached = everything()
+        if not (cached or evicted):
+            return None
         added, removed = [d.hex() for d in cached], [d.hex() for d in evicted]
 
         def write(pipe: Any) -> None:

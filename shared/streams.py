@@ -314,7 +314,8 @@ class GroupConsumer(Generic[M]):
             resp = await self.redis.xreadgroup(self.group, self.consumer, {self.key: ">"},
                                                count=count, block=block_ms)
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            # UNBLOCKED: a stream a blocked read waited on was deleted (a peer ended a lane we drained too)
+            if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
                 raise
             log.warning("group %s on %s missing; recreating", self.group, self.key)
             await self.ensure_group()
