@@ -260,3 +260,30 @@ async def test_a_departed_schedulers_stream_ends_only_when_nothing_in_it_is_left
     assert not await redis.exists(key, pages)
     assert await redis.smembers(routed) == {b"other"}
     assert await end() == 1  # already gone: only its name, if any, to remove
+
+
+async def test_on_a_redis_cluster_lanes_routing_and_ending_name_keys_of_one_slot(redis_cluster):
+    """Every multi-key command routing adds (the ordered read, the blocking read over all streams, the end
+    script) works on a real cluster: the keys share the slot of the model's schedule stream."""
+    redis = connect(redis_cluster.url)
+    keys = Keys(f"c{uuid.uuid4().hex[:6]}")
+    try:
+        c = consumer(redis, keys, "s1")
+        await c.add_lane("s1", create=True)
+        await c.ensure_group()
+        await streams.add(redis, keys.schedule(MODEL), job("shared"))
+        await streams.add(redis, keys.scheduler_stream(MODEL, "s1"), job("own"))
+        assert [d.msg.uid for d in await c.read(10, None)] == ["own", "shared"]
+        assert await c.read(10, 50) == []  # XREADGROUP BLOCK over both streams
+        ids = prompt_pages(list(range(100, 140)), 16)
+        await redis.sadd(keys.cached_pages(MODEL, "s1"), *ids)
+        router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+        router.candidates = [Candidate("s1", 16, 0.0)]
+        assert await router.route([job("a", list(range(100, 140)))]) == ["s1"]
+        await redis.sadd(keys.routed(MODEL), "s1")
+        await c.ack(await c.pending_ids())
+        assert await streams.end_if_drained(redis, keys.scheduler_stream(MODEL, "s1"), "scheduler",
+                                            keys.cached_pages(MODEL, "s1"), keys.routed(MODEL), "s1") == 1
+        assert not await redis.exists(keys.scheduler_stream(MODEL, "s1"))
+    finally:
+        await redis.aclose()
