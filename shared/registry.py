@@ -109,8 +109,8 @@ async def live_workers(redis: Redis, keys: Keys, ttl: float, role: str | None = 
     if role is not None:
         pairs = [p for p in pairs if p[0] == role]
     async with redis.pipeline(transaction=False) as pipe:
-        for role, wid in pairs:
-            pipe.hgetall(keys.worker(role, wid))
+        for member_role, wid in pairs:
+            pipe.hgetall(keys.worker(member_role, wid))
         rows = await pipe.execute()
     out = []
     for row in rows:
