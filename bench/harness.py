@@ -46,11 +46,13 @@ def raise_fd_limit() -> int:
 
 
 class BenchStack:
-    """redis-server, one tokenizer, scheduler and detokenizer, and `apis` API processes, each its own process
-    (as `rsinfer up` runs them: one torch thread each but the scheduler's default); stopped in reverse order."""
+    """redis-server, one tokenizer, `schedulers` schedulers (one by default) and one detokenizer, and `apis` API
+    processes, each its own process (as `rsinfer up` runs them: one torch thread each but the scheduler's default);
+    stopped in reverse order."""
 
-    def __init__(self, model_dir: str, name: str, apis: int = 1, env: dict[str, dict[str, str]] | None = None):
-        self.model_dir, self.name, self.apis = model_dir, name, apis
+    def __init__(self, model_dir: str, name: str, apis: int = 1, env: dict[str, dict[str, str]] | None = None,
+                 schedulers: int = 1):
+        self.model_dir, self.name, self.apis, self.schedulers = model_dir, name, apis, schedulers
         self.role_env = env or {}
         self.log_dir = Path(tempfile.mkdtemp(prefix="rsinfer-bench-"))
         self.redis_server: RedisServer | None = None
@@ -82,7 +84,9 @@ class BenchStack:
     def start(self, timeout: float = 300.0) -> BenchStack:
         self.redis_server = RedisServer().start()
         for role in ("tokenizer", "scheduler", "detokenizer"):
-            self._spawn(role, role, {})
+            copies = self.schedulers if role == "scheduler" else 1
+            for i in range(copies):
+                self._spawn(f"{role}{i}" if copies > 1 else role, role, {})
         for i in range(self.apis):
             port = free_port()
             self.ports.append(port)

@@ -213,6 +213,7 @@ def rows(r: dict) -> list[Row]:
         added = big["itl_p99_ms"] - big["step_ms"]
         out.append(Row("10k", "ITL p99 added by the plumbing (ITL p99 - step)", _fmt(added, ",.1f", " ms"),
                        "<= 5 ms", _check(added, 5.0, True)))
+    out += prefix_rows(_get(r, "prefix_routing", default={}))
     tf = _get(r, "vs_transformers", default={})
     if tf.get("skipped"):
         out.append(Row("transformers", "vs transformers serve --continuous-batching", "skipped: " + tf["skipped"],
@@ -225,6 +226,58 @@ def rows(r: dict) -> list[Row]:
         out.append(Row("transformers", "TTFT p50, rsinfer vs transformers",
                        f"{tf['rsinfer']['ttft_p50_ms']:,.0f} vs {tf['transformers']['ttft_p50_ms']:,.0f} ms", "", ""))
     return out
+
+
+def prefix_rows(pr: dict) -> list[Row]:
+    """Issue 14's routing figures, shared stream vs prefix routing per scheduler count (no goal is set)."""
+    out = []
+    for n, s in pr.get("summary", {}).items():
+        shared_hit, routed_hit = s["hit_rate"]
+        out.append(Row("routing", f"prefix hit rate, {n} schedulers: shared stream -> prefix routing",
+                       f"{shared_hit:.0%} -> {routed_hit:.0%}", "", ""))
+        out.append(Row("routing", f"TTFT p50 / p99, {n} schedulers: shared stream -> prefix routing",
+                       f"{s['ttft_p50_ms'][0]:,.0f} / {s['ttft_p99_ms'][0]:,.0f} -> {s['ttft_p50_ms'][1]:,.0f} / "
+                       f"{s['ttft_p99_ms'][1]:,.0f} ms", "", ""))
+        ratio = s.get("throughput_ratio")
+        out.append(Row("routing", f"output tokens/s, {n} schedulers: shared stream -> prefix routing",
+                       f"{s['output_tok_per_s'][0]:,.0f} -> {s['output_tok_per_s'][1]:,.0f}"
+                       + (f" ({ratio:.2f}x)" if ratio else ""), "", ""))
+    return out
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def prefix_section(pr: dict) -> list[str]:
+    """The routing section of docs/benchmarks.md: every configuration's figures, and how they were measured."""
+    runs, cfg, meta = pr.get("runs", []), pr.get("config", {}), pr.get("meta", {})
+    if not runs:
+        return []
+    lines = ["", "## Prefix-aware routing (issue 14)", "",
+             f"`bench/prefix_routing.py` (`make bench` section `prefix`), measured {meta.get('started_at', '?')}"
+             f"{', commit `' + meta['commit'] + '`' if meta.get('commit') else ''}: {cfg.get('system_prompts')} system "
+             f"prompts of {cfg.get('system_tokens')} token ids, {cfg.get('conversations')} conversations of "
+             f"{cfg.get('turns')} turns (each turn resends the conversation so far plus {cfg.get('user_tokens')} new "
+             f"user tokens; {cfg.get('max_tokens')} answer tokens, greedy), {cfg.get('concurrency')} conversations at "
+             "a time, streamed `/generate` on the demo model on CPU (one torch thread per scheduler, "
+             f"{_get(cfg, 'scheduler_env', 'RSINFER_MAX_KV_TOKENS', default='?')} KV tokens each). A fresh stack per "
+             f"row; load weight (`--prefix-routing-load-tokens`) {_or(cfg.get('load_tokens'), 'the default, 64')}; the "
+             "summary rows above take the medians of the repeats. Hit rate: prompt tokens the schedulers read from "
+             "their prefix caches (their `prefix_hit_tokens`) over prompt tokens sent; routed: requests admitted from "
+             "a scheduler's own stream. With the shared stream every replica soon caches each system prompt it has "
+             "seen, so what it misses is a prompt's first sight on each replica and the turns of a conversation that "
+             "land on another replica than the turn before; routing saves those, and grows with the replicas, at the "
+             "cost of load imbalance while one replica holds what many requests want.", "",
+             "| schedulers | stream | hit rate | routed | TTFT p50 | TTFT p99 | output tok/s | prompt tok/s | wall | "
+             "ok | load before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in runs:
+        lines.append(f"| {x['schedulers']} | {'prefix routing' if x['routing'] else 'shared'} | {x['hit_rate']:.0%} "
+                     f"| {x['routed']}/{x['admitted']} | {x['ttft_p50_ms']:,.0f} ms | {x['ttft_p99_ms']:,.0f} ms "
+                     f"| {x['output_tok_per_s']:,.0f} | {x['prompt_tok_per_s']:,.0f} | {x['wall_s']:.1f} s "
+                     f"| {x['ok']}/{x['requests']} | {x.get('loadavg_before', '')} |")
+    return lines
 
 
 def pipeline_ratio(r: dict) -> float | None:
@@ -314,6 +367,7 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None) -> st
         lines += ["", "## Redis commands per generated token, by command (paged engine run)", "",
                   "| command | calls | per token |", "|---|---|---|"]
         lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
+    lines += prefix_section(_get(r, "prefix_routing", default={}))
     if history:
         lines += ["", "## Run to run", "",
                   "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
@@ -350,6 +404,9 @@ METHOD = [
     "driven by the official `openai` AsyncOpenAI client: streamed chat completions, 64 tokens each "
     "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), each warmed up, both servers "
     "up at once (each idles near 0% CPU) and their runs interleaved; median of the runs.",
+    "- **Prefix-aware routing**: `bench/prefix_routing.py`, described with its table above; each configuration "
+    "runs on a fresh stack after one warm-up request, `--repeat` times (the summary rows take medians), so its TTFT "
+    "and throughput move with the machine's load as much as the others (the hit rate and routed share hardly do).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]

@@ -14,7 +14,10 @@ Sections (the demo model unless --model):
   synthetic    the synthetic engine at a 20 ms step: 512 streams through one API process, then two; a
                concurrency sweep 1..512 with TTFT/ITL p50/p99
   10k          10,000 streams open at once on one API process (synthetic engine): all delivered, RSS, ITL
-Writes bench/results/run_all.json, PNG plots in bench/results/plots/ and docs/benchmarks.md.
+  prefix       prefix-aware routing vs the shared stream with 2 and 4 schedulers on a prefix-heavy multi-turn
+               workload (bench/prefix_routing.py): prefix hit rate, TTFT, throughput
+Writes bench/results/run_all.json, PNG plots in bench/results/plots/ and docs/benchmarks.md (the prefix section
+also bench/results/prefix-routing.json, which `bench/prefix_routing.py` alone writes too; the page shows the newer).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
+from bench import prefix_routing, report  # noqa: E402
 from bench.harness import (  # noqa: E402
     BenchStack,
     completion_body,
@@ -59,15 +62,17 @@ RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"
 DOCS = ROOT / "docs" / "benchmarks.md"
 HISTORY = ROOT / "bench" / "results" / "history.jsonl"  # one headline line per run written to RESULTS
-SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k")
+SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k", "prefix")
 MERGED_INTERVAL = 4  # --stream-interval of the merged-steps section
 STEP_MS = 20.0
 PROMPT_LEN, OUTPUT_LEN = 64, 64
 
 # quick / full sizes
 SIZES = {
-    "quick": dict(runs=3, cpu_requests=256, syn_tokens=64, syn_waves=2, sweep_tokens=64, big_tokens=16, tf_runs=3),
-    "full": dict(runs=5, cpu_requests=1024, syn_tokens=256, syn_waves=3, sweep_tokens=128, big_tokens=32, tf_runs=5),
+    "quick": dict(runs=3, cpu_requests=256, syn_tokens=64, syn_waves=2, sweep_tokens=64, big_tokens=16, tf_runs=3,
+                  conversations=48, prefix_repeat=1),
+    "full": dict(runs=5, cpu_requests=1024, syn_tokens=256, syn_waves=3, sweep_tokens=128, big_tokens=32, tf_runs=5,
+                 conversations=48, prefix_repeat=3),
 }
 
 T0 = time.monotonic()
@@ -402,6 +407,27 @@ def streams_10k_section(model_dir: str, name: str, size: dict, results: dict, ar
             f"{big['tok_per_s']:,.0f} tok/s {big['error_counts'] or ''}")
 
 
+# ---- (g) prefix-aware routing
+
+
+def prefix_routing_section(model_dir: str, name: str, size: dict, results: dict) -> None:
+    args = prefix_routing.parser().parse_args(["--conversations", str(size["conversations"]),
+                                               "--repeat", str(size["prefix_repeat"])])
+    out = prefix_routing.run(model_dir, name, args, say=lambda m: say(f"  {m.strip()}"))
+    results["prefix_routing"] = out
+    prefix_routing.RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def newest_prefix_routing(results: dict) -> None:
+    """The prefix section as last measured, by `make bench` or by bench/prefix_routing.py alone."""
+    if not prefix_routing.RESULTS.exists():
+        return
+    alone = json.loads(prefix_routing.RESULTS.read_text())
+    mine = results.get("prefix_routing", {})
+    if alone.get("meta", {}).get("started_at", "") > mine.get("meta", {}).get("started_at", ""):
+        results["prefix_routing"] = alone
+
+
 # ---- the run
 
 
@@ -428,6 +454,7 @@ def main() -> int:
     out = Path(args.out)
     if args.report_only:
         results = report.load(out)
+        newest_prefix_routing(results)
         report.write_docs(results, DOCS, PLOTS, report.read_history(HISTORY))
         print(f"wrote {DOCS.relative_to(ROOT)} and plots from {_shown(out)}")
         return 0
@@ -476,6 +503,11 @@ def main() -> int:
     if "10k" in want:
         say("(e) 10,000 streams on one API process (synthetic engine)")
         streams_10k_section(model_dir, name, size, results, args)
+    if "prefix" in want:
+        say("(g) prefix-aware routing vs the shared stream, 2 and 4 schedulers (bench/prefix_routing.py)")
+        prefix_routing_section(model_dir, name, size, results)
+    else:
+        newest_prefix_routing(results)
     results["meta"]["loadavg_after"] = loadavg()
     results["meta"]["duration_s"] = round(time.monotonic() - T0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,17 @@ No other module spells a key. A namespace prefix lets several releases share one
 On a Redis Cluster a command that names several keys must find them in one hash slot. Every key of a request
 carries its uid as hash tag (`{<uid>}`): its record, reply stream and abort flags share a slot, and the API makes
 the uids its reply hub shard reads together fall in that shard's slot, the slot of its control stream's tag
-(shared/slots.py). Stage streams have no tag: each model's streams spread over the cluster by their names.
+(shared/slots.py). Stage streams have no tag: each model's streams spread over the cluster by their names. The keys
+of prefix-aware routing (a scheduler's own stream, the pages it caches, who has a stream) carry a tag in the slot of
+the model's schedule stream (`routing_tag`), so that one XREADGROUP reads a scheduler's own stream and the shared
+one, and one script ends a departed scheduler's stream and its set together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shared.slots import key_slot, tag_in_slot
 
 TOKENIZER_GROUP = "tokenizer"
 SCHEDULER_GROUP = "scheduler"
@@ -29,6 +34,24 @@ class Keys:
 
     def schedule(self, model: str) -> str:
         return f"{self.namespace}:schedule:{model}"
+
+    def routing_tag(self, model: str) -> str:
+        """Hash tag in the slot of the model's (untagged) schedule stream: every routing key of the model has it."""
+        return tag_in_slot(key_slot(self.schedule(model)))
+
+    def scheduler_stream(self, model: str, scheduler_id: str) -> str:
+        """One scheduler's own stream of schedule jobs, beside the shared one (same group `scheduler`): the
+        tokenizer routes there the jobs whose prefix that scheduler caches
+        (docs/design.md, "Prefix-aware routing")."""
+        return f"{self.namespace}:schedule:{model}:{{{self.routing_tag(model)}}}:{scheduler_id}"
+
+    def cached_pages(self, model: str, scheduler_id: str) -> str:
+        """Set of the hex digests of the full KV pages a scheduler's prefix cache holds."""
+        return f"{self.namespace}:pages:{model}:{{{self.routing_tag(model)}}}:{scheduler_id}"
+
+    def routed(self, model: str) -> str:
+        """Set of the ids of the model's schedulers that have a stream of their own (live or not yet drained)."""
+        return f"{self.namespace}:routed:{model}:{{{self.routing_tag(model)}}}"
 
     def detokenize(self, model: str) -> str:
         return f"{self.namespace}:detokenize:{model}"

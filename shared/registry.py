@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -46,6 +47,9 @@ class Heartbeat:
         self.redis, self.keys, self.role, self.id, self.model = redis, keys, role, worker_id, model
         self.interval, self.ttl, self.load = interval, ttl, load
         self.card = card  # what this stage knows of its model (`root`, `max_model_len`, ...): declares it
+        # Queues more commands on each beat's pipeline (keys whose life follows the heartbeat) and returns what to
+        # do with their replies, if anything.
+        self.extra: Callable[[Any], Callable[[list], None] | None] | None = None
         self.started_at = time.time()
         self._task: asyncio.Task | None = None
 
@@ -65,7 +69,11 @@ class Heartbeat:
             if self.card is not None and self.model:
                 pipe.hset(self.keys.models(), f"{self.role}:{self.model}",
                           json.dumps(self.card(), separators=(",", ":"), sort_keys=True))
-            await pipe.execute()
+            own = len(pipe)
+            then = self.extra(pipe) if self.extra is not None else None
+            replies = await pipe.execute()
+        if then is not None:
+            then(replies[own:])
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.role}")
@@ -94,12 +102,15 @@ class Heartbeat:
                 await pipe.execute()
 
 
-async def live_workers(redis: Redis, keys: Keys, ttl: float) -> list[WorkerInfo]:
+async def live_workers(redis: Redis, keys: Keys, ttl: float, role: str | None = None) -> list[WorkerInfo]:
+    """Workers whose heartbeat is younger than `ttl` (of one role, if given)."""
     members = await redis.zrangebyscore(keys.workers(), time.time() - ttl, "+inf")
     pairs = [m.decode().split(":", 1) for m in members]
+    if role is not None:
+        pairs = [p for p in pairs if p[0] == role]
     async with redis.pipeline(transaction=False) as pipe:
-        for role, wid in pairs:
-            pipe.hgetall(keys.worker(role, wid))
+        for member_role, wid in pairs:
+            pipe.hgetall(keys.worker(member_role, wid))
         rows = await pipe.execute()
     out = []
     for row in rows:

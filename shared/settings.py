@@ -81,6 +81,11 @@ class TokenizerSettings(StageSettings):
         "auto", description="how the model marks its thinking; auto = qwen3 when the template has <think>")
     # An entry is handled within milliseconds, and a dead one's entries stall every stream behind them.
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
+    prefix_routing: bool = Field(False, description="send each job to the scheduler whose prefix cache holds the "
+                                 "most of its prompt (weighted by load), through that scheduler's own stream; off "
+                                 "or no hit: the model's shared schedule stream")
+    prefix_routing_load_tokens: float = Field(64.0, ge=0, description="prefix routing: each request a scheduler "
+                                              "runs or queues counts as this many cached prompt tokens less")
 
 
 class DetokenizerSettings(StageSettings):

@@ -11,6 +11,7 @@ flip alone moves it: 14 independent flips reach any slot. The uid stays 32 lower
 from __future__ import annotations
 
 import binascii
+import functools
 import secrets
 
 from redis.crc import key_slot as _key_slot
@@ -70,3 +71,13 @@ def uid_in_slot(slot: int) -> str:
         if flips >> pos & 1:
             chars[pos] ^= 1
     return chars.decode()
+
+
+@functools.lru_cache(maxsize=256)
+def tag_in_slot(slot: int) -> str:
+    """The smallest decimal number whose key_slot as a hash tag is `slot`: a short tag every process computes
+    alike, so keys that must share a slot with an untagged key can be named by anyone (shared/keys.py)."""
+    n = 0
+    while _crc(str(n).encode()) != slot:
+        n += 1
+    return str(n)

@@ -75,6 +75,54 @@ return lost
 """
 
 
+# Reads the streams named in KEYS in order, up to ARGV[3] new entries in all: a scheduler's own stream before the
+# shared one, never more than its engine has room for. Streams whose group is missing are returned apart, for the
+# caller to recreate.
+_READ_IN_ORDER = """
+local got, missing, left = {}, {}, tonumber(ARGV[3])
+for i = 1, #KEYS do
+  if left <= 0 then break end
+  local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
+  if type(r) == 'table' and r.err then
+    table.insert(missing, KEYS[i])
+  elseif r then
+    table.insert(got, r[1])
+    left = left - #r[1][2]
+  end
+end
+return {got, missing}
+"""
+
+# KEYS: a stream, a key that lives and dies with it, a set; ARGV: the group, the stream's member in the set.
+_END_IF_DRAINED = """
+local function after(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+  if last then
+    local delivered = nil
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+      local f = {}
+      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+      if f['name'] == ARGV[1] then
+        if f['pending'] > 0 then return 0 end
+        delivered = f['last-delivered-id']
+      end
+    end
+    if not delivered or after(last[1], delivered) then return 0 end
+  end
+  redis.call('DEL', KEYS[1])
+end
+redis.call('DEL', KEYS[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+return 1
+"""
+
+
 class Appender:
     """Appends entries to many streams in one EVALSHA per hash slot (a standalone Redis has one slot)."""
 
@@ -172,32 +220,107 @@ class Delivery(Generic[M]):
 
 
 class GroupConsumer(Generic[M]):
-    """One consumer in one consumer group of one stream, decoding entries into `typ`.
+    """One consumer in one consumer group of one stream, decoding entries into `typ`, and of the lanes beside it.
 
     An entry that cannot be decoded goes to the dead-letter stream with the error and is acknowledged:
     the worker goes on.
+
+    Lanes are more streams of the same group, read before the main one: a scheduler's own stream and those of
+    departed peers it drains (docs/design.md, "Prefix-aware routing"). `lane_key` names a lane's stream, which
+    must lie in the main stream's hash slot (one XREADGROUP reads them all). An entry of a lane is known by the
+    reference `<lane>/<entry id>` (an entry id has no `/`), of the main stream by its id: whatever takes an id
+    here (acknowledge, touch, hand back) takes a reference, so a worker holds entries of several streams as it
+    holds those of one.
     """
 
-    def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str):
+    def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str,
+                 lane_key: Callable[[str], str] | None = None):
         self.redis, self.key, self.group, self.consumer = redis, key, group, consumer
         self.typ, self.dead_key = typ, dead_key
-        self.claim_cursor = "0-0"
+        self.lane_key = lane_key
+        self.lanes: dict[str, bool] = {}  # lane -> create its stream if missing; in reading order
+        self._lane_at: dict[str, str] = {}  # stream key -> lane
+        self.cursors: dict[str, str] = {}  # XAUTOCLAIM cursor per stream key
 
+    @property
+    def claim_cursor(self) -> str:
+        return self.cursors.get(self.key, "0-0")
+
+    # -- references: which stream an entry is in
+    def ref(self, key: str, entry_id: str) -> str:
+        return entry_id if key == self.key else f"{self._lane_at[key]}/{entry_id}"
+
+    def locate(self, ref: str) -> tuple[str, str]:
+        """(stream key, entry id) of a reference."""
+        lane, sep, entry_id = ref.rpartition("/")
+        if not sep or self.lane_key is None:
+            return self.key, ref
+        return self.lane_key(lane), entry_id
+
+    def by_stream(self, refs: Sequence[str]) -> dict[str, list[str]]:
+        """Entry ids per stream key, in the order given."""
+        out: dict[str, list[str]] = {}
+        for r in refs:
+            key, entry_id = self.locate(r)
+            out.setdefault(key, []).append(entry_id)
+        return out
+
+    def streams(self) -> list[str]:
+        """Every stream this consumer reads, lanes first."""
+        return [*self._lane_at, self.key]
+
+    # -- groups and lanes
     async def ensure_group(self) -> None:
-        """Create the group at 0, not `$`, so a backlog written before the first worker is read."""
-        try:
-            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        """Create the group at 0, not `$`, so a backlog written before the first worker is read (on the main
+        stream and every lane; a lane not made here whose stream is gone is let go)."""
+        await self._create(self.key, mkstream=True)
+        for key, lane in list(self._lane_at.items()):
+            if not await self._create(key, mkstream=self.lanes[lane]):
+                self.drop_lane(lane)
 
+    async def _create(self, key: str, mkstream: bool) -> bool:
+        """Whether `key` has the group now."""
+        try:
+            await self.redis.xgroup_create(key, self.group, id="0", mkstream=mkstream)
+        except ResponseError as e:
+            if "BUSYGROUP" in str(e):
+                return True
+            if not mkstream:  # "requires the key to exist": the stream is gone
+                return False
+            raise
+        return True
+
+    async def add_lane(self, lane: str, create: bool) -> bool:
+        """Read `lane` too (before the main stream, after earlier lanes); `create`: make its stream if missing,
+        else a lane whose stream is gone is not added. Whether it is read now."""
+        if lane in self.lanes:
+            return True
+        assert self.lane_key is not None, "this consumer has no lanes"
+        key = self.lane_key(lane)
+        if not await self._create(key, mkstream=create):
+            return False
+        self.lanes[lane] = create
+        self._lane_at[key] = lane
+        return True
+
+    def drop_lane(self, lane: str) -> None:
+        """Stop reading and claiming a lane (entries already held there stay ours, acknowledged as before)."""
+        if self.lanes.pop(lane, None) is not None and self.lane_key is not None:
+            key = self.lane_key(lane)
+            self._lane_at.pop(key, None)
+            self.cursors.pop(key, None)
+
+    # -- reading and claiming
     async def read(self, count: int, block_ms: int | None) -> list[Delivery[M]]:
         """New entries (`>`). Recreates the group if it vanished (Redis restarted or key deleted)."""
         try:
+            if self.lanes:
+                return await self._read_lanes(count, block_ms)
             resp = await self.redis.xreadgroup(self.group, self.consumer, {self.key: ">"},
                                                count=count, block=block_ms)
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            # UNBLOCKED: a stream a blocked read waited on was deleted (a peer ended a lane we drained too)
+            if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
                 raise
             log.warning("group %s on %s missing; recreating", self.group, self.key)
             await self.ensure_group()
@@ -205,96 +328,123 @@ class GroupConsumer(Generic[M]):
         entries = resp[0][1] if resp else []
         return await self.decode_all([(_s(eid), f) for eid, f in entries])
 
+    async def _read_lanes(self, count: int, block_ms: int | None) -> list[Delivery[M]]:
+        """Up to `count` entries, lanes first (one script); if none and `block_ms`, one XREADGROUP BLOCK over all
+        streams, at most count / streams from each, so that it never takes more than `count` either."""
+        keys = self.streams()
+        got, missing = await self.redis.eval(_READ_IN_ORDER, len(keys), *keys, self.group, self.consumer, count)
+        if missing:
+            log.warning("group %s missing on %s; recreating", self.group, ", ".join(_s(k) for k in missing))
+            await self.ensure_group()
+        entries = [(self.ref(_s(key), _s(eid)), _fields(f)) for key, rows in got for eid, f in rows]
+        if not entries and block_ms is not None and not missing:
+            resp = await self.redis.xreadgroup(self.group, self.consumer, dict.fromkeys(keys, ">"),
+                                               count=max(1, count // len(keys)), block=block_ms)
+            entries = [(self.ref(_s(key), _s(eid)), f) for key, rows in resp or [] for eid, f in rows]
+        return await self.decode_all(entries)
+
     async def claim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
-        """Take over entries another consumer has held longer than min_idle_ms (it died or hung).
+        """Take over entries another consumer has held longer than min_idle_ms (it died or hung), up to `count`
+        from each stream (one round trip for all).
 
         XAUTOCLAIM scans at most count x 10 pending entries per call, so the cursor it returns is where the
         next call goes on: starting every call at 0-0 would never get past live peers' many entries to a dead
         one's behind them. It comes back to 0-0 when the scan has gone round."""
-        try:
-            nxt, entries, _deleted = await self.redis.xautoclaim(
-                self.key, self.group, self.consumer, min_idle_time=min_idle_ms, start_id=self.claim_cursor,
-                count=count)
-        except ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            await self.ensure_group()
-            return []
-        self.claim_cursor = _s(nxt)
-        live = [(_s(eid), f) for eid, f in entries if f is not None]
+        keys = self.streams()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.xautoclaim(key, self.group, self.consumer, min_idle_time=min_idle_ms,
+                                start_id=self.cursors.get(key, "0-0"), count=count)
+            results = await pipe.execute(raise_on_error=False)
+        live: list[tuple[str, dict[bytes, bytes]]] = []
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, ResponseError):
+                if "NOGROUP" not in str(result):
+                    raise result
+                await self.ensure_group()
+                continue
+            nxt, entries = result[0], result[1]
+            self.cursors[key] = _s(nxt)
+            live += [(self.ref(key, _s(eid)), f) for eid, f in entries if f is not None]
         return await self.decode_all(live)
 
     async def touch(self, ids: Sequence[str]) -> list[str]:
         """Reset the idle time of the entries we hold and still work on, so that peers claim only the entries
         of a consumer that died or hung; returns those of `ids` no longer ours (a peer claimed them while we
-        were stalled). Only entries still ours are touched, checked and claimed in one script: XCLAIM would
-        take a peer's entry back (a SIGSTOP between a check and a claim is enough), and the two owners would
-        take it from each other for ever."""
+        were stalled). Only entries still ours are touched, checked and claimed in one script per stream:
+        XCLAIM would take a peer's entry back (a SIGSTOP between a check and a claim is enough), and the two
+        owners would take it from each other for ever."""
         if not ids:
             return []
+        per_stream = self.by_stream(ids)
         # EVAL, not EVALSHA, as in Appender.queue
-        lost = await self.redis.eval(_TOUCH, 1, self.key, self.group, self.consumer, *ids)
-        return [_s(i) for i in lost]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, entry_ids in per_stream.items():
+                pipe.eval(_TOUCH, 1, key, self.group, self.consumer, *entry_ids)
+            lost = await pipe.execute()
+        return [self.ref(key, _s(i)) for key, gone in zip(per_stream, lost, strict=True) for i in gone]
 
     async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
         """Give pending entries to another consumer name with idle time maxed, so a peer's claim
         takes them at once (graceful shutdown)."""
-        if ids:
-            await self.redis.xclaim(self.key, self.group, to_consumer, min_idle_time=0,
-                                    message_ids=list(ids), idle=10**9, justid=True)
+        for key, entry_ids in self.by_stream(ids).items():
+            await self.redis.xclaim(key, self.group, to_consumer, min_idle_time=0,
+                                    message_ids=entry_ids, idle=10**9, justid=True)
 
+    # -- upkeep
     async def remove_departed(self, alive: set[str], idle_ms: int) -> list[str]:
         """XGROUP DELCONSUMER every consumer that holds nothing and is not alive (its process is gone; the
-        hand-back consumer once emptied), idle for `idle_ms` at least: group metadata would otherwise grow with
-        every process ever started. A consumer with pending entries is kept: deleting it would drop them."""
-        try:
-            consumers = await self.redis.xinfo_consumers(self.key, self.group)
-        except ResponseError:
-            return []
-        gone = [_s(c["name"]) for c in consumers
-                if not c["pending"] and _s(c["name"]) not in alive and int(c["idle"]) >= idle_ms]
-        if gone:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for name in gone:
-                    pipe.xgroup_delconsumer(self.key, self.group, name)
-                await pipe.execute()
+        hand-back consumer once emptied), idle for `idle_ms` at least, on every stream this consumer reads:
+        group metadata would otherwise grow with every process ever started. A consumer with pending entries
+        is kept: deleting it would drop them."""
+        gone: list[str] = []
+        for key in self.streams():
+            try:
+                consumers = await self.redis.xinfo_consumers(key, self.group)
+            except ResponseError:
+                continue
+            names = [_s(c["name"]) for c in consumers
+                     if not c["pending"] and _s(c["name"]) not in alive and int(c["idle"]) >= idle_ms]
+            if names:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for name in names:
+                        pipe.xgroup_delconsumer(key, self.group, name)
+                    await pipe.execute()
+            gone += names
         return gone
 
     async def pending_ids(self, count: int = 1000) -> list[str]:
-        rows = await self.redis.xpending_range(self.key, self.group, "-", "+", count,
-                                               consumername=self.consumer)
-        return [_s(r["message_id"]) for r in rows]
+        """References of the entries this consumer holds, on every stream it reads."""
+        out = []
+        for key in self.streams():
+            rows = await self.redis.xpending_range(key, self.group, "-", "+", count, consumername=self.consumer)
+            out += [self.ref(key, _s(r["message_id"])) for r in rows]
+        return out
 
     async def trim_acknowledged(self) -> None:
         """XTRIM MINID below the oldest entry any group still needs (its oldest pending entry, else its
-        last delivered one): acknowledged entries would otherwise stay in the stream forever."""
-        try:
-            groups = await self.redis.xinfo_groups(self.key)
-        except ResponseError:
-            return  # no such stream yet
-        floors = []
-        for g in groups:
-            pending = await self.redis.xpending(self.key, g["name"])
-            floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
-        if floors:
-            floor = min(floors, key=_id_tuple)
-            if floor != "0-0":
-                await self.redis.xtrim(self.key, minid=floor, approximate=True)
+        last delivered one), on every stream this consumer reads: acknowledged entries would otherwise stay in
+        the stream forever."""
+        for key in self.streams():
+            await trim_acknowledged(self.redis, key)
 
     def ack_in(self, target: Target, ids: Sequence[str]) -> Any:
-        return ack(target, self.key, self.group, ids) if ids else None
+        if not ids:
+            return None
+        return [ack(target, key, self.group, entry_ids) for key, entry_ids in self.by_stream(ids).items()]
 
     async def ack(self, ids: Sequence[str]) -> None:
-        if ids:
-            await ack(self.redis, self.key, self.group, ids)
+        for key, entry_ids in self.by_stream(ids).items():
+            await ack(self.redis, key, self.group, entry_ids)
 
     async def delivery_counts(self, ids: Sequence[str]) -> dict[str, int]:
-        """entry id -> times delivered, for pending entries among `ids` (one XPENDING per id, pipelined)."""
+        """entry reference -> times delivered, for pending entries among `ids` (one XPENDING per id, pipelined)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for eid in ids:
-                pipe.xpending_range(self.key, self.group, eid, eid, 1)
+            for ref in ids:
+                key, entry_id = self.locate(ref)
+                pipe.xpending_range(key, self.group, entry_id, entry_id, 1)
             rows = await pipe.execute()
-        return {_s(r[0]["message_id"]): int(r[0]["times_delivered"]) for r in rows if r}
+        return {ref: int(r[0]["times_delivered"]) for ref, r in zip(ids, rows, strict=True) if r}
 
     async def decode_all(self, entries: list[tuple[str, dict[bytes, bytes]]]) -> list[Delivery[M]]:
         out: list[Delivery[M]] = []
@@ -311,14 +461,45 @@ class GroupConsumer(Generic[M]):
     async def dead_letter(self, bad: list[tuple[str, dict[bytes, bytes], str]]) -> None:
         """Move entries that cannot be processed to the dead-letter stream, then acknowledge them."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for eid, fields, error in bad:
-                log.error("dead-lettering %s %s: %s", self.key, eid, error)
+            for ref, fields, error in bad:
+                key, entry_id = self.locate(ref)
+                log.error("dead-lettering %s %s: %s", key, entry_id, error)
                 raw = {f"raw_{_s(k)}": v for k, v in fields.items()}
-                add_fields(pipe, self.dead_key, {**raw, "stream": self.key, "group": self.group,
-                                                 "entry_id": eid, "error": error[:2000],
+                add_fields(pipe, self.dead_key, {**raw, "stream": key, "group": self.group,
+                                                 "entry_id": entry_id, "error": error[:2000],
                                                  "at": f"{time.time():.3f}"}, maxlen=10_000)
-            ack(pipe, self.key, self.group, [eid for eid, _, _ in bad])
+            self.ack_in(pipe, [ref for ref, _, _ in bad])
             await pipe.execute()
+
+
+def _fields(flat: list) -> dict[bytes, bytes]:
+    """An entry's fields as a script returns them (a flat list) as XREADGROUP's reply gives them."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+async def trim_acknowledged(redis: Redis, key: str) -> None:
+    """XTRIM MINID below the oldest entry any group of `key` still needs (its oldest pending entry, else its last
+    delivered one)."""
+    try:
+        groups = await redis.xinfo_groups(key)
+    except ResponseError:
+        return  # no such stream yet
+    floors = []
+    for g in groups:
+        pending = await redis.xpending(key, g["name"])
+        floors.append(_s(pending["min"]) if pending["pending"] else _s(g["last-delivered-id"]))
+    if floors:
+        floor = min(floors, key=_id_tuple)
+        if floor != "0-0":
+            await redis.xtrim(key, minid=floor, approximate=True)
+
+
+def end_if_drained(target: Target, key: str, group: str, companion: str, registry: str, member: str) -> Any:
+    """Delete a stream no one should write to any more once nothing in it is left to run (no entry pending in
+    `group`, none undelivered), with its `companion` key, and remove `member` from the `registry` set; all in one
+    script (the three keys share a slot), so an entry XADDed meanwhile is never deleted with it. Its reply is 1
+    if the stream was ended (one already gone counts), else 0. On a pipeline it is queued."""
+    return target.eval(_END_IF_DRAINED, 3, key, companion, registry, group, member)
 
 
 Handler = Callable[[list[tuple[str, dict[bytes, bytes]]], bool], Awaitable[None]]

@@ -88,6 +88,14 @@ class StageWorker(Generic[M]):
         """On shutdown, until `deadline` (time.monotonic()): finish what can be finished. Default: nothing
         is held across iterations, so nothing to finish."""
 
+    async def adopt(self) -> None:
+        """Before each claim round: update the streams read beside the main one (`GroupConsumer` lanes).
+        Default: none."""
+
+    async def release(self) -> None:
+        """On close, after the heartbeat is gone and before Redis is: end what this worker owns in Redis beyond
+        its heartbeat. Default: nothing."""
+
     # -- the shape every worker has -------------------------------------------------------------------
     async def start(self) -> None:
         self.metrics.serve()
@@ -146,6 +154,7 @@ class StageWorker(Generic[M]):
         if count <= 0:
             return [], False
         if self.due("claim", min(CLAIM_EVERY_S, self.settings.claim_idle_ms / 2000)):
+            await self.adopt()
             claimed = await self.source.claim(self.settings.claim_idle_ms, count)
             if claimed:
                 log.info("claimed %d entries a dead, hung or departing peer left pending", len(claimed))
@@ -176,6 +185,8 @@ class StageWorker(Generic[M]):
         if self._keep_alive is not None:
             await stop_task(self._keep_alive)
         await self.heartbeat.stop()
+        with contextlib.suppress(RedisError, OSError):
+            await self.release()
         await self.redis.aclose()
         self.tracer.shutdown()
 

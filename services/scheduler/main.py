@@ -1,4 +1,5 @@
-"""Scheduler worker: consumer group `scheduler` on rsinfer:schedule:<model>, the engine, and one
+"""Scheduler worker: consumer group `scheduler` on rsinfer:schedule:<model> (and, read before it, its own stream
+of the jobs routed to it and those of departed peers: shared/routing.py), the engine, and one
 rsinfer:detokenize:<model> entry per engine step.
 
 Its loop: take new requests only while the engine has room, drop requests that ended elsewhere (abort
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from shared.messages import (
     decode,
 )
 from shared.replies import ProducedTokens
+from shared.routing import SchedulerLanes
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
 from shared.tracing import NO_SPAN, Span
@@ -161,9 +164,14 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.engine_stats = engine.stats()
         # --stream-interval: each open choice's tokens not published yet, merged over steps, and how many steps
         self.unsent: dict[tuple[str, int], tuple[StepOutput, int]] = {}
+        self.source.lane_key = functools.partial(self.keys.scheduler_stream, model_name)
+        self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.id, self.source, engine.prefix_page_size,
+                                    settings.heartbeat_ttl_s)
+        self.heartbeat.extra = self.lanes.on_beat
 
     def load(self) -> dict:
-        return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox)}
+        return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox),
+                "prefix_page_size": self.engine.prefix_page_size}
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())
@@ -193,6 +201,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         finally:
             if step is not None:  # even when Redis failed: what it made waits in the outbox
                 self.queue_outputs(await step)
+                self.queue_prefix_changes()
         await self.end(ends | await self.ends_due())
         self.engine_stats = self.engine.stats()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
@@ -220,6 +229,18 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             for _, fields in entries:
                 ends.add_note({k.decode(): v.decode() for k, v in fields.items()}, self.running)
         return ends
+
+    def queue_prefix_changes(self) -> None:
+        """The pages the step cached and evicted, for the tokenizers' routing: on the next step's pipeline."""
+        write = self.lanes.publish(*self.engine.prefix_changes(), self.engine.prefix_digests)
+        if write is not None:
+            self.outbox.append(write)
+
+    async def adopt(self) -> None:
+        await self.lanes.adopt()
+
+    async def release(self) -> None:
+        await self.lanes.release()
 
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: no new requests; step the running ones toward their end until the deadline (or a
@@ -523,6 +544,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     async def start(self) -> None:
         tip = await self.redis.xrevrange(self.aborts_key, count=1)
         self.aborts_cursor = tip[0][0].decode() if tip else "0-0"  # older notifications: the sweep's job
+        await self.lanes.start()  # the own stream exists before the heartbeat says we serve
         await super().start()
 
     async def close(self) -> None:

@@ -2,6 +2,8 @@
 
 Each read is one batch: skip aborted and expired jobs, encode the rest together, then one pipeline
 writes the request records and error replies, then the schedule entries, and acknowledges the whole read.
+With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
+(shared/routing.py: one more round trip per batch).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
+from shared.routing import Router
 from shared.settings import TokenizerSettings
 from shared.streams import Delivery
 from shared.worker import SubscribedWorker, run_stage
@@ -34,6 +37,23 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
                                      context_length(model_path, settings.trust_remote_code),
                                      settings.tool_call_parser, settings.reasoning_parser)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
+        self.router = Router(self.redis, self.keys, model_name, settings.heartbeat_ttl_s,
+                             settings.prefix_routing_load_tokens) if settings.prefix_routing else None
+
+    def load(self) -> dict:
+        if self.router is None:
+            return super().load()
+        return {**super().load(), "routing_to": len(self.router.candidates)}  # schedulers it routes among
+
+    async def start(self) -> None:
+        await super().start()
+        if self.router is not None:
+            await self.router.refresh()
+
+    async def watch(self) -> None:
+        await super().watch()
+        if self.router is not None:  # once a second: the live schedulers and their load, from their heartbeats
+            await self.router.refresh()
 
     async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
         if claimed:  # a dead peer may have forwarded some before it could acknowledge them
@@ -47,6 +67,7 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
             todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
             encoded = dict(zip((j.uid for j in todo), await asyncio.to_thread(self.encoder.encode, todo),
                                strict=True))
+            routes = await self._schedulers_for([e for e in encoded.values() if isinstance(e, ScheduleJob)])
             async with self.redis.pipeline(transaction=False) as pipe:
                 forward = [r for job in jobs if (r := self._route(pipe, job, encoded.get(job.uid),
                                                                   aborted.get(job.uid)))]
@@ -54,13 +75,28 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
                 # cluster, where the two are on different nodes, only a barrier orders them.
                 barrier(pipe)
                 for job in forward:
-                    streams.add(pipe, self.keys.schedule(self.model_name), job)
+                    self._send(pipe, job, routes.get(job.uid))
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
         finally:
             for job, span in zip(jobs, spans, strict=True):
                 result = encoded.get(job.uid)
                 span.end(error=result.message if isinstance(result, ReplyError) else None)
+
+    async def _schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
+        """uid -> the scheduler whose own stream the job goes to (None: the shared stream)."""
+        if self.router is None or not jobs:
+            return {}
+        return dict(zip((j.uid for j in jobs), await self.router.route(jobs), strict=True))
+
+    def _send(self, pipe, job: ScheduleJob, scheduler: str | None) -> None:
+        if scheduler is None:
+            streams.add(pipe, self.keys.schedule(self.model_name), job)
+            return
+        log.debug("uid=%s routed to %s", job.uid, scheduler)
+        streams.add(pipe, self.keys.scheduler_stream(self.model_name, scheduler), job)
+        # After the entry: a peer that ended this stream (its owner gone) finds it again (shared/routing.py).
+        pipe.sadd(self.keys.routed(self.model_name), scheduler)
 
     async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
         """Jobs a scheduler has not taken yet. One `tokenized` may or may not have reached the schedule stream

@@ -390,6 +390,10 @@ def test_model_sources(render):
     # pool overrides stay in their pool
     assert kube.by_kind(docs, "Deployment")["rs-rsinfer-small-tokenizer"]["spec"]["replicas"] == 2
     assert kube.by_kind(docs, "Deployment")["rs-rsinfer-big-tokenizer"]["spec"]["replicas"] == 1
+    tokenizers = {pool: kube.resolve_env(kube.pod_spec(kube.by_kind(docs, "Deployment")[
+        f"rs-rsinfer-{pool}-tokenizer"])["containers"][0], docs, "p") for pool in ("big", "small")}
+    assert tokenizers["big"]["RSINFER_PREFIX_ROUTING"] == "true"  # the value that turns prefix routing on
+    assert "RSINFER_PREFIX_ROUTING" not in tokenizers["small"]
 
     docs = render([])
     env = kube.resolve_env(kube.pod_spec(scheduler(docs))["containers"][0], docs, "p")

@@ -9,7 +9,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, StageSettings
+from shared.settings import ApiSettings, CommonSettings, SchedulerSettings, StageSettings, TokenizerSettings
 from tests.deploy import helmbin
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,6 +126,7 @@ SETTINGS_DEFS = {
     "commonSettings": CommonSettings,
     "apiSettings": ApiSettings,
     "workerSettings": StageSettings,
+    "tokenizerSettings": TokenizerSettings,
     "schedulerSettings": SchedulerSettings,
 }
 

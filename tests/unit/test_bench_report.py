@@ -111,3 +111,26 @@ def test_history_keeps_the_headline_of_each_run():
     assert table[2].startswith("| 2026-01-01 00:00 UTC | [1.0, 1.0, 1.0] | 0.50x | 25 |")  # newest first
     assert "| 0.40x |" in table[3] and table[2].endswith("| 10,000 | — |")
     assert "## Run to run" in report.markdown(RESULTS, [], [h]) and "## Run to run" not in report.markdown(RESULTS, [])
+
+
+PREFIX = {"meta": {"started_at": "2026-01-02 00:00 UTC", "commit": "abc1234"},
+          "config": {"system_prompts": 8, "system_tokens": 512, "conversations": 48, "turns": 4, "user_tokens": 64,
+                     "max_tokens": 32, "concurrency": 8, "scheduler_env": {"RSINFER_MAX_KV_TOKENS": "8192"}},
+          "runs": [{"schedulers": 2, "routing": routing, "hit_rate": hit, "routed": routed, "admitted": 192,
+                    "ttft_p50_ms": p50, "ttft_p99_ms": 300.0, "output_tok_per_s": tps, "prompt_tok_per_s": 9000.0,
+                    "wall_s": 9.5, "ok": 192, "requests": 192, "loadavg_before": [1.0, 1.0, 1.0]}
+                   for routing, hit, routed, p50, tps in ((False, 0.72, 0, 60.0, 900.0),
+                                                          (True, 0.84, 170, 45.0, 1000.0))],
+          "summary": {"2": {"hit_rate": [0.72, 0.84], "ttft_p50_ms": [60.0, 45.0], "ttft_p99_ms": [300.0, 300.0],
+                            "output_tok_per_s": [900.0, 1000.0], "throughput_ratio": 1.111}}}
+
+
+def test_prefix_routing_figures_have_rows_and_a_section():
+    rows = {r.figure: r for r in report.rows({**RESULTS, "prefix_routing": PREFIX})}
+    assert rows["prefix hit rate, 2 schedulers: shared stream -> prefix routing"].measured == "72% -> 84%"
+    assert rows["output tokens/s, 2 schedulers: shared stream -> prefix routing"].measured == "900 -> 1,000 (1.11x)"
+    assert rows["TTFT p50 / p99, 2 schedulers: shared stream -> prefix routing"].measured == "60 / 300 -> 45 / 300 ms"
+    text = report.markdown({**RESULTS, "prefix_routing": PREFIX}, [])
+    assert "## Prefix-aware routing (issue 14)" in text and "commit `abc1234`" in text
+    assert "| 2 | prefix routing | 84% | 170/192 | 45 ms | 300 ms | 1,000 | 9,000 | 9.5 s | 192/192 |" in text
+    assert "## Prefix-aware routing" not in report.markdown(RESULTS, [])

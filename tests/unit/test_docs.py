@@ -23,8 +23,9 @@ DOC_PATH = re.compile(r"[\w/.-]+\.md\b")
 # Repository paths (`shared/keys.py`, `docs/`...) named in the product's prose; tests and tools also name
 # paths outside the repository (in archives, caches, templates), so only documents are checked there.
 REPO_PATH = re.compile(r"(?<![\w./-])(?:docs|shared|services|rsinfer|tests|bench|deploy|helm)/[\w/.-]*\w")
-# Keys methods that are not key builders: one parses a key, the other dispatches to the stage builders.
-NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream"}
+# Keys methods that are not key builders: one parses a key, one dispatches to the stage builders, one names the
+# hash tag of a model's routing keys (the doc writes it `{<tag>}`).
+NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream", "routing_tag"}
 # The doc writes a worker's key as `<role>:<id>`, as the README and the operator recipes do.
 PLACEHOLDER = {"worker_id": "id"}
 
@@ -80,7 +81,8 @@ def key_patterns() -> dict[str, str]:
         if name.startswith("_") or name in NOT_KEY_BUILDERS:
             continue
         params = inspect.signature(method).parameters
-        out[name] = method(*(f"<{PLACEHOLDER.get(p, p)}>" for p in params))
+        key = method(*(f"<{PLACEHOLDER.get(p, p)}>" for p in params))
+        out[name] = key.replace(f"{{{keys.routing_tag('<model>')}}}", "{<tag>}")
     return out
 
 

@@ -53,6 +53,7 @@ class StepOutput:
 
 class Engine(Protocol):
     max_context: int  # model context length in tokens
+    prefix_page_size: int  # tokens per page of its prefix cache; 0: it has none (and publishes nothing)
 
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens (an omitted one resolved to what the context and the
@@ -72,5 +73,12 @@ class Engine(Protocol):
 
     def stats(self) -> dict:
         """Counts for heartbeats and metrics: running, waiting, kv_used_tokens, kv_total_tokens..."""
+
+    def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """Digests (shared/pages.py) of the full pages its prefix cache named, and evicted, since the last call;
+        called between steps only."""
+
+    def prefix_digests(self) -> list[bytes]:
+        """Every digest its prefix cache holds now."""
 
     def close(self) -> None: ...

@@ -87,6 +87,7 @@ class PagedEngine:
         # torch attention reads whole pages (flashinfer reads only kv_len): keep their tails finite
         zero = self.kv.zero_pages if backend.name == "torch" else None
         self.pool = PagePool(config.num_pages, cache, shuffle_seed=config.shuffle_pages, on_alloc=zero)
+        self.prefix_page_size = config.page_size if cache is not None else 0
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
         self.runner = ModelRunner(model, backend, config.page_size)
@@ -245,6 +246,12 @@ class PagedEngine:
             "preemptions": s.preemptions,
             "steps": self.steps,
         }
+
+    def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return self.pool.cache.take_changes() if self.pool.cache is not None else ([], [])
+
+    def prefix_digests(self) -> list[bytes]:
+        return self.pool.cache.digests() if self.pool.cache is not None else []
 
     def close(self) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):

@@ -1,4 +1,4 @@
-"""Prefix caching by hashed full pages.
+"""Prefix caching by hashed full pages (named as shared/pages.py names them, the same in every process).
 
 A full page is named by a digest chained over every token before its end (the digest of the previous
 page plus this page's tokens), so equal digests mean equal prefixes, not just equal pages. A request
@@ -15,26 +15,18 @@ released page always a leaf, so plain LRU order is enough (O(1) per page):
   cache's pages for its digests: `insert` hands back the page that already holds a prefix, and the
   scheduler switches to it);
 - a sequence releases its pages tail first (PagePool.release), so a child becomes idle before its parent.
+
+It also keeps what changed since it was last asked (`take_changes`): the scheduler publishes the digests it holds
+for the tokenizers' prefix-aware routing (shared/routing.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from shared.pages import chain_digest, extend_digests
 
-def chain_digest(parent: bytes, tokens: list[int]) -> bytes:
-    """Digest of one full page given its parent's digest; 128-bit blake2b makes collisions moot."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
-
-
-def extend_digests(digests: list[bytes], tokens: list[int], page_size: int, upto_pages: int) -> None:
-    """Append the digests of pages len(digests)..upto_pages-1 (pages that are full in `tokens`)."""
-    upto_pages = min(upto_pages, len(tokens) // page_size)
-    for i in range(len(digests), upto_pages):
-        parent = digests[i - 1] if i else b""
-        digests.append(chain_digest(parent, tokens[i * page_size:(i + 1) * page_size]))
+__all__ = ["PrefixCache", "chain_digest", "extend_digests"]
 
 
 class PrefixCache:
@@ -43,6 +35,9 @@ class PrefixCache:
         self.digest_of: dict[int, bytes] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.hits = 0  # pages served from the cache, for stats
+        # Digests named and evicted since the last take_changes, net: one named then evicted is neither.
+        self.named: set[bytes] = set()
+        self.evicted: set[bytes] = set()
 
     def match(self, digests: list[bytes]) -> list[int]:
         """Pages of the longest cached prefix of `digests`."""
@@ -64,6 +59,10 @@ class PrefixCache:
         assert page not in self.digest_of, f"page {page} is already named"
         self.page_of[digest] = page
         self.digest_of[page] = digest
+        if digest in self.evicted:
+            self.evicted.discard(digest)  # evicted and named again since last told: as it was
+        else:
+            self.named.add(digest)
         return page
 
     def holds(self, page: int) -> bool:
@@ -82,8 +81,24 @@ class PrefixCache:
         """Forget the least recently released unreferenced page (a leaf: see the module docstring) and
         return it to the caller."""
         page, _ = self.evictable.popitem(last=False)
-        del self.page_of[self.digest_of.pop(page)]
+        digest = self.digest_of.pop(page)
+        del self.page_of[digest]
+        if digest in self.named:
+            self.named.discard(digest)  # named and gone before anyone was told
+        else:
+            self.evicted.add(digest)
         return page
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(digests named, digests evicted) since the last call."""
+        named, evicted = list(self.named), list(self.evicted)
+        self.named.clear()
+        self.evicted.clear()
+        return named, evicted
+
+    def digests(self) -> list[bytes]:
+        """Every digest held now."""
+        return list(self.page_of)
 
     def __len__(self) -> int:
         return len(self.digest_of)

@@ -82,6 +82,14 @@ class SimpleEngine:
         return {"dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 "running": len({s.req.uid for s in self.seqs}), "waiting": 0, "sequences": len(self.seqs)}
 
+    prefix_page_size = 0  # no prefix cache: nothing to publish for routing
+
+    def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def prefix_digests(self) -> list[bytes]:
+        return []
+
     def close(self) -> None:
         self.seqs.clear()
         if self.grammars is not None:

@@ -199,6 +199,14 @@ class SyntheticEngine:
             "steps": self.steps,
         }
 
+    prefix_page_size = 0  # no prefix cache: nothing to publish for routing
+
+    def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def prefix_digests(self) -> list[bytes]:
+        return []
+
     def close(self) -> None:
         self.running.clear()
         self.waiting.clear()

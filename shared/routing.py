@@ -1,0 +1,236 @@
+"""Prefix-aware routing (docs/design.md, "Prefix-aware routing"): the tokenizer sends a schedule job to the
+scheduler whose prefix cache already holds the longest prefix of its tokens, weighted by that scheduler's load.
+
+- Page digests. The engine's prefix cache names a full KV page by a blake2b digest chained over every token up to
+  its end (shared/pages.py); the same function lets the tokenizer name the pages of a prompt it encoded.
+- What schedulers publish (`SchedulerLanes`). Each scheduler keeps the hex digests of the pages its cache holds in
+  a set of its own (`Keys.cached_pages`), changed with its engine steps (SADD/SREM queued on the step's pipeline,
+  no round trip of their own) and expiring with its heartbeat; it reads a stream of its own
+  (`Keys.scheduler_stream`) before the shared one, and drains the streams of departed peers, then ends them.
+- The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler) tells how
+  many leading pages of each job every scheduler holds; a job goes to the scheduler with the most cached tokens
+  less `load_tokens` per request it runs or queues, or to the shared stream when no scheduler holds a page of it
+  (or one that holds none is the better choice): the shared stream is the default and the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from shared import streams
+from shared.keys import Keys
+from shared.pages import extend_digests
+from shared.registry import live_workers
+from shared.streams import GroupConsumer
+
+log = logging.getLogger(__name__)
+
+# Leading pages of a prompt the tokenizer scores (16k tokens at 16 a page): past them a longer match hardly
+# changes a choice, and each costs ~35 bytes per scheduler in the round trip.
+MAX_SCORED_PAGES = 1024
+PUBLISH_CHUNK = 4096  # digests per SADD when a scheduler publishes its whole cache again
+
+
+def prompt_pages(input_ids: Sequence[int], page_size: int) -> list[str]:
+    """Hex digests of the pages of a prompt an engine could read from its cache: its full pages but the one
+    holding its last token (the engine always computes that one: services/scheduler/engine/scheduler.py)."""
+    digests: list[bytes] = []
+    extend_digests(digests, list(input_ids), page_size, min(MAX_SCORED_PAGES, (len(input_ids) - 1) // page_size))
+    return [d.hex() for d in digests]
+
+
+# ---- the tokenizer's side
+
+
+@dataclass
+class Candidate:
+    """A live scheduler that publishes its pages, as its last heartbeat tells."""
+
+    id: str
+    page_size: int
+    load: float  # requests running and waiting in its engine at its last heartbeat
+    beat_at: float = 0.0  # when that was (its clock)
+
+
+def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -> str | None:
+    """The scheduler a job goes to: the most cached prompt tokens less `load_tokens` per request it holds; None
+    (the shared stream, which whoever has room reads) when the best has no page of the job."""
+    if not cached:
+        return None
+    best = max(cached, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
+    return best if cached[best] > 0 else None
+
+
+class Router:
+    """The tokenizer's side: which stream each schedule job goes to."""
+
+    def __init__(self, redis: Redis, keys: Keys, model: str, heartbeat_ttl_s: float, load_tokens: float):
+        self.redis, self.keys, self.model = redis, keys, model
+        self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
+        self.candidates: list[Candidate] = []
+        self.sent: dict[str, list[float]] = {}  # when this tokenizer routed a job to each scheduler
+
+    async def refresh(self) -> None:
+        """The model's live schedulers that publish their pages, with their load (from their heartbeats)."""
+        self.candidates = [
+            Candidate(w.id, int(w.load.get("prefix_page_size") or 0),
+                      float(w.load.get("running", 0)) + float(w.load.get("waiting", 0)), w.updated_at)
+            for w in await live_workers(self.redis, self.keys, self.ttl, role="scheduler")
+            if w.model == self.model and w.load.get("prefix_page_size")]
+        beats = {c.id: c.beat_at for c in self.candidates}
+        self.sent = {sid: [t for t in times if t > beats[sid]] for sid, times in self.sent.items() if sid in beats}
+
+    def load(self, c: Candidate) -> float:
+        """Its load at its last heartbeat plus the jobs routed to it since, which that beat could not count
+        (some may have ended since: an estimate on the safe side until the next beat)."""
+        return c.load + sum(t > c.beat_at for t in self.sent.get(c.id, ()))
+
+    async def route(self, jobs: Sequence[Any]) -> list[str | None]:
+        """Per job (anything with `input_ids`), the id of the scheduler whose own stream it goes to, or None for
+        the shared stream. One pipelined round trip for the whole batch."""
+        if not self.candidates or not jobs:
+            return [None] * len(jobs)
+        pages = {ps: [prompt_pages(j.input_ids, ps) for j in jobs] for ps in {c.page_size for c in self.candidates}}
+        unique = {ps: list(dict.fromkeys(d for job in per_job for d in job)) for ps, per_job in pages.items()}
+        asked = [c for c in self.candidates if unique[c.page_size]]
+        if not asked:
+            return [None] * len(jobs)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for c in asked:
+                pipe.smismember(self.keys.cached_pages(self.model, c.id), unique[c.page_size])
+            replies = await pipe.execute()
+        held = {c.id: {d for d, hit in zip(unique[c.page_size], r, strict=True) if hit}
+                for c, r in zip(asked, replies, strict=True)}
+        load = {c.id: self.load(c) for c in self.candidates}
+        now = time.time()
+        out: list[str | None] = []
+        for i in range(len(jobs)):
+            cached = {c.id: leading(pages[c.page_size][i], held.get(c.id, set())) * c.page_size
+                      for c in self.candidates}
+            target = choose(cached, load, self.load_tokens)
+            log.debug("uid=%s cached tokens %s, load %s: %s", getattr(jobs[i], "uid", "?"), cached, load,
+                      target or "shared stream")
+            if target is not None:
+                load[target] += 1
+                self.sent.setdefault(target, []).append(now)
+            out.append(target)
+        return out
+
+
+def leading(pages: list[str], held: set[str]) -> int:
+    """How many of the first pages are held, up to the first that is not (a later page names a longer prefix
+    through it, so it cannot be read without the ones before)."""
+    n = 0
+    for d in pages:
+        if d not in held:
+            break
+        n += 1
+    return n
+
+
+# ---- the scheduler's side
+
+
+class SchedulerLanes:
+    """A scheduler's side: its own stream (a lane of its consumer, read before the shared stream), the set of
+    the pages its prefix cache holds, and the streams of departed peers it drains and ends.
+
+    Every resource has an end: the set expires with the heartbeat (PEXPIREd with every beat and every change) and
+    is deleted on close; an own stream is ended (deleted, and its id removed from `Keys.routed`) by its owner on
+    close once nothing is left in it, else by a live peer once its owner is gone and the peer has drained it."""
+
+    def __init__(self, redis: Redis, keys: Keys, model: str, scheduler_id: str, consumer: GroupConsumer,
+                 page_size: int, heartbeat_ttl_s: float):
+        self.redis, self.keys, self.model, self.id = redis, keys, model, scheduler_id
+        self.consumer, self.page_size = consumer, page_size
+        self.ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.pages_key = keys.cached_pages(model, scheduler_id)
+        self.routed_key = keys.routed(model)
+        self.resync = False  # the set vanished (Redis lost it): publish the whole cache again
+
+    @property
+    def publishes(self) -> bool:
+        return self.page_size > 0
+
+    async def start(self) -> None:
+        """Open the own stream (its group at 0) and name it in `Keys.routed`, before the first heartbeat."""
+        if self.publishes:
+            await self.consumer.add_lane(self.id, create=True)
+            await self.redis.sadd(self.routed_key, self.id)
+
+    def on_beat(self, pipe: Any) -> Callable[[list], None] | None:
+        """Heartbeat hook: keep the own stream named and the set alive as long as the heartbeat."""
+        if not self.publishes:
+            return None
+        pipe.sadd(self.routed_key, self.id)
+        pipe.pexpire(self.pages_key, self.ttl_ms)
+
+        def seen(replies: list) -> None:
+            self.resync = self.resync or not replies[-1]  # PEXPIRE 0: the set is gone (or was never written)
+
+        return seen
+
+    def publish(self, cached: list[bytes], evicted: list[bytes], everything: Callable[[], list[bytes]]
+                ) -> Callable[[Any], None] | None:
+        """The outbox write telling what the cache named and evicted since the last step (all of it after the set
+        was lost), or None when there is nothing to tell."""
+        if not self.publishes:
+            return None
+        if self.resync:
+            self.resync = False
+            cached = everything()
+        if not (cached or evicted):
+            return None
+        added, removed = [d.hex() for d in cached], [d.hex() for d in evicted]
+
+        def write(pipe: Any) -> None:
+            if removed:
+                pipe.srem(self.pages_key, *removed)
+            for i in range(0, len(added), PUBLISH_CHUNK):
+                pipe.sadd(self.pages_key, *added[i:i + PUBLISH_CHUNK])
+            pipe.pexpire(self.pages_key, self.ttl_ms)  # a set SADD just made has no TTL yet
+
+        return write
+
+    async def adopt(self) -> None:
+        """Drain the streams of departed schedulers as lanes (read and claimed before the shared stream) and end
+        those that are drained: one round trip, plus one per stream found or ended."""
+        now = time.time()
+        draining = [lane for lane in self.consumer.lanes if lane != self.id]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in draining:
+                self.end_if_drained(pipe, lane)
+            pipe.smembers(self.routed_key)
+            pipe.zrangebyscore(self.keys.workers(), now - self.ttl_ms / 1000, "+inf")
+            *ended, members, alive = await pipe.execute()
+        for lane, done in zip(draining, ended, strict=True):
+            if done:
+                log.info("ended the stream of departed scheduler %s: drained", lane)
+        live = {m.decode().partition(":")[2] for m in alive if m.startswith(b"scheduler:")}
+        departed = {m.decode() for m in members} - live - {self.id}
+        for lane in draining:
+            if lane not in departed:  # ended, or its owner is back
+                self.consumer.drop_lane(lane)
+        for lane in sorted(departed - set(self.consumer.lanes)):
+            if await self.consumer.add_lane(lane, create=False):
+                log.info("draining the stream of departed scheduler %s", lane)
+            else:  # named but gone: only its name is left to end
+                await self.end_if_drained(self.redis, lane)
+
+    def end_if_drained(self, target: Any, lane: str) -> Any:
+        return streams.end_if_drained(target, self.keys.scheduler_stream(self.model, lane), self.consumer.group,
+                                      self.keys.cached_pages(self.model, lane), self.routed_key, lane)
+
+    async def release(self) -> None:
+        """On close: the cache dies with the process, so its set goes; the own stream ends if nothing is left in
+        it (entries handed back stay for peers, which end it once drained)."""
+        if not self.publishes:
+            return
+        await self.redis.delete(self.pages_key)
+        await self.end_if_drained(self.redis, self.id)

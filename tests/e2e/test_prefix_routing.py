@@ -1,0 +1,191 @@
+"""Prefix-aware routing with real processes: a tokenizer with --prefix-routing and two schedulers.
+
+Requests sharing a long prefix go to the scheduler that holds it (their cached_tokens show the hit), through that
+scheduler's own stream. A request routed to a scheduler that dies, while it runs the request or before it has read
+it, is run by a peer with exactly the text an undisturbed run gives (greedy), and the dead one's stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from shared.routing import prompt_pages
+from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, Stack, new_stack
+from tests.e2e.helpers import wait_for, worker_name, workers
+
+pytestmark = pytest.mark.timeout(300)
+PAGE = 16
+# A small load weight: requests sent one after the other count as load until the scheduler's next heartbeat.
+ENV = {**LIFECYCLE_ENV, "RSINFER_PAGE_SIZE": str(PAGE), "RSINFER_MAX_KV_TOKENS": "8192",
+       "RSINFER_PREFIX_ROUTING_LOAD_TOKENS": "8"}
+
+
+def prefix(seed: int, pages: int = 16) -> list[int]:
+    return [(seed * 7919 + i * 31) % 900 + 50 for i in range(pages * PAGE)]
+
+
+def body(ids: list[int], max_tokens: int = 4, **extra) -> dict:
+    return {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def complete(s: Stack, ids: list[int], max_tokens: int = 4) -> dict:
+    resp = httpx.post(f"{s.base_url}/v1/completions", json=body(ids, max_tokens), timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def record(s: Stack, response_id: str) -> dict:
+    return s.redis().hgetall(s.keys.request(response_id.removeprefix("cmpl-")))
+
+
+def schedulers(s: Stack) -> list[str]:
+    return [w.id for w in workers(s, "scheduler")]
+
+
+def routing_among(s: Stack, n: int) -> bool:
+    """n schedulers live, and the tokenizer routes among them (its heartbeat says how many it knows)."""
+    return len(schedulers(s)) == n and [w.load.get("routing_to") for w in workers(s, "tokenizer")] == [n]
+
+
+class Streamer(threading.Thread):
+    """Streams one completion and keeps its text, uid and finish reason."""
+
+    def __init__(self, s: Stack, payload: dict):
+        super().__init__(daemon=True)
+        self.url, self.payload = s.base_url, {**payload, "stream": True}
+        self.text, self.uid, self.finish, self.error = "", None, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.payload, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        continue
+                    self.uid = chunk["id"].removeprefix("cmpl-")
+                    for c in chunk["choices"]:
+                        self.text += c.get("text") or ""
+                        self.finish = c.get("finish_reason") or self.finish
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+
+    def result(self, timeout: float = 90) -> str:
+        self.join(timeout)
+        assert not self.is_alive(), "stream did not end"
+        assert self.error is None, self.error
+        assert self.finish == "length"
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def routed(redis_server, demo_model_dir, tmp_path_factory):
+    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "route")
+    try:
+        s.start("tokenizer1", "tokenizer", RSINFER_PREFIX_ROUTING="true", **ENV)
+        for name in ("sa", "sb"):
+            s.start(name, "scheduler", **ENV)
+        s.start("detokenizer1", "detokenizer", **ENV)
+        s.start("api1", "api", **ENV)
+        s.wait_ready()
+        wait_for(lambda: routing_among(s, 2), timeout=60)
+        yield s
+    finally:
+        s.stop()
+
+
+def holder_of(s: Stack, ids: list[int]) -> str:
+    """Send a first request with this prefix; the scheduler that ran it, once its pages are published."""
+    first = complete(s, ids)
+    holder = record(s, first["id"])["scheduler"]
+    published = set(prompt_pages(ids, PAGE))
+    wait_for(lambda: published <= s.redis().smembers(s.keys.cached_pages(MODEL, holder)), timeout=10)
+    return holder
+
+
+def test_requests_sharing_a_prefix_go_to_the_scheduler_that_holds_it(routed):
+    s = routed
+    p = prefix(1)
+    holder = holder_of(s, [*p, 7, 8, 9])
+    answers = [complete(s, [*p, 10 + i, 11, 12]) for i in range(4)]  # one at a time
+    out: list[dict] = [{}] * 4
+
+    def one(i: int) -> None:
+        out[i] = complete(s, [*p, 20 + i, 21])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]  # and together
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a in answers + out:
+        rec = record(s, a["id"])
+        assert rec["scheduler"] == holder, rec
+        assert rec["entry"].startswith(f"{holder}/")  # through the holder's own stream
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(p) - PAGE
+    # a prompt no scheduler holds goes to the shared stream
+    other = complete(s, prefix(99))
+    assert "/" not in record(s, other["id"])["entry"]
+
+
+def test_a_routed_request_whose_scheduler_is_killed_mid_generation_finishes_on_a_peer(routed):
+    s = routed
+    p = [*prefix(2), 5, 6]
+    holder = holder_of(s, p)
+    expected = complete(s, p, 200)["choices"][0]["text"]
+    run = Streamer(s, body(p, 200))
+    wait_for(lambda: len(run.text) > 10, timeout=30)
+    rec = s.redis().hgetall(s.keys.request(run.uid))
+    assert rec["scheduler"] == holder and rec["entry"].startswith(f"{holder}/")
+    s.kill(worker_name(holder))
+    assert run.result() == expected
+    rec = s.redis().hgetall(s.keys.request(run.uid))
+    assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # claimed from the dead one's stream
+    ended(s, holder)
+    restore(s, "sc")
+
+
+def test_a_request_routed_to_a_scheduler_that_dies_before_reading_it_is_run_by_a_peer(routed):
+    """The holder runs a long request (so it reads without blocking), is frozen, and a second request is routed to
+    it (alive to the tokenizer for a heartbeat TTL more) and stays undelivered in its stream; then it is killed.
+    A peer claims the first (pending to the dead one) and reads the second (never delivered)."""
+    s = routed
+    p = [*prefix(3), 5, 6]
+    holder = holder_of(s, p)
+    long_one, routed_late = body(p, 300), body(p, 120, seed=424242)  # the seed marks its entry (greedy: no effect)
+    expected = [complete(s, p, 300)["choices"][0]["text"], complete(s, p, 120)["choices"][0]["text"]]
+    first = Streamer(s, long_one)
+    wait_for(lambda: len(first.text) > 10, timeout=30)
+    assert s.redis().hget(s.keys.request(first.uid), "scheduler") == holder
+    s.procs[worker_name(holder)].send_signal(signal.SIGSTOP)
+    second = Streamer(s, routed_late)
+    lane = s.keys.scheduler_stream(MODEL, holder)
+    wait_for(lambda: any("424242" in f["data"] for _, f in s.redis().xrange(lane)), timeout=10)
+    assert s.redis().xpending(lane, "scheduler")["pending"] == 1  # the long one; the late one never delivered
+    s.kill(worker_name(holder))
+    assert [first.result(), second.result()] == expected
+    for run in (first, second):
+        rec = s.redis().hgetall(s.keys.request(run.uid))
+        assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # from the dead one's stream
+    ended(s, holder)
+    restore(s, "sd")
+
+
+def ended(s: Stack, dead: str) -> None:
+    """The dead scheduler's stream, its page set and its name in the routed set are gone."""
+    r = s.redis()
+    wait_for(lambda: not r.exists(s.keys.scheduler_stream(MODEL, dead), s.keys.cached_pages(MODEL, dead))
+             and dead not in r.smembers(s.keys.routed(MODEL)), timeout=20)
+
+
+def restore(s: Stack, name: str) -> None:
+    s.start(name, "scheduler", **ENV)
+    wait_for(lambda: routing_among(s, 2), timeout=60)

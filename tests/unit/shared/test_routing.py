@@ -1,0 +1,289 @@
+"""Prefix-aware routing's parts against a real redis-server: the tokenizer's choice (leading pages, load weight,
+fallback) in one round trip, what a scheduler publishes of its cache, a consumer's lanes (own stream before the
+shared one, claims, keep-alive, hand-back across streams), and the end of a departed scheduler's stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from shared import streams
+from shared.keys import Keys
+from shared.messages import SamplingParams, ScheduleJob
+from shared.pages import chain_digest
+from shared.redis_conn import connect
+from shared.routing import MAX_SCORED_PAGES, Candidate, Router, SchedulerLanes, choose, leading, prompt_pages
+from shared.slots import key_slot
+from shared.streams import GroupConsumer
+
+pytestmark = pytest.mark.timeout(30)
+MODEL = "m"
+
+
+def job(uid: str, ids: list[int] | None = None) -> ScheduleJob:
+    return ScheduleJob(uid=uid, model=MODEL, pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(),
+                       input_ids=ids or [1, 2])
+
+
+@pytest.fixture
+async def env(redis_server):
+    redis = connect(redis_server.url)
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    yield redis, keys
+    await redis.aclose()
+
+
+def consumer(redis, keys: Keys, name: str) -> GroupConsumer:
+    c = GroupConsumer(redis, keys.schedule(MODEL), "scheduler", name, ScheduleJob, keys.dead())
+    c.lane_key = lambda lane: keys.scheduler_stream(MODEL, lane)
+    return c
+
+
+# ---- keys and digests
+
+
+def test_routing_keys_share_the_slot_of_the_models_schedule_stream():
+    keys = Keys("ns")
+    for model in ("rsinfer-demo", "Qwen3-0.6B", "m"):
+        slot = key_slot(keys.schedule(model))
+        assert key_slot(keys.scheduler_stream(model, "sched@1.ab")) == slot
+        assert key_slot(keys.cached_pages(model, "sched@1.ab")) == slot
+        assert key_slot(keys.routed(model)) == slot
+        assert keys.scheduler_stream(model, "a") != keys.scheduler_stream(model, "b")
+
+
+def test_prompt_pages_are_the_pages_an_engine_could_read_from_its_cache():
+    ids = list(range(100, 137))  # 37 tokens, page size 4: 9 full pages, the last token's page computed
+    pages = prompt_pages(ids, 4)
+    assert len(pages) == 9
+    assert pages[0] == chain_digest(b"", ids[:4]).hex()
+    assert pages[1] == chain_digest(bytes.fromhex(pages[0]), ids[4:8]).hex()
+    assert len(prompt_pages(list(range(36)), 4)) == 8  # a prompt ending on a page boundary: its last is computed
+    assert prompt_pages([1, 2, 3], 4) == []
+    assert len(prompt_pages(list(range(4 * (MAX_SCORED_PAGES + 10))), 4)) == MAX_SCORED_PAGES
+
+
+# ---- the choice
+
+
+def test_leading_pages_stop_at_the_first_page_not_held():
+    assert leading(["a", "b", "c"], {"a", "b", "c"}) == 3
+    assert leading(["a", "b", "c"], {"a", "c"}) == 1
+    assert leading(["a", "b", "c"], {"b", "c"}) == 0
+
+
+def test_choose_weighs_cached_tokens_against_load_and_falls_back_to_the_shared_stream():
+    assert choose({"s1": 512, "s2": 0}, {"s1": 0, "s2": 0}, 64) == "s1"
+    assert choose({"s1": 512, "s2": 256}, {"s1": 0, "s2": 0}, 64) == "s1"
+    assert choose({"s1": 512, "s2": 256}, {"s1": 5, "s2": 0}, 64) == "s2"  # 512 - 320 < 256
+    assert choose({"s1": 512, "s2": 0}, {"s1": 9, "s2": 0}, 64) is None  # an idle one without it beats it: shared
+    assert choose({"s1": 0, "s2": 0}, {"s1": 0, "s2": 3}, 64) is None  # no hit anywhere: shared
+    assert choose({}, {}, 64) is None
+    assert choose({"s1": 64, "s2": 64}, {"s1": 2, "s2": 1}, 0) == "s2"  # a tie goes to the less loaded
+
+
+async def test_router_sends_each_job_to_the_scheduler_holding_its_prefix_in_one_round_trip(env):
+    redis, keys = env
+    shared_prefix = list(range(1000, 1064))  # 4 pages of 16
+    other = list(range(2000, 2064))
+    await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*shared_prefix, 7], 16))
+    await redis.sadd(keys.cached_pages(MODEL, "s2"), *prompt_pages([*other, 7], 16)[:2])
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router.candidates = [Candidate("s1", 16, 0.0), Candidate("s2", 16, 0.0)]
+    jobs = [job("a", [*shared_prefix, 1, 2]), job("b", [*other, 3]), job("c", [5] * 40), job("d", [9]),
+            job("e", shared_prefix[:16] + other)]  # e: one page on s1 (the next differs), none on s2
+    pipelines = 0
+    real = redis.pipeline
+
+    def counted(*a, **kw):
+        nonlocal pipelines
+        pipelines += 1
+        return real(*a, **kw)
+
+    redis.pipeline = counted
+    try:
+        assert await router.route(jobs) == ["s1", "s2", None, None, "s1"]
+    finally:
+        redis.pipeline = real
+    assert pipelines == 1
+    assert [router.load(c) for c in router.candidates] == [2.0, 1.0]  # what it sent counts until their next beat
+    router.candidates[0].beat_at = time.time() + 1  # s1 beat since, counting them itself
+    assert [router.load(c) for c in router.candidates] == [0.0, 1.0]
+
+
+async def test_router_takes_live_schedulers_that_publish_from_their_heartbeats(env):
+    redis, keys = env
+    now = time.time()
+    for wid, model, load in (("s1", MODEL, {"prefix_page_size": 16, "running": 3, "waiting": 1}),
+                             ("s2", MODEL, {"prefix_page_size": 0, "running": 0}),  # no prefix cache
+                             ("s3", "other", {"prefix_page_size": 16})):
+        await redis.hset(keys.worker("scheduler", wid), mapping={"role": "scheduler", "id": wid, "model": model,
+                                                                 "updated_at": now, "load": _json(load)})
+        await redis.zadd(keys.workers(), {f"scheduler:{wid}": now})
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    await router.refresh()
+    assert router.candidates == [Candidate("s1", 16, 4.0, now)]
+
+
+def _json(d: dict) -> str:
+    import json
+
+    return json.dumps(d)
+
+
+# ---- what a scheduler publishes
+
+
+async def test_a_scheduler_publishes_its_cache_changes_with_a_ttl_and_again_after_the_set_is_lost(env):
+    redis, keys = env
+    c = consumer(redis, keys, "s1")
+    lanes = SchedulerLanes(redis, keys, MODEL, "s1", c, page_size=16, heartbeat_ttl_s=5)
+    await lanes.start()
+    assert await redis.smembers(keys.routed(MODEL)) == {b"s1"}
+    a, b, d = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
+
+    async def send(write) -> None:
+        async with redis.pipeline(transaction=False) as pipe:
+            write(pipe)
+            await pipe.execute()
+
+    async def beat() -> None:
+        async with redis.pipeline(transaction=False) as pipe:
+            then = lanes.on_beat(pipe)
+            replies = await pipe.execute()
+        then(replies)
+
+    await beat()  # no set yet (nothing cached): a resync of nothing writes nothing
+    assert lanes.publish([], [], lambda: []) is None
+    await send(lanes.publish([a, b], [], lambda: []))
+    assert await redis.smembers(lanes.pages_key) == {a.hex().encode(), b.hex().encode()}
+    assert 0 < await redis.pttl(lanes.pages_key) <= 5000
+    await send(lanes.publish([d], [a], lambda: []))
+    assert await redis.smembers(lanes.pages_key) == {b.hex().encode(), d.hex().encode()}
+    assert lanes.publish([], [], lambda: []) is None  # nothing changed: nothing on the step's pipeline
+    await redis.delete(lanes.pages_key)  # Redis lost it (restarted empty, or the TTL passed in a partition)
+    await beat()
+    await send(lanes.publish([], [], lambda: [b, d]))
+    assert await redis.smembers(lanes.pages_key) == {b.hex().encode(), d.hex().encode()}
+    await lanes.release()
+    assert not await redis.exists(lanes.pages_key, keys.scheduler_stream(MODEL, "s1"))
+    assert await redis.smembers(keys.routed(MODEL)) == set()
+
+
+# ---- lanes
+
+
+async def test_lanes_are_read_first_and_never_past_the_count(env):
+    redis, keys = env
+    c = consumer(redis, keys, "s1")
+    await c.add_lane("s1", create=True)
+    await c.ensure_group()
+    for i in range(3):
+        await streams.add(redis, keys.schedule(MODEL), job(f"shared{i}"))
+        await streams.add(redis, keys.scheduler_stream(MODEL, "s1"), job(f"own{i}"))
+    got = await c.read(4, None)
+    assert [d.msg.uid for d in got] == ["own0", "own1", "own2", "shared0"]
+    assert got[0].entry_id.startswith("s1/") and "/" not in got[3].entry_id
+    assert [d.msg.uid for d in await c.read(10, None)] == ["shared1", "shared2"]
+    began = time.monotonic()
+    assert await c.read(10, 100) == []  # blocks over every stream, then gives up
+    assert time.monotonic() - began >= 0.09
+
+    async def later() -> None:
+        await asyncio.sleep(0.1)
+        await streams.add(redis, keys.scheduler_stream(MODEL, "s1"), job("own3"))
+
+    task = asyncio.create_task(later())
+    assert [d.msg.uid for d in await c.read(10, 2000)] == ["own3"]  # a blocked read wakes on a lane too
+    await task
+    await c.ack([d.entry_id for d in got])
+    assert (await redis.xpending(keys.scheduler_stream(MODEL, "s1"), "scheduler"))["pending"] == 1  # own3
+    assert (await redis.xpending(keys.schedule(MODEL), "scheduler"))["pending"] == 2  # shared1, shared2
+
+
+async def test_entries_of_a_lane_are_claimed_kept_alive_and_handed_back_like_the_main_streams(env):
+    redis, keys = env
+    dead, peer = consumer(redis, keys, "dead"), consumer(redis, keys, "peer")
+    await dead.add_lane("dead", create=True)
+    await dead.ensure_group()
+    await streams.add(redis, keys.scheduler_stream(MODEL, "dead"), job("x"))
+    await streams.add(redis, keys.schedule(MODEL), job("y"))
+    held = await dead.read(10, None)
+    assert len(held) == 2
+    assert await peer.add_lane("dead", create=False)
+    await asyncio.sleep(0.15)
+    assert await dead.touch([d.entry_id for d in held]) == []  # still its own: reset, not lost
+    assert await peer.claim(min_idle_ms=100, count=10) == []
+    await asyncio.sleep(0.15)
+    claimed = await peer.claim(min_idle_ms=100, count=10)
+    assert sorted(d.msg.uid for d in claimed) == ["x", "y"]
+    assert sorted(await peer.pending_ids()) == sorted(d.entry_id for d in claimed)
+    assert sorted(await dead.touch([d.entry_id for d in held])) == sorted(d.entry_id for d in held)  # lost
+    await peer.hand_back(await peer.pending_ids(), "handoff")
+    assert await peer.pending_ids() == []
+    again = await peer.claim(min_idle_ms=1000, count=10)  # handed back: idle maxed, claimable at once
+    assert sorted(d.msg.uid for d in again) == ["x", "y"]
+
+
+async def test_a_lane_whose_stream_is_gone_is_let_go(env):
+    redis, keys = env
+    c = consumer(redis, keys, "s1")
+    assert not await c.add_lane("nobody", create=False)
+    await streams.add(redis, keys.scheduler_stream(MODEL, "gone"), job("z"))
+    assert await c.add_lane("gone", create=False)
+    await redis.delete(keys.scheduler_stream(MODEL, "gone"))
+    assert await c.read(10, None) == []  # NOGROUP: the group is not made again on a stream not ours
+    assert "gone" not in c.lanes and not await redis.exists(keys.scheduler_stream(MODEL, "gone"))
+
+
+async def test_a_departed_schedulers_stream_ends_only_when_nothing_in_it_is_left_to_run(env):
+    redis, keys = env
+    key, pages, routed = keys.scheduler_stream(MODEL, "d"), keys.cached_pages(MODEL, "d"), keys.routed(MODEL)
+    c = consumer(redis, keys, "peer")
+
+    async def end() -> int:
+        return await streams.end_if_drained(redis, key, "scheduler", pages, routed, "d")
+
+    await redis.sadd(routed, "d", "other")
+    await redis.sadd(pages, "ab")
+    await streams.add(redis, key, job("u"))
+    assert await end() == 0  # no group yet: a tokenizer wrote to it after it was ended once
+    assert await c.add_lane("d", create=False)
+    assert await end() == 0  # undelivered
+    [d] = await c.read(10, None)
+    assert await end() == 0  # pending
+    await c.ack([d.entry_id])
+    assert await end() == 1
+    assert not await redis.exists(key, pages)
+    assert await redis.smembers(routed) == {b"other"}
+    assert await end() == 1  # already gone: only its name, if any, to remove
+
+
+async def test_on_a_redis_cluster_lanes_routing_and_ending_name_keys_of_one_slot(redis_cluster):
+    """Every multi-key command routing adds (the ordered read, the blocking read over all streams, the end
+    script) works on a real cluster: the keys share the slot of the model's schedule stream."""
+    redis = connect(redis_cluster.url)
+    keys = Keys(f"c{uuid.uuid4().hex[:6]}")
+    try:
+        c = consumer(redis, keys, "s1")
+        await c.add_lane("s1", create=True)
+        await c.ensure_group()
+        await streams.add(redis, keys.schedule(MODEL), job("shared"))
+        await streams.add(redis, keys.scheduler_stream(MODEL, "s1"), job("own"))
+        assert [d.msg.uid for d in await c.read(10, None)] == ["own", "shared"]
+        assert await c.read(10, 50) == []  # XREADGROUP BLOCK over both streams
+        ids = prompt_pages(list(range(100, 140)), 16)
+        await redis.sadd(keys.cached_pages(MODEL, "s1"), *ids)
+        router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+        router.candidates = [Candidate("s1", 16, 0.0)]
+        assert await router.route([job("a", list(range(100, 140)))]) == ["s1"]
+        await redis.sadd(keys.routed(MODEL), "s1")
+        await c.ack(await c.pending_ids())
+        assert await streams.end_if_drained(redis, keys.scheduler_stream(MODEL, "s1"), "scheduler",
+                                            keys.cached_pages(MODEL, "s1"), keys.routed(MODEL), "s1") == 1
+        assert not await redis.exists(keys.scheduler_stream(MODEL, "s1"))
+    finally:
+        await redis.aclose()
