@@ -123,6 +123,18 @@ return 1
 """
 
 
+_DELETE_IF_EMPTY = """
+local deleted = {}
+for i = 2, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[i]) == 0 then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[i])
+    table.insert(deleted, ARGV[i])
+  end
+end
+return deleted
+"""
+
+
 class Appender:
     """Appends entries to many streams in one EVALSHA per hash slot (a standalone Redis has one slot)."""
 
@@ -406,12 +418,34 @@ class GroupConsumer(Generic[M]):
             names = [_s(c["name"]) for c in consumers
                      if not c["pending"] and _s(c["name"]) not in alive and int(c["idle"]) >= idle_ms]
             if names:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for name in names:
-                        pipe.xgroup_delconsumer(key, self.group, name)
-                    await pipe.execute()
-            gone += names
+                # Checked again in the script that deletes: a consumer that took an entry since XINFO (a frozen
+                # process let go) would lose it from the pending list with the consumer, and nobody would claim it.
+                deleted = await self.redis.eval(_DELETE_IF_EMPTY, 1, key, self.group, *names)
+                gone += [_s(n) for n in deleted]
         return gone
+
+    async def holders(self) -> dict[str, int]:
+        """consumer -> idle ms, of every consumer holding entries of the main stream."""
+        try:
+            consumers = await self.redis.xinfo_consumers(self.key, self.group)
+        except ResponseError:
+            return {}
+        return {_s(c["name"]): int(c["idle"]) for c in consumers if c["pending"]}
+
+    async def claim_from(self, consumers: Sequence[str], min_idle_ms: int, count: int) -> list[Delivery[M]]:
+        """Take over up to `count` entries of the main stream that `consumers` (processes known to be gone) hold,
+        each idle at least `min_idle_ms`: one a peer claimed a moment ago stays the peer's."""
+        ids: list[str] = []
+        for name in consumers:
+            rows = await self.redis.xpending_range(self.key, self.group, "-", "+", count - len(ids),
+                                                   consumername=name, idle=min_idle_ms)
+            ids += [_s(r["message_id"]) for r in rows]
+            if len(ids) >= count:
+                break
+        if not ids:
+            return []
+        entries = await self.redis.xclaim(self.key, self.group, self.consumer, min_idle_ms, ids)
+        return await self.decode_all([(_s(eid), f) for eid, f in entries if f])
 
     async def pending_ids(self, count: int = 1000) -> list[str]:
         """References of the entries this consumer holds, on every stream it reads."""

@@ -17,12 +17,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared import streams
 from shared.keys import Keys
 from shared.metrics import WorkerMetrics
-from shared.redis_conn import broker, connect
+from shared.redis_conn import broker, connect, is_cluster_client
 from shared.registry import Heartbeat, live_workers
 from shared.settings import StageSettings
 from shared.streams import Delivery, GroupConsumer
@@ -45,13 +45,16 @@ class StageWorker(Generic[M]):
     role: str = ""
     group: str = ""
     message_type: type
+    claims_on_disconnect = False  # claim a dead peer's entries as soon as its connections are gone
 
     def __init__(self, settings: StageSettings, model_name: str):
         self.settings = settings
         self.keys = Keys(settings.namespace)
         self.id = settings.identity()
         self.model_name = model_name
-        self.redis = connect(settings.redis_url, **settings.redis_options())
+        # Named after this worker on every connection: CLIENT LIST shows who is connected, and a process gone
+        # has no connection left (claim_disconnected).
+        self.redis = connect(settings.redis_url, client_name=self.id, **settings.redis_options())
         self.source = GroupConsumer[M](self.redis, self.keys.stage_stream(self.role, model_name), self.group,
                                        self.id, self.message_type, self.keys.dead())
         self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
@@ -67,6 +70,8 @@ class StageWorker(Generic[M]):
         self._last: dict[str, float] = {}
         self.lost: set[str] = set()  # held entries a peer claimed from us (keep_alive finds them)
         self._keep_alive: asyncio.Task | None = None
+        self._disconnected: set[str] = set()  # consumers holding entries with no connection at the last look
+        self._client_list_refused = False
         # in the heartbeat and the model's declaration: `root` (checkpoint) and `max_model_len`, for /v1/models
         self.model_info: dict = {}
 
@@ -155,11 +160,36 @@ class StageWorker(Generic[M]):
             return [], False
         if self.due("claim", min(CLAIM_EVERY_S, self.settings.claim_idle_ms / 2000)):
             await self.adopt()
-            claimed = await self.source.claim(self.settings.claim_idle_ms, count)
+            claimed = (await self.claim_disconnected(count)
+                       or await self.source.claim(self.settings.claim_idle_ms, count))
             if claimed:
                 log.info("claimed %d entries a dead, hung or departing peer left pending", len(claimed))
                 return claimed, True
         return await self.source.read(count, block_ms), False
+
+    async def claim_disconnected(self, count: int) -> list[Delivery[M]]:
+        """With `claims_on_disconnect`: the entries of peers whose process is gone, long before their claim idle.
+        Every connection of a worker is named after it; a process that died (SIGKILL, OOM, its node lost) has
+        none left at once, while a frozen or busy one keeps its own. A consumer must be seen so in two looks
+        in a row (a live peer reconnecting after a Redis restart is back within one). Standalone Redis only: a
+        cluster client's connections are spread over nodes; and not where CLIENT LIST is refused (ACLs)."""
+        if not self.claims_on_disconnect or self._client_list_refused or is_cluster_client(self.redis):
+            return []
+        try:
+            connected = {c.get("name", "") for c in await self.redis.client_list()}
+        except ResponseError as e:
+            log.warning("CLIENT LIST refused (%s): dead peers' entries wait for --claim-idle-ms", e)
+            self._client_list_refused = True
+            return []
+        gone = {name for name in await self.source.holders() if name not in connected and name != self.id}
+        confirmed, self._disconnected = gone & self._disconnected, gone
+        if not confirmed:
+            return []
+        claimed = await self.source.claim_from(sorted(confirmed), int(CLAIM_EVERY_S * 1000), count)
+        if claimed:
+            log.info("claimed %d entries of %s, whose process is gone (no connection left)", len(claimed),
+                     ", ".join(sorted(confirmed)))
+        return claimed
 
     async def housekeeping(self) -> None:
         if self.due("trim", TRIM_EVERY_S):

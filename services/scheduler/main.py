@@ -146,6 +146,9 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
     role = "scheduler"
     group = SCHEDULER_GROUP
     message_type = ScheduleJob
+    # Its claim idle is the longest (a claim costs a resume) and its requests the most: a SIGKILLed scheduler's
+    # requests would otherwise all stall for it.
+    claims_on_disconnect = True
 
     def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine, model_path: str = ""):
         super().__init__(settings, model_name)

@@ -146,6 +146,29 @@ async def test_departed_consumers_are_removed_unless_they_hold_entries(env):
     assert names == {"holder@2"}  # it holds an entry: deleting it would lose it
 
 
+async def test_a_consumer_that_took_an_entry_since_the_look_is_not_removed(env):
+    """XGROUP DELCONSUMER drops the pending entries of the consumer it deletes. A frozen process let go may read
+    between XINFO CONSUMERS and the delete; its entry must stay claimable, so the delete checks again."""
+    redis, keys = env
+    late, me = consumer(redis, keys, "late@4"), consumer(redis, keys, "me@3")
+    await me.ensure_group()
+    await streams.add(redis, keys.schedule("m"), job("u1"))
+    [done] = await late.read(1, None)
+    await late.ack([done.entry_id])  # the consumer exists, holding nothing
+    looked = await redis.xinfo_consumers(keys.schedule("m"), "scheduler")
+    assert [(c["name"], c["pending"]) for c in looked] == [(b"late@4", 0)]
+    await streams.add(redis, keys.schedule("m"), job("u2"))
+    [taken] = await late.read(1, None)  # ... and now holds an entry
+
+    async def stale_look(*_args):
+        return looked
+
+    redis.xinfo_consumers = stale_look  # what the remover saw a moment before
+    assert await me.remove_departed(alive={"me@3"}, idle_ms=0) == []
+    del redis.xinfo_consumers
+    assert await late.pending_ids() == [taken.entry_id]
+
+
 async def test_trimmed_head_is_the_first_entry_kept_once_maxlen_cut_the_stream(env):
     redis, keys = env
     key = keys.reply("u1")
