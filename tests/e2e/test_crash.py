@@ -45,17 +45,17 @@ def reference(stack, bodies: list[dict]) -> list[str]:
 
 
 class Streamer(threading.Thread):
-    """Streams one request and records its text, event ids and finish reason."""
+    """Streams one request (chat, or `path` /v1/completions) and records its text, event ids and finish reason."""
 
-    def __init__(self, base_url: str, payload: dict):
+    def __init__(self, base_url: str, payload: dict, path: str = "/v1/chat/completions"):
         super().__init__(daemon=True)
-        self.url, self.payload = base_url, {**payload, "stream": True}
+        self.url, self.payload, self.path = base_url, {**payload, "stream": True}, path
         self.text, self.finish, self.ids, self.uid, self.error = "", None, [], None, None
         self.start()
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.payload, timeout=90) as resp:
+            with httpx.stream("POST", f"{self.url}{self.path}", json=self.payload, timeout=90) as resp:
                 if resp.status_code != 200:  # refused before the stream started: a JSON body, no events
                     resp.read()
                     self.error = {"status": resp.status_code, **resp.json()["error"]}
@@ -69,9 +69,9 @@ class Streamer(threading.Thread):
                     if "error" in chunk:
                         self.error = chunk["error"]
                         continue
-                    self.uid = chunk["id"].removeprefix("chatcmpl-")
+                    self.uid = chunk["id"].partition("-")[2]  # chatcmpl-<uid> or cmpl-<uid>
                     for c in chunk["choices"]:
-                        self.text += c["delta"].get("content") or ""
+                        self.text += (c["delta"].get("content") if "delta" in c else c.get("text")) or ""
                         self.finish = c["finish_reason"] or self.finish
         except httpx.HTTPError as e:
             self.error = repr(e)

@@ -7,7 +7,6 @@ it, is run by a peer with exactly the text an undisturbed run gives (greedy), an
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 
@@ -17,6 +16,7 @@ import pytest
 from shared.routing import prompt_pages
 from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, Stack, new_stack
 from tests.e2e.helpers import wait_for, worker_name, workers
+from tests.e2e.test_crash import Streamer
 
 pytestmark = pytest.mark.timeout(300)
 PAGE = 16
@@ -50,40 +50,6 @@ def schedulers(s: Stack) -> list[str]:
 def routing_among(s: Stack, n: int) -> bool:
     """n schedulers live, and the tokenizer routes among them (its heartbeat says how many it knows)."""
     return len(schedulers(s)) == n and [w.load.get("routing_to") for w in workers(s, "tokenizer")] == [n]
-
-
-class Streamer(threading.Thread):
-    """Streams one completion and keeps its text, uid and finish reason."""
-
-    def __init__(self, s: Stack, payload: dict):
-        super().__init__(daemon=True)
-        self.url, self.payload = s.base_url, {**payload, "stream": True}
-        self.text, self.uid, self.finish, self.error = "", None, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.payload, timeout=120) as resp:
-                for line in resp.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                        continue
-                    self.uid = chunk["id"].removeprefix("cmpl-")
-                    for c in chunk["choices"]:
-                        self.text += c.get("text") or ""
-                        self.finish = c.get("finish_reason") or self.finish
-        except httpx.HTTPError as e:
-            self.error = repr(e)
-
-    def result(self, timeout: float = 90) -> str:
-        self.join(timeout)
-        assert not self.is_alive(), "stream did not end"
-        assert self.error is None, self.error
-        assert self.finish == "length"
-        return self.text
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +107,12 @@ def test_a_routed_request_whose_scheduler_is_killed_mid_generation_finishes_on_a
     p = [*prefix(2), 5, 6]
     holder = holder_of(s, p)
     expected = complete(s, p, 200)["choices"][0]["text"]
-    run = Streamer(s, body(p, 200))
+    run = Streamer(s.base_url, path="/v1/completions", payload=body(p, 200))
     wait_for(lambda: len(run.text) > 10, timeout=30)
     rec = s.redis().hgetall(s.keys.request(run.uid))
     assert rec["scheduler"] == holder and rec["entry"].startswith(f"{holder}/")
     s.kill(worker_name(holder))
-    assert run.result() == expected
+    assert run.result(90) == expected
     rec = s.redis().hgetall(s.keys.request(run.uid))
     assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # claimed from the dead one's stream
     ended(s, holder)
@@ -162,16 +128,16 @@ def test_a_request_routed_to_a_scheduler_that_dies_before_reading_it_is_run_by_a
     holder = holder_of(s, p)
     long_one, routed_late = body(p, 300), body(p, 120, seed=424242)  # the seed marks its entry (greedy: no effect)
     expected = [complete(s, p, 300)["choices"][0]["text"], complete(s, p, 120)["choices"][0]["text"]]
-    first = Streamer(s, long_one)
+    first = Streamer(s.base_url, path="/v1/completions", payload=long_one)
     wait_for(lambda: len(first.text) > 10, timeout=30)
     assert s.redis().hget(s.keys.request(first.uid), "scheduler") == holder
     s.procs[worker_name(holder)].send_signal(signal.SIGSTOP)
-    second = Streamer(s, routed_late)
+    second = Streamer(s.base_url, path="/v1/completions", payload=routed_late)
     lane = s.keys.scheduler_stream(MODEL, holder)
     wait_for(lambda: any("424242" in f["data"] for _, f in s.redis().xrange(lane)), timeout=10)
     assert s.redis().xpending(lane, "scheduler")["pending"] == 1  # the long one; the late one never delivered
     s.kill(worker_name(holder))
-    assert [first.result(), second.result()] == expected
+    assert [first.result(90), second.result(90)] == expected
     for run in (first, second):
         rec = s.redis().hgetall(s.keys.request(run.uid))
         assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # from the dead one's stream

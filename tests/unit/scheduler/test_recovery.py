@@ -180,6 +180,16 @@ async def pump(w, detok: DetokenizerWorker) -> None:
         await detokenize(detok)
 
 
+async def running_for(w, detok: DetokenizerWorker, uid: str, steps: int) -> None:
+    """Admit a 60-token request on `w` and run it `steps` steps, each rendered."""
+    await streams.add(w.redis, w.source.key, job(uid, 60))
+    await w.admit(await w.source.read(1, None), claimed=False)
+    for _ in range(steps):
+        await w.work()
+        await w.flush()
+        await detokenize(detok)
+
+
 async def a_peer_took_over_and_died(w, uid: str, to: str | None = "ghost") -> None:
     """What a peer does before it records itself as the owner (services/scheduler/main.py `_take_over`): claim the
     entry (unless `to` is None), raise the epoch, fence. Then it is SIGKILLed."""
@@ -196,12 +206,7 @@ async def test_an_owner_that_claims_back_its_own_entry_resumes_it_under_a_new_ep
     claims the dead peer's entry before its keep-alive notices the loss. Running on at its old epoch, every step
     it made would be refused after the fence and the client would wait until its deadline."""
     owner, detok = await make("owner"), make.detokenizer()
-    await streams.add(owner.redis, owner.source.key, job("u5", 60))
-    await owner.admit(await owner.source.read(1, None), claimed=False)
-    for _ in range(10):
-        await owner.work()
-        await owner.flush()
-        await detokenize(detok)
+    await running_for(owner, detok, "u5", steps=10)
     await a_peer_took_over_and_died(owner, "u5")
     await asyncio.sleep(0.3)
     [claimed] = await owner.source.claim(200, 1)
@@ -216,12 +221,7 @@ async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(m
     """As above, but the owner holds the entry still (the peer died between its fence and its claim being seen):
     the owner's sweep sees the newer epoch, drops the request, and the idle entry is claimed and resumed."""
     owner, detok = await make("owner"), make.detokenizer()
-    await streams.add(owner.redis, owner.source.key, job("u6", 60))
-    await owner.admit(await owner.source.read(1, None), claimed=False)
-    for _ in range(10):
-        await owner.work()
-        await owner.flush()
-        await detokenize(detok)
+    await running_for(owner, detok, "u6", steps=10)
     await a_peer_took_over_and_died(owner, "u6", to=None)
     owner._last.pop("sweep", None)  # the once-a-second sweep is due
     await owner.work()

@@ -28,14 +28,6 @@ def job(uid: str, ids: list[int] | None = None) -> ScheduleJob:
                        input_ids=ids or [1, 2])
 
 
-@pytest.fixture
-async def env(redis_server):
-    redis = connect(redis_server.url)
-    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    yield redis, keys
-    await redis.aclose()
-
-
 def consumer(redis, keys: Keys, name: str) -> GroupConsumer:
     c = GroupConsumer(redis, keys.schedule(MODEL), "scheduler", name, ScheduleJob, keys.dead())
     c.lane_key = lambda lane: keys.scheduler_stream(MODEL, lane)

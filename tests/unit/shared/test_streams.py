@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
 from shared import streams
-from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob
-from shared.redis_conn import connect
 from shared.streams import GroupConsumer
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,14 +16,6 @@ pytestmark = pytest.mark.timeout(30)
 def job(uid: str) -> ScheduleJob:
     return ScheduleJob(uid=uid, model="m", pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(),
                        input_ids=[1, 2])
-
-
-@pytest.fixture
-async def env(redis_server):
-    redis = connect(redis_server.url)
-    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    yield redis, keys
-    await redis.aclose()
 
 
 def consumer(redis, keys, name):
