@@ -254,10 +254,6 @@ class GroupConsumer(Generic[M]):
         self._lane_at: dict[str, str] = {}  # stream key -> lane
         self.cursors: dict[str, str] = {}  # XAUTOCLAIM cursor per stream key
 
-    @property
-    def claim_cursor(self) -> str:
-        return self.cursors.get(self.key, "0-0")
-
     # -- references: which stream an entry is in
     def ref(self, key: str, entry_id: str) -> str:
         return entry_id if key == self.key else f"{self._lane_at[key]}/{entry_id}"
@@ -424,13 +420,13 @@ class GroupConsumer(Generic[M]):
                 gone += [_s(n) for n in deleted]
         return gone
 
-    async def holders(self) -> dict[str, int]:
-        """consumer -> idle ms, of every consumer holding entries of the main stream."""
+    async def holders(self) -> set[str]:
+        """The consumers holding entries of the main stream."""
         try:
             consumers = await self.redis.xinfo_consumers(self.key, self.group)
         except ResponseError:
-            return {}
-        return {_s(c["name"]): int(c["idle"]) for c in consumers if c["pending"]}
+            return set()
+        return {_s(c["name"]) for c in consumers if c["pending"]}
 
     async def claim_from(self, consumers: Sequence[str], min_idle_ms: int, count: int) -> list[Delivery[M]]:
         """Take over up to `count` entries of the main stream that `consumers` (processes known to be gone) hold,

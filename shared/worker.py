@@ -175,13 +175,17 @@ class StageWorker(Generic[M]):
         cluster client's connections are spread over nodes; and not where CLIENT LIST is refused (ACLs)."""
         if not self.claims_on_disconnect or self._client_list_refused or is_cluster_client(self.redis):
             return []
+        others = await self.source.holders() - {self.id}
+        if not others:  # nobody else holds anything: no need to list the connections
+            self._disconnected = set()
+            return []
         try:
             connected = {c.get("name", "") for c in await self.redis.client_list()}
         except ResponseError as e:
             log.warning("CLIENT LIST refused (%s): dead peers' entries wait for --claim-idle-ms", e)
             self._client_list_refused = True
             return []
-        gone = {name for name in await self.source.holders() if name not in connected and name != self.id}
+        gone = others - connected
         confirmed, self._disconnected = gone & self._disconnected, gone
         if not confirmed:
             return []

@@ -24,10 +24,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.pages import chain_digest, extend_digests
-
-__all__ = ["PrefixCache", "chain_digest", "extend_digests"]
-
 
 class PrefixCache:
     def __init__(self) -> None:

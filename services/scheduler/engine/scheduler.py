@@ -18,8 +18,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.engine.kv_cache import PagePool, pages_for
-from services.scheduler.engine.prefix_cache import PrefixCache, extend_digests
+from services.scheduler.engine.prefix_cache import PrefixCache
 from services.scheduler.engine.sequence import Seq
+from shared.pages import extend_digests
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.engine.base import EngineRequest
-from services.scheduler.engine.prefix_cache import extend_digests
+from shared.pages import extend_digests
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tokens
 
 LENGTHS = [5, 17, 33, 8, 50, 3, 12]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, PagePool, pages_for
-from services.scheduler.engine.prefix_cache import PrefixCache, chain_digest, extend_digests
+from services.scheduler.engine.prefix_cache import PrefixCache
+from shared.pages import chain_digest, extend_digests
 
 
 def test_alloc_release_and_scratch_page_never_handed_out():
