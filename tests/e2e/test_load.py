@@ -4,6 +4,7 @@ per-request key is left in Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
@@ -185,8 +186,16 @@ def test_soak_leaves_nothing_behind(loaded):
 
     wait_for(drained, timeout=20)
     r = s.redis()
-    time.sleep(REQUEST_TTL_S + 1)
-    left = [k for pattern in (s.keys.request_pattern(), s.keys.reply("*"), s.keys.abort("*"))
-            for k in r.scan_iter(match=pattern, count=1000)]
-    assert left == [], f"{len(left)} per-request keys outlived their TTL, e.g. {left[:3]}"
+    time.sleep(REQUEST_TTL_S)
+
+    def left() -> list[str]:
+        return [k for pattern in (s.keys.request_pattern(), s.keys.reply("*"), s.keys.abort("*"))
+                for k in r.scan_iter(match=pattern, count=1000)]
+
+    # A scheduler sends a drop's writes (the abort flag's TTL set again) with its next pipeline, up to its 1 s read
+    # block after the engines went idle, and Redis expires keys by sampling: a few seconds' slack, no more.
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not left(), timeout=4)
+    keys = left()
+    assert keys == [], f"{len(keys)} per-request keys outlived their TTL, e.g. {[(k, r.ttl(k)) for k in keys[:3]]}"
 
