@@ -40,14 +40,26 @@ async def store(request, tmp_path, monkeypatch):
     if request.param == "local":
         s: ObjectStore = LocalStore(tmp_path / "root", max_bytes=CAP, cache_dir=tmp_path / "cache")
     else:
-        server = request.getfixturevalue("s3_server")
-        for k, v in CLIENT_ENV.items():  # credentials and region only through the standard AWS variables
-            monkeypatch.setenv(k, v)
-        s = S3Store(server.bucket, f"t{uuid.uuid4().hex[:10]}/", max_bytes=CAP, cache_dir=tmp_path / "cache",
-                    endpoint_url=server.url, part_bytes=PART)
+        s = new_s3_store(request.getfixturevalue("s3_server"), tmp_path, monkeypatch)
     await s.check()
     yield s
     await s.close()
+
+
+@pytest.fixture
+async def s3_store(s3_server, tmp_path, monkeypatch):
+    s = new_s3_store(s3_server, tmp_path, monkeypatch)
+    await s.check()
+    yield s
+    await s.close()
+
+
+def new_s3_store(server, tmp_path: Path, monkeypatch) -> S3Store:
+    """A store of its own prefix in the session's bucket."""
+    for k, v in CLIENT_ENV.items():  # credentials and region only through the standard AWS variables
+        monkeypatch.setenv(k, v)
+    return S3Store(server.bucket, f"t{uuid.uuid4().hex[:10]}/", max_bytes=CAP, cache_dir=tmp_path / "cache",
+                   endpoint_url=server.url, part_bytes=PART)
 
 
 def in_progress(store: ObjectStore) -> list[str]:
@@ -425,46 +437,40 @@ async def test_local_check_fails_on_an_unwritable_root(tmp_path):
 # --- the S3 backend
 
 
-async def test_s3_large_objects_go_up_in_parts(store):
-    if not isinstance(store, S3Store):
-        pytest.skip("S3 only")
+async def test_s3_large_objects_go_up_in_parts(s3_store):
     data = os.urandom(11 * MiB)
-    await store.put_stream("files/parts", chunks_of(data, MiB))
-    head = store._client.head_object(Bucket=store.bucket, Key=store.prefix + "files/parts")
+    await s3_store.put_stream("files/parts", chunks_of(data, MiB))
+    head = s3_store._client.head_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "files/parts")
     assert head["ETag"].strip('"').endswith("-3")  # a multipart ETag: 5 + 5 + 1 MiB
-    await store.put("files/whole", data[:MiB])
-    assert "-" not in store._client.head_object(Bucket=store.bucket, Key=store.prefix + "files/whole")["ETag"]
+    await s3_store.put("files/whole", data[:MiB])
+    whole = s3_store._client.head_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "files/whole")
+    assert "-" not in whole["ETag"]
 
 
-async def test_s3_keys_live_under_the_prefix(store, s3_server):
-    if not isinstance(store, S3Store):
-        pytest.skip("S3 only")
+async def test_s3_keys_live_under_the_prefix(s3_store, s3_server):
     raw = s3_server.client()
-    raw.put_object(Bucket=store.bucket, Key=store.prefix.rstrip("/") + "-sibling/x", Body=b"not ours")
-    raw.put_object(Bucket=store.bucket, Key=store.prefix + "adapters/m/", Body=b"")  # a console's "folder" marker
-    await store.put("files/x", b"ours")
-    assert raw.get_object(Bucket=store.bucket, Key=store.prefix + "files/x")["Body"].read() == b"ours"
-    assert await keys(store) == ["files/x"]
+    raw.put_object(Bucket=s3_store.bucket, Key=s3_store.prefix.rstrip("/") + "-sibling/x", Body=b"not ours")
+    raw.put_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "adapters/m/", Body=b"")  # a "folder" marker
+    await s3_store.put("files/x", b"ours")
+    assert raw.get_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "files/x")["Body"].read() == b"ours"
+    assert await keys(s3_store) == ["files/x"]
 
 
-async def test_s3_folder_with_an_escaping_key_is_refused(store, s3_server, tmp_path):
-    if not isinstance(store, S3Store):
-        pytest.skip("S3 only")
+async def test_s3_folder_with_an_escaping_key_is_refused(s3_store, s3_server, tmp_path):
     raw = s3_server.client()
-    raw.put_object(Bucket=store.bucket, Key=store.prefix + "adapters/evil/adapter_config.json", Body=b"{}")
-    raw.put_object(Bucket=store.bucket, Key=store.prefix + "adapters/evil/../../../escaped", Body=b"x")  # legal in S3
+    raw.put_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "adapters/evil/adapter_config.json", Body=b"{}")
+    # A legal S3 key, and a path out of the cache directory if it were joined as it is:
+    raw.put_object(Bucket=s3_store.bucket, Key=s3_store.prefix + "adapters/evil/../../../escaped", Body=b"x")
     with pytest.raises(InvalidKey):
-        await store.fetch_folder("adapters/evil")
-    assert cache_entries(store) == [] and not any(p.name == "escaped" for p in tmp_path.rglob("*"))
+        await s3_store.fetch_folder("adapters/evil")
+    assert cache_entries(s3_store) == [] and not any(p.name == "escaped" for p in tmp_path.rglob("*"))
 
 
-async def test_s3_many_objects_list_across_pages(store):
-    if not isinstance(store, S3Store):
-        pytest.skip("S3 only")
-    store.list_page = 7  # S3's pages are of 1000 keys; the continuation is the same with 7
+async def test_s3_many_objects_list_across_pages(s3_store):
+    s3_store.list_page = 7  # S3's pages are of 1000 keys; the continuation is the same with 7
     for i in range(20):
-        await store.put(f"many/{i:03d}", b"")
-    assert await keys(store, "many/") == [f"many/{i:03d}" for i in range(20)]
+        await s3_store.put(f"many/{i:03d}", b"")
+    assert await keys(s3_store, "many/") == [f"many/{i:03d}" for i in range(20)]
 
 
 async def test_s3_missing_bucket_fails_the_check(s3_server, tmp_path, monkeypatch):
