@@ -14,7 +14,7 @@ import socket
 import typing
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
@@ -58,6 +58,41 @@ class CommonSettings(BaseSettings):
         return f"{self.name()}@{PROCESS_START}"
 
 
+class StorageSettings(BaseSettings):
+    """Where file contents (Batch API input, output and error files) and LoRA adapter folders live
+    (shared/storage.py): mixed into the settings of the API, which stores files, and of the scheduler, which
+    fetches adapters. Every process that shares files must name the same store."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    storage_url: str = Field("", description="object storage: file:///dir (a directory every process that "
+                             "shares files can read and write) or s3://bucket/prefix; empty = "
+                             "$RSINFER_CACHE/storage, else ~/.cache/rsinfer/storage (one machine only)")
+    storage_endpoint_url: str | None = Field(None, description="S3-compatible server (MinIO, Ceph, ...) for s3:// "
+                                             "URLs, e.g. http://minio:9000; none = AWS (or $AWS_ENDPOINT_URL_S3). "
+                                             "Credentials: the standard AWS variables, profiles or roles")
+    storage_region: str | None = Field(None, description="S3 region; none = $AWS_REGION / $AWS_DEFAULT_REGION")
+    storage_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="S3 bucket addressing: path (http://host/bucket/key, what most S3-compatible "
+        "servers want), virtual (http://bucket.host/key) or auto")
+    storage_part_bytes: int = Field(8 << 20, ge=5 << 20, description="S3 multipart part size: uploads larger "
+                                    "go up in parts of this size, each upload holding one in memory")
+    storage_cache_dir: str = Field("", description="local directory adapter folders are fetched into from "
+                                   "the store; empty = $RSINFER_CACHE/storage-cache, else "
+                                   "~/.cache/rsinfer/storage-cache")
+    max_file_bytes: int = Field(512 << 20, ge=1, description="most bytes of one stored file: an upload "
+                                "past it is refused with a 413 and leaves nothing; also the cap of one "
+                                "adapter folder fetched from the store")
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url_parses(cls, url: str) -> str:
+        from shared.storage import parse_storage_url
+
+        parse_storage_url(url)
+        return url
+
+
 class StageSettings(CommonSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
@@ -93,7 +128,7 @@ class DetokenizerSettings(StageSettings):
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
 
 
-class SchedulerSettings(StageSettings):
+class SchedulerSettings(StageSettings, StorageSettings):
     batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
     # Its keep-alive touches held entries every third of this (StageWorker.keep_alive); a claim costs a resume,
     # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
@@ -120,7 +155,7 @@ class SchedulerSettings(StageSettings):
     cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
 
 
-class ApiSettings(CommonSettings):
+class ApiSettings(CommonSettings, StorageSettings):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
