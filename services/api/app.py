@@ -245,7 +245,7 @@ async def parse_body(request: Request, model: type[M], limits: Limits) -> M:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    limits.nesting(data)
+    limits.nesting(raw, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

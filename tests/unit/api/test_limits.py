@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
+import orjson
 import pytest
 
 from services.api.app import BodyReader, create_app
@@ -31,14 +33,26 @@ def refusal(call, *args) -> ApiError:
     return info.value
 
 
-def test_depth_is_measured_without_recursion():
-    value: list = []
-    for _ in range(100_000):  # far past Python's recursion limit
-        value = [value]
-    assert depth_over(value, 64)
-    assert not depth_over({"a": [[1, 2], {"b": []}]}, 4)  # the object, a list, a list or object, a list
-    assert depth_over({"a": [[1, 2], {"b": []}]}, 3)
-    assert not depth_over(list(range(1_000_000)), 1)  # wide is fine
+def test_depth_is_measured_on_the_text():
+    assert depth_over(b"[" * 100_000 + b"]" * 100_000, 64)  # far past any recursion limit
+    assert not depth_over(orjson.dumps({"a": [[1, 2], {"b": []}]}), 4)  # object, list, list or object, list
+    assert depth_over(orjson.dumps({"a": [[1, 2], {"b": []}]}), 3)
+    assert not depth_over(orjson.dumps({"s": "[[[[{{{{\\\"[[[", "t": ["]]]"]}), 2)  # brackets in strings
+    assert depth_over(orjson.dumps({"s": "\\", "t": [[[]]]}), 3)
+    many = orjson.dumps({"prompt": [list(range(1000)) for _ in range(3000)]})  # 11 MiB of token ids
+    t0 = time.perf_counter()
+    assert not depth_over(many, 64)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_the_field_too_deep_is_named():
+    lim = limits(max_json_depth=4)
+    body = {"model": "m", "ok": [[1]], "bad": {"a": [[[]]]}}
+    err = refusal(lim.nesting, orjson.dumps(body), body)
+    assert err.param == "bad" and "more than 4 deep" in err.message
+    lim.nesting(orjson.dumps({"ok": [[[]]]}), {"ok": [[[]]]})
+    deep = orjson.loads(b"[" * 1000 + b"]" * 1000)  # past what orjson writes back (255 levels)
+    assert refusal(lim.nesting, b'{"x": ' + b"[" * 1000 + b"]" * 1000 + b"}", {"x": deep}).param == "x"
 
 
 def test_stop_strings_are_counted_in_utf8_bytes():
