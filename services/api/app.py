@@ -206,6 +206,7 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid)
+        request.scope[errors.UID] = bare_uid(uid)
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
 
     @app.get("/health")
