@@ -219,7 +219,7 @@ def test_at_the_token_budget_a_request_is_taken(edge):
 
 
 def test_a_non_stream_answer_past_the_response_cap_is_stopped(edge):
-    big = {"n": 4, "max_tokens": 256, "logprobs": True, "top_logprobs": 5, "ignore_eos": True}
+    big = {"n": 4, "max_tokens": 128, "logprobs": True, "top_logprobs": 5, "ignore_eos": True}
     t0 = time.monotonic()
     err = refused(chat(edge, **big), 400, "max_tokens", "65536 bytes (--max-response-bytes)")
     assert err["code"] == "response_too_large"
