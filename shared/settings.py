@@ -173,6 +173,48 @@ class ApiSettings(CommonSettings, StorageSettings):
                                    "if no client reattaches within this many seconds; 0 = at once")
     models: str = Field("", description="served names of models to accept requests for even while they have "
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
+    # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
+    # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
+    # is queued (services/api/limits.py; the HTTP server's in services/api/http.py).
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body, counted as it arrives "
+                                "whatever the framing (chunked too): 413 past it")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="largest request head (request line and "
+                                  "headers): 431 past it")
+    header_timeout_s: float = Field(15.0, gt=0, description="a connection must send a request's whole head "
+                                    "within this many seconds of opening (or of its first byte, when kept "
+                                    "alive), else it is closed (408)")
+    body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next bytes of a request body: "
+                                  "408 past it")
+    keep_alive_s: int = Field(120, ge=1, description="an idle kept-alive connection is closed after this many "
+                              "seconds")
+    max_connections: int = Field(4096, ge=1, description="open connections (streams included) past which new "
+                                 "requests get 503 with Retry-After")
+    max_json_depth: int = Field(64, ge=2, description="deepest nesting of objects and lists in a request body")
+    max_user_chars: int = Field(256, ge=1, description="longest `user` and `safety_identifier` (OpenAI's limit)")
+    max_metadata_pairs: int = Field(16, ge=0, description="most `metadata` pairs (OpenAI's limit)")
+    max_metadata_key_chars: int = Field(64, ge=1, description="longest `metadata` key (OpenAI's limit)")
+    max_metadata_value_chars: int = Field(512, ge=1, description="longest `metadata` value (OpenAI's limit)")
+    max_stop_bytes: int = Field(256, ge=1, description="longest stop string, in UTF-8 bytes")
+    max_stop_total_bytes: int = Field(4096, ge=1, description="most UTF-8 bytes of a request's stop strings "
+                                      "together (at most 16 strings)")
+    max_stop_token_ids: int = Field(256, ge=0, description="most `stop_token_ids` of a request")
+    max_logit_bias: int = Field(1024, ge=0, description="most `logit_bias` entries of a request")
+    max_constraint_bytes: int = Field(256 << 10, ge=1, description="largest structured-output constraint: a "
+                                      "regex, a grammar, a JSON schema (as compact JSON) or guided_choice's list")
+    max_tools: int = Field(128, ge=0, description="most `tools` of a chat request (OpenAI's limit)")
+    max_tools_bytes: int = Field(1 << 20, ge=1, description="largest `tools` list, as compact JSON")
+    max_template_kwargs_bytes: int = Field(64 << 10, ge=1, description="largest `chat_template_kwargs`, as "
+                                           "compact JSON")
+    max_request_sequences: int = Field(128, ge=1, description="most sequences one request runs: prompts x "
+                                       "choices per prompt (best_of or n)")
+    max_request_tokens: int = Field(1 << 18, ge=1, description="most completion tokens one request may ask "
+                                    "for: sequences x max_tokens, an omitted max_tokens counting as the "
+                                    "model's context")
+    max_request_logprobs: int = Field(1 << 18, ge=1, description="most logprob entries one request may ask "
+                                      "for: sequences x max_tokens x (1 + top_logprobs), when logprobs are asked")
+    max_response_bytes: int = Field(16 << 20, ge=1024, description="largest non-stream answer (its text and "
+                                    "logprobs as they arrive): past it the request is aborted with a 400 "
+                                    "(stream it instead)")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))

@@ -11,6 +11,7 @@ field we cannot honour is refused when set to anything but its no-op value.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -83,6 +84,27 @@ def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
         return Guided("json_schema", schema_text(spec["schema"], "response_format"), param="response_format")
     raise BadRequest(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
                      "response_format")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one request asks the engines for, in sequences, completion tokens and logprob entries.
+
+    `max_tokens` None (omitted) counts as the model's whole context per sequence, the most it can run; while
+    the context is unknown (no worker of the model has declared it yet) it counts as the whole token budget,
+    so a single sequence is always taken and several need a `max_tokens`. A `max_tokens` past the context
+    counts as the context: the tokenizer refuses it with the context error, the clearer one.
+    `prompt_tokens`: an upper bound of each prompt's tokens, counted for logprobs when the prompt is echoed
+    with them (its UTF-8 bytes: every token is at least one byte; or its token ids)."""
+
+    prompts: int
+    choices: int  # per prompt: best_of, or n
+    max_tokens: int | None
+    logprobs: int | None = None  # top logprobs per token when logprobs are returned, else None
+    echo_prompt_tokens: tuple[int, ...] = ()  # per prompt, when an echoed prompt's logprobs are returned
+    tokens_param: str = "max_tokens"
+    choices_param: str = "n"
+    logprobs_param: str = "logprobs"
 
 
 class StreamOptions(BaseModel):
@@ -352,6 +374,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.sampling(self.max_completion_tokens or self.max_tokens, bool(self.logprobs),
                              self.top_logprobs or 0, guided)
 
+    def budget(self, params: SamplingParams) -> Budget:
+        return Budget(1, params.n, params.max_tokens, params.top_logprobs if params.logprobs else None,
+                      tokens_param="max_completion_tokens" if self.max_completion_tokens else "max_tokens",
+                      logprobs_param="top_logprobs" if self.top_logprobs else "logprobs")
+
     def tool_choice_struct(self) -> ToolChoice | None:
         if not self.tools:
             return None
@@ -414,6 +441,13 @@ class CompletionRequest(SamplingFields):
         """Choices the engine runs per prompt: best_of of them, of which the best n are returned."""
         return max(self.best_of or 1, self.n or 1)
 
+    def budget(self, params: SamplingParams, prompts: list[tuple[str | None, list[int] | None]]) -> Budget:
+        """Logprobs count only when returned (best_of ranks choices by logprobs the answer leaves out)."""
+        echoed = tuple(len(text.encode()) if text is not None else len(ids or ()) for text, ids in prompts)
+        return Budget(len(prompts), params.n, params.max_tokens, self.logprobs,
+                      echoed if self.echo and self.logprobs is not None else (),
+                      choices_param="best_of" if self.best_of else "n")
+
     def params(self) -> SamplingParams:
         lp = self.logprobs
         p = self.sampling(self.max_tokens, lp is not None or self.choices_per_prompt > (self.n or 1), lp or 0,
@@ -438,6 +472,9 @@ class GenerateRequest(BaseModel):
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         return self
+
+    def budget(self, params: SamplingParams) -> Budget:
+        return Budget(1, 1, params.max_tokens, tokens_param="sampling_params")
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)

@@ -33,9 +33,11 @@ from services.api.fanout import FlightGroup
 from services.api.flow import ENDED_EARLY, ended_early
 from services.api.formats import Format, format_of_record
 from services.api.gateway import Gateway, Inflight
+from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.replies import ReplyHub
+from services.api.schemas import Budget
 from services.api.sse import DONE, SSEResponse, sse_event
 from shared import streams
 from shared.keys import Keys
@@ -75,6 +77,7 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool
 class ApiService:
     def __init__(self, settings: ApiSettings):
         self.settings = settings
+        self.limits = Limits(settings)
         self.pod = settings.identity()
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
@@ -116,9 +119,10 @@ class ApiService:
                            deadline=self.gateway.deadline(timeout), background=bool(background), **fields)
 
     # -- admission --------------------------------------------------------------------------------------
-    async def admit(self, model: str) -> None:
+    async def admit(self, model: str, budget: Budget) -> None:
         """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
-        request waits in the model's streams, within its deadline, for workers (scale from zero)."""
+        request waits in the model's streams, within its deadline, for workers (scale from zero). Every job
+        of the request (one per prompt) counts against --max-queued."""
         if self.draining:
             raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
         snap = self.stages.snapshot
@@ -128,11 +132,16 @@ class ApiService:
             raise redis_down()
         if model not in snap.models:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        if snap.queued(model) >= self.settings.max_queued and time.time() - snap.at > 0.25:
+        self.limits.fan_out(budget, snap.model_info(model).get("max_model_len"))
+        jobs, most = budget.prompts, self.settings.max_queued
+        if jobs > most:
+            raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "
+                           "(--max-queued); send them in smaller requests", param="prompt", code="request_too_large")
+        if snap.queued(model) + jobs > most and time.time() - snap.at > 0.25:
             snap = await self.stages.refresh()  # don't turn work away on a stale backlog figure
-        if snap.queued(model) >= self.settings.max_queued:
-            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued; retry shortly",
-                           code="overloaded", retry_after=1)
+        if snap.queued(model) + jobs > most:
+            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued and this one adds "
+                           f"{jobs}; at most {most} (--max-queued): retry shortly", code="overloaded", retry_after=1)
 
     # -- one request's path: submit -> ordered replies -> format -> bytes -> finish ----------------------
     async def answer(self, request: Request, jobs: list[TokenizeJob], fmt: Format, stream: bool, kind: str,
@@ -191,9 +200,18 @@ class ApiService:
             await self.finish(flight, endpoint)
 
     async def full_body(self, flight: Flight, fmt: Format) -> dict:
+        """The whole answer, held here until it ends: bounded by --max-response-bytes, counted as its events
+        (text and logprobs, as JSON) arrive, which is about the size of the body they make."""
+        size, limit = 0, self.settings.max_response_bytes
         try:
             async for _, events in flight.events():
                 self._first_token(flight, fmt)
+                size += sum(len(msgspec.json.encode(ev)) for ev in events)
+                if size > limit:
+                    flight.end_reason = "response_too_large"
+                    raise ApiError(400, f"the answer is over {limit} bytes (--max-response-bytes) and was "
+                                   "stopped: stream it (`stream: true`) or ask for fewer tokens, choices or "
+                                   "logprobs", param="max_tokens", code="response_too_large")
                 fmt.add(events)
         except ENDED_EARLY as e:
             raise ended_early(flight, e) from None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -26,7 +25,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-log = logging.getLogger(__name__)
+from services.api.errors import log_unexpected
 
 RAW_SEND = "rsinfer.raw_send"  # scope key: the server's own send (services/api/app.py Guard)
 HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -63,8 +62,8 @@ class SSEResponse(Response):
             reason = await self._run(receive, send)
         except OSError:
             reason = "client_disconnected"
-        except Exception:
-            log.exception("stream failed")
+        except Exception as e:  # a bug: one line with the request's uid (services/api/errors.py)
+            log_unexpected(scope, e)
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self._end(reason)
