@@ -135,7 +135,7 @@ def test_auto_prefill_backend_would_compile_mid_serving(monkeypatch):
 
 def test_a_wrong_call_fails_against_the_signatures():
     ws = torch.zeros(16, dtype=torch.uint8)
-    with pytest.raises(TypeError, match="0.7.0"):  # 0.7.0 has no jit_kwargs
+    with pytest.raises(TypeError, match=r"0\.7\.0"):  # 0.7.0 has no jit_kwargs
         fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", jit_kwargs={})
     wrapper = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     indptr, last = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
