@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from services.scheduler.engine.attention import ForwardContext, RowSpec
-from services.scheduler.engine.attention.metadata import AttnMetadata, build_metadata, host_arrays
+from services.scheduler.engine.attention.metadata import AttnMetadata, build_metadata
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache
 from services.scheduler.engine.transfer import host_tensor
 
@@ -56,6 +56,8 @@ class DeviceTokens:
 
     def shifted(self, lo: int, hi: int) -> DeviceTokens | None:
         """The patches of packed positions [lo, hi), relative to lo; None if there are none."""
+        if lo == 0 and self.positions and self.positions[-1] < hi:  # positions increase: all of them
+            return self
         picked = [(p - lo, r) for p, r in zip(self.positions, self.rows, strict=True) if lo <= p < hi]
         if not picked:
             return None
@@ -162,40 +164,65 @@ class DecodeGraphs:
         n = len(rows)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         graph, wrapper, _meta = self.graphs[bs]
-        h = host_arrays(rows + [RowSpec([SCRATCH_PAGE], 0, 1)] * (bs - n), self.kv.page_size)
-        top, total = self.top, int(h.kv_indptr[-1])
+        top, ps = self.top, self.kv.page_size
+        positions, slots, last, indptr, indices = decode_table(rows, ps)
+        total = len(indices) + (bs - n)  # a pad row reads the scratch page
         if total > self.max_pages:
             raise RuntimeError(f"decode batch reads {total} pages; the graph buffers hold {self.max_pages}")
-        longs = np.zeros(5 * top, dtype=np.int64)
+        longs = np.zeros(5 * top, dtype=np.int64)  # pad rows: position 0, slot 0 (the scratch page's)
         longs[:n] = input_ids
-        longs[top:top + bs] = h.positions
-        longs[2 * top:2 * top + bs] = h.slot_mapping
-        patches = len(device_tokens.positions) if device_tokens is not None else 0
-        if patches:
-            longs[3 * top:3 * top + patches] = device_tokens.positions
-            longs[4 * top:4 * top + patches] = device_tokens.rows
+        longs[top:top + n] = positions
+        longs[2 * top:2 * top + n] = slots
+        identity = False
+        if device_tokens is not None:
+            p, src = device_tokens.positions, device_tokens.rows
+            # the steady state: every row reads the row it had in the step in flight
+            identity = len(p) == n == device_tokens.source.shape[0] and p[-1] == n - 1 and src == p
+            if not identity:
+                longs[3 * top:3 * top + len(p)] = p
+                longs[4 * top:4 * top + len(p)] = src
         ints = np.empty(2 * top + 1 + total, dtype=np.int32)
-        ints[:bs + 1] = h.kv_indptr
-        ints[bs + 1:top + 1] = h.kv_indptr[-1]
-        ints[top + 1:top + 1 + bs] = h.kv_last_page_len
-        ints[top + 1 + bs:2 * top + 1] = 1
-        ints[2 * top + 1:] = h.kv_indices
+        ints[:n + 1] = indptr
+        ints[n + 1:top + 1] = np.arange(len(indices) + 1, len(indices) + top - n + 1)
+        ints[top + 1:top + 1 + n] = last
+        ints[top + 1 + n:2 * top + 1] = 1
+        ints[2 * top + 1:2 * top + 1 + len(indices)] = indices
+        ints[2 * top + 1 + len(indices):] = SCRATCH_PAGE
         dev = self.longs.device
         self.longs.copy_(host_tensor(longs, torch.int64, dev), non_blocking=True)
         self.ints[:len(ints)].copy_(host_tensor(ints, torch.int32, dev), non_blocking=True)
-        if patches:
-            src = device_tokens.source.index_select(0, self.patch_src[:patches])
-            self.input_ids.index_copy_(0, self.patch_pos[:patches], src)
-        key = h.kv_indptr.tobytes()
+        if identity:
+            self.input_ids[:n].copy_(device_tokens.source)
+        elif device_tokens is not None:
+            k = len(device_tokens.positions)
+            src = device_tokens.source.index_select(0, self.patch_src[:k])
+            self.input_ids.index_copy_(0, self.patch_pos[:k], src)
+        kv_indptr = ints[:bs + 1]
+        key = kv_indptr.tobytes()
         if self.backend.use_tensor_cores or self._planned.get(bs) != key:
             # The buffers already hold this batch's page table: plan() copies them onto themselves.
-            self.backend.plan_decode(wrapper, torch.from_numpy(h.kv_indptr), self.indices[:total],
-                                     torch.from_numpy(h.kv_last_page_len))
+            self.backend.plan_decode(wrapper, torch.from_numpy(kv_indptr.copy()), self.indices[:total],
+                                     torch.from_numpy(ints[top + 1:top + 1 + bs].copy()))
             self._planned[bs] = key
             self.plans += 1
         self.replays += 1
         self.api.replay(graph)
         return self.logits[:n]
+
+
+def decode_table(rows: list[RowSpec], page_size: int):
+    """(positions, slots, last page lengths, indptr, page ids) of one-token rows, as lists: a Python loop is
+    cheaper than numpy's per-call overhead at small batches, and no slower than the general builder at 256."""
+    positions, slots, last, indptr, indices = [], [], [], [0], []
+    for r in rows:
+        start, pages = r.start, r.pages
+        page, offset = divmod(start, page_size)
+        positions.append(start)
+        slots.append(pages[page] * page_size + offset)
+        last.append(offset + 1)
+        indices += pages[:page + 1]
+        indptr.append(len(indices))
+    return positions, slots, last, indptr, indices
 
 
 def failure_cause(exc: BaseException) -> str:

@@ -32,7 +32,7 @@ from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGra
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
 from services.scheduler.engine.prefix_cache import PrefixCache
-from services.scheduler.engine.sampling import SampleOut, Sampler, SampleRow, _penalized
+from services.scheduler.engine.sampling import SampleOut, Sampler, SampleRow
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
 from services.scheduler.engine.sequence import UNRESOLVED, Seq
 from services.scheduler.engine.transfer import to_device
@@ -338,8 +338,7 @@ class PagedEngine:
     def _needs_host_tokens(batch: list[Scheduled]) -> bool:
         """Whether a sequence of the batch needs the token still in flight on the host before its step is
         launched: a grammar's mask and penalties are computed from the tokens so far."""
-        return any(sc.seq.unresolved and (sc.seq.grammar is not None or _penalized(sc.seq.req.params))
-                   for sc in batch)
+        return any(sc.seq.unresolved and sc.seq.host_bound for sc in batch)
 
     def _launch(self, batch: list[Scheduled]) -> _InFlight:
         """Queue the batch's forward and sampling on the device and append each sampling sequence's token
@@ -354,17 +353,22 @@ class PagedEngine:
                 sc.seq.forks = 0
             seqs.extend(group)
             logit_rows.extend([j] * len(group))
-        rows = [SampleRow(s.req.params, s.index, s.completion_len, s.tokens, s.prompt_len, s.grammar) for s in seqs]
+        rows = [SampleRow(s.req.params, s.index, len(s.tokens) - s.prompt_len, s.tokens, s.prompt_len, s.grammar)
+                for s in seqs]
         if len(logit_rows) != logits.shape[0]:
             (index,) = to_device([logit_rows], torch.int64, logits.device)
             logits = logits.index_select(0, index)
         out = self.sampler.launch(logits, rows)
+        at, context = [], self.max_context
         for k, seq in enumerate(seqs):
-            seq.tokens.append(UNRESOLVED)
+            tokens = seq.tokens
+            tokens.append(UNRESOLVED)
             seq.unresolved += 1
             seq.pending_row = k
-            seq.final = seq.completion_len >= seq.max_tokens or len(seq.tokens) >= self.max_context
-        return _InFlight(seqs, [len(s.tokens) - 1 for s in seqs], [s.epoch for s in seqs], out, deferred)
+            n = len(tokens)
+            seq.final = n - seq.prompt_len >= seq.max_tokens or n >= context
+            at.append(n - 1)
+        return _InFlight(seqs, at, [s.epoch for s in seqs], out, deferred)
 
     def _forward(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Seq]]:
         """Logits of the sampling rows, and the sequences whose new pages cannot be named yet; a sequence
@@ -372,19 +376,27 @@ class PagedEngine:
         prompt token)."""
         rows, ids, sample_idx, scored = [], [], [], []
         patch_pos, patch_rows = [], []
+        deferred = []
         for sc in batch:
-            seq = sc.seq
-            rows.append(RowSpec(seq.pages, seq.num_computed, sc.num_new))
+            seq, n = sc.seq, sc.num_new
+            c, tokens = seq.num_computed, seq.tokens
+            rows.append(RowSpec(seq.pages, c, n))
             first = len(ids)
-            ids.extend(seq.tokens[seq.num_computed:seq.num_computed + sc.num_new])
-            if seq.unresolved and seq.num_computed + sc.num_new == len(seq.tokens):
-                assert seq.unresolved == 1 and ids[-1] == UNRESOLVED and self._inflight is not None
-                patch_pos.append(len(ids) - 1)  # read on the device from the step in flight
-                patch_rows.append(seq.pending_row)
-                ids[-1] = 0
-            if sc.samples:
+            if n == 1:
+                ids.append(tokens[c])
+            else:
+                ids.extend(tokens[c:c + n])
+            ends = c + n == len(tokens)
+            if seq.unresolved:
+                deferred.append(seq)
+                if ends:
+                    assert seq.unresolved == 1 and ids[-1] == UNRESOLVED and self._inflight is not None
+                    patch_pos.append(len(ids) - 1)  # read on the device from the step in flight
+                    patch_rows.append(seq.pending_row)
+                    ids[-1] = 0
+            if ends:  # it samples
                 sample_idx.append(len(ids) - 1)
-            if seq.scores_prompt:
+            if seq.req.params.prompt_logprobs is not None and seq.scores_prompt:
                 positions = range(seq.num_computed, min(seq.num_computed + sc.num_new, seq.prompt_len - 1))
                 scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
         extra = [i for _, idx, _ in scored for i in idx]
@@ -393,8 +405,9 @@ class PagedEngine:
         if scored:
             self._score_prompts(scored, logits[len(sample_idx):])
         self.scheduler.advance(batch)
-        self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved])
-        return logits[:len(sample_idx)], [sc.seq for sc in batch if sc.seq.unresolved]
+        self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved] if deferred else
+                                  [sc.seq for sc in batch])
+        return logits[:len(sample_idx)], deferred
 
     @staticmethod
     def _score_prompts(scored: list, logits: torch.Tensor) -> None:
@@ -417,20 +430,28 @@ class PagedEngine:
         assert flight is not None
         result = flight.out.result()
         outputs, refused = [], []
-        for k, seq in enumerate(flight.seqs):
-            if seq.ended or seq.epoch != flight.epochs[k]:
+        with_logprobs = bool(flight.out.want)
+        eos, context = self.eos_ids, self.max_context
+        for k, (seq, at, epoch, tok) in enumerate(zip(flight.seqs, flight.token_index, flight.epochs, result.ids,
+                                                      strict=True)):
+            if seq.ended or seq.epoch != epoch:
                 continue  # aborted, stopped or preempted since the step was launched: its token is dropped
-            at, tok = flight.token_index[k], result.ids[k]
             seq.tokens[at] = tok
             seq.unresolved -= 1
             produced = at + 1 - seq.prompt_len
-            if seq.grammar is not None and not seq.grammar.accept(seq.tokens[seq.prompt_len:at + 1]):
+            grammar = seq.grammar
+            if grammar is not None and not grammar.accept(seq.tokens[seq.prompt_len:at + 1]):
                 refused.append(seq)  # nothing admissible was left (e.g. min_tokens banned the only end)
                 continue
-            finish = self._finish_reason(seq, tok, produced, at + 1)
-            lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
-            top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
-            out = StepOutput(seq.uid, produced - 1, [tok], seq.index, finish, lp, top)
+            p = seq.req.params
+            finish = None
+            if tok in eos or p.stop_token_ids or grammar is not None or produced >= seq.max_tokens or at + 1 >= context:
+                finish = self._finish_reason(seq, tok, produced, at + 1)
+            out = StepOutput(seq.uid, produced - 1, [tok], seq.index, finish)
+            if with_logprobs and result.logprobs[k] is not None:
+                out.logprobs = [result.logprobs[k]]
+                if result.top_logprobs[k] is not None:
+                    out.top_logprobs = [result.top_logprobs[k]]
             if produced == 1:
                 out.cached_tokens = max(seq.cached_tokens, 0)
                 if seq.scores_prompt:

@@ -76,6 +76,10 @@ class _Plan:
     ints: dict[str, list[int]] = field(default_factory=dict)
     floats: dict[str, list[float]] = field(default_factory=dict)
     top_k_max: int = 0  # top-k/top-p candidates per row; the vocabulary size: sort it all
+    modified: bool = False  # some row's logits are edited (they are copied first: logprobs are of raw ones)
+    grammar: bool = False
+    sampled: list[int] = field(default_factory=list)  # rows that are not greedy
+    want: list[int] = field(default_factory=list)  # rows that want logprobs
 
     def add(self, kind: dict, name: str, values) -> None:
         kind.setdefault(name, []).extend(values)
@@ -135,26 +139,37 @@ class Sampler:
         plan = self._plan(rows, raw.shape[-1])
         ints = _upload(plan.ints, torch.int64, raw.device)
         floats = _upload(plan.floats, torch.float32, raw.device)
-        x = raw.clone() if any(_modified(r) for r in rows) else raw
+        x = raw.clone() if plan.modified else raw
         self._edit(x, ints, floats)
         ints["top_k_max"] = plan.top_k_max  # type: ignore[assignment]  # a host int, not uploaded
-        if any(r.grammar is not None for r in rows):
+        if plan.grammar:
             from services.scheduler.engine.grammar import apply_masks
 
             apply_masks(x, [r.grammar for r in rows])
         ids = x.argmax(-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        sampled = plan.sampled
         if sampled:
             chosen = self._sample(x if len(sampled) == len(rows) else x.index_select(0, ints["sampled"]),
                                   [rows[i] for i in sampled], ints, floats)
             ids = chosen if len(sampled) == len(rows) else ids.index_copy_(0, ints["sampled"], chosen)
-        return self._finish(raw, rows, ids, ints)
+        return self._finish(raw, rows, ids, ints, plan.want)
 
     def _plan(self, rows: list[SampleRow], vocab: int) -> _Plan:
         plan = _Plan()
         ints, floats = plan.ints, plan.floats
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows):  # one pass over the rows: this runs for every row of every step
             p = r.params
+            if p.temperature > 0.0 and p.top_k != 1 and p.top_p > 0.0:  # not greedy (SamplingParams.greedy)
+                plan.sampled.append(i)
+            if p.logprobs or p.top_logprobs > 0:
+                plan.want.append(i)
+            if r.grammar is not None:
+                plan.grammar = True
+                plan.modified = plan.modified or r.grammar.active
+            if not (p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty):
+                continue
+            plan.modified = plan.modified or _modified(r)
             if p.logit_bias:
                 ids = [t for t in p.logit_bias if 0 <= t < vocab]
                 plan.add(ints, "bias_row", [i] * len(ids))
@@ -167,7 +182,7 @@ class Sampler:
                 banned = [t for t in banned if 0 <= t < vocab]
                 plan.add(ints, "ban_row", [i] * len(banned))
                 plan.add(ints, "ban_tok", banned)
-        sampled = [(i, r.params) for i, r in enumerate(rows) if not r.params.greedy]
+        sampled = [(i, rows[i].params) for i in plan.sampled]
         if sampled and len(sampled) < len(rows):
             ints["sampled"] = [i for i, _ in sampled]
         if sampled:
@@ -179,9 +194,8 @@ class Sampler:
                 floats["top_p"] = [p.top_p for _, p in sampled]
                 top_p_alone = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for _, p in sampled)
                 plan.top_k_max = vocab if top_p_alone else max(k for k in ints["top_k"] if k < vocab)
-        want = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs > 0]
-        if want and len(want) < len(rows):
-            ints["want"] = want
+        if plan.want and len(plan.want) < len(rows):
+            ints["want"] = plan.want
         return plan
 
     @staticmethod
@@ -281,9 +295,9 @@ class Sampler:
         return noise.clamp_(min=1e-30)  # a zero draw would turn a filtered token's 0/0 into NaN
 
     @staticmethod
-    def _finish(raw: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor, ints: dict) -> SampleOut:
+    def _finish(raw: torch.Tensor, rows: list[SampleRow], ids: torch.Tensor, ints: dict, want: list[int]
+                ) -> SampleOut:
         """The logprobs asked for, gathered on the device, and one transfer of everything to the host."""
-        want = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs > 0]
         if not want:
             return SampleOut(ids, [], [], 0, DeviceResult([ids]))
         lp = torch.log_softmax(raw if len(want) == len(rows) else raw.index_select(0, ints["want"]), -1)

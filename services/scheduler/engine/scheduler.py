@@ -195,6 +195,8 @@ class BatchScheduler:
             return
         for seq in seqs:
             full = seq.num_computed // self.page_size
+            if full <= seq.num_cached_pages:
+                continue  # no page filled up since it was last named
             extend_digests(seq.digests, seq.tokens, self.page_size, full)
             for i in range(seq.num_cached_pages, full):
                 self._name_page(seq, i)

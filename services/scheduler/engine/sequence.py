@@ -40,6 +40,12 @@ class Seq:
     epoch: int = 0
     final: bool = False  # its unresolved token is its last (max_tokens or the context): not scheduled again
     ended: bool = False  # finished, aborted or failed: results still in flight for it are dropped
+    host_bound: bool = False  # its sampling reads its tokens on the host (grammar, penalties); set below
+
+    def __post_init__(self) -> None:
+        p = self.req.params
+        self.host_bound = p.guided is not None or (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
     @property
     def scores_prompt(self) -> bool:
