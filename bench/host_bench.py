@@ -15,8 +15,9 @@ replaced by a minimal fake whose plan() does the buffer copies 0.7.4's does and 
 plan's own Python and C++ cost is not measured here; the figures report plans per step). The model's
 forward never runs in a measured step: it is the replay.
 
-Per batch size it reports host ms per step (wall time minus time blocked on the stream), wall ms per
-step, and the share of wall time during which the stream was busy, and writes bench/results/host-bench.json
+Per batch size it reports host ms per step (median over steps of wall time minus time blocked on the stream,
+and of the thread's CPU time likewise: the first counts time the OS gave to other processes), wall ms per
+step, and the share of wall time during which the stream was busy, from the median of --repeat runs, and writes bench/results/host-bench.json
 (one entry per label, so before and after accumulate). Not a test: timings depend on the machine.
 """
 
@@ -42,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--gpu-ms", default="1:0.25,256:6.0", help="batch:ms points, linear in between")
     ap.add_argument("--steps", type=int, default=60, help="measured decode steps per batch size")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per batch size; the run of median host time is kept")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--mode", default="temperature", choices=["greedy", "temperature"],
                     help="sampling of every request (temperature 1.0 is the API's default)")
@@ -59,6 +61,7 @@ class Stream:
         self.free_at = 0.0
         self.intervals: list[tuple[float, float]] = []
         self.blocked_s = 0.0  # host time spent waiting on the stream
+        self.blocked_cpu_s = 0.0  # CPU time the host thread spent in those waits (the spin)
 
     def launch(self, seconds: float) -> float:
         start = max(time.perf_counter(), self.free_at)
@@ -68,12 +71,13 @@ class Stream:
         return self.free_at
 
     def wait(self, until: float) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if until - t0 > 4e-4:  # sleep most of it, then spin (as a synchronizing host thread does)
             time.sleep(until - t0 - 3e-4)
         while time.perf_counter() < until:
             pass
         self.blocked_s += time.perf_counter() - t0
+        self.blocked_cpu_s += time.thread_time() - c0
 
     def drain(self) -> None:
         self.wait(self.free_at)
@@ -254,15 +258,16 @@ def measure(batch: int, args: argparse.Namespace, stream: Stream, step_s: list[f
     stream.drain()
     step_s[0] = gpu_ms(args.gpu_ms, batch) / 1e3
     plans0, blocked0 = STATS["plans"], stream.blocked_s
-    walls, hosts, tokens = [], [], 0
+    walls, hosts, cpus, tokens = [], [], [], 0
     t_start = time.perf_counter()
     for _ in range(args.steps):
-        b0 = stream.blocked_s
-        t0 = time.perf_counter()
+        b0, bc0 = stream.blocked_s, stream.blocked_cpu_s
+        t0, c0 = time.perf_counter(), time.thread_time()
         tokens += sum(len(o.ids) for o in eng.step())
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         walls.append(wall)
         hosts.append(wall - (stream.blocked_s - b0))
+        cpus.append(cpu - (stream.blocked_cpu_s - bc0))
     t_end = time.perf_counter()
     elapsed = t_end - t_start
     busy = stream.busy_between(t_start, t_end)
@@ -270,6 +275,7 @@ def measure(batch: int, args: argparse.Namespace, stream: Stream, step_s: list[f
         "batch": batch, "gpu_ms": step_s[0] * 1e3,
         "host_ms_per_step": 1e3 * statistics.median(hosts),
         "host_ms_mean": 1e3 * statistics.fmean(hosts),
+        "host_cpu_ms_per_step": 1e3 * statistics.median(cpus),
         "wall_ms_per_step": 1e3 * elapsed / args.steps,
         "gpu_busy_share": busy / elapsed,
         "plans_per_step": (STATS["plans"] - plans0) / args.steps,
@@ -295,9 +301,14 @@ def main() -> None:
           f"{args.mode} sampling", flush=True)
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
-        r = measure(batch, args, stream, step_s, kind)
+        runs = sorted((measure(batch, args, stream, step_s, kind) for _ in range(args.repeat)),
+                      key=lambda r: r["host_ms_per_step"])
+        r = runs[len(runs) // 2]
+        r["runs_host_ms"] = [x["host_ms_per_step"] for x in runs]
+        r["runs_busy_share"] = [x["gpu_busy_share"] for x in runs]
         results.append(r)
-        print(f"  batch {batch:>3}: host {r['host_ms_per_step']:.3f} ms/step (mean {r['host_ms_mean']:.3f}), "
+        print(f"  batch {batch:>3}: host {r['host_ms_per_step']:.3f} ms/step (CPU {r['host_cpu_ms_per_step']:.3f}, "
+              f"mean {r['host_ms_mean']:.3f}), "
               f"wall {r['wall_ms_per_step']:.3f} ms/step, simulated GPU step {r['gpu_ms']:.2f} ms busy "
               f"{100 * r['gpu_busy_share']:.0f}%, {r['plans_per_step']:.2f} plans/step", flush=True)
     out = Path(args.out)

@@ -343,16 +343,19 @@ class PagedEngine:
     def _launch(self, batch: list[Scheduled]) -> _InFlight:
         """Queue the batch's forward and sampling on the device and append each sampling sequence's token
         as UNRESOLVED; nothing here waits for the device."""
-        sampling = [sc for sc in batch if sc.samples]  # before _forward records the batch as computed
+        # the sequences that sample (before _forward records the batch as computed)
+        sampling = [sc.seq for sc in batch if sc.seq.num_computed + sc.num_new == len(sc.seq.tokens)]
         logits, deferred = self._forward(batch)
-        seqs, logit_rows = [], []
-        for j, sc in enumerate(sampling):
-            group = [sc.seq]
-            if sc.seq.forks:
-                group += self.scheduler.fork(sc.seq, sc.seq.forks)
-                sc.seq.forks = 0
-            seqs.extend(group)
-            logit_rows.extend([j] * len(group))
+        seqs, logit_rows = sampling, list(range(len(sampling)))
+        if any(seq.forks for seq in sampling):  # n > 1: the siblings sample from their parent's logits
+            seqs, logit_rows = [], []
+            for j, seq in enumerate(sampling):
+                group = [seq]
+                if seq.forks:
+                    group += self.scheduler.fork(seq, seq.forks)
+                    seq.forks = 0
+                seqs.extend(group)
+                logit_rows.extend([j] * len(group))
         rows = [SampleRow(s.req.params, s.index, len(s.tokens) - s.prompt_len, s.tokens, s.prompt_len, s.grammar)
                 for s in seqs]
         if len(logit_rows) != logits.shape[0]:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 _MIX1, _MIX2, _MASK63 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, (1 << 63) - 1
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     params: SamplingParams
     index: int  # choice
@@ -146,12 +146,14 @@ class Sampler:
             from services.scheduler.engine.grammar import apply_masks
 
             apply_masks(x, [r.grammar for r in rows])
-        ids = x.argmax(-1)
         sampled = plan.sampled
-        if sampled:
-            chosen = self._sample(x if len(sampled) == len(rows) else x.index_select(0, ints["sampled"]),
-                                  [rows[i] for i in sampled], ints, floats)
-            ids = chosen if len(sampled) == len(rows) else ids.index_copy_(0, ints["sampled"], chosen)
+        if sampled and len(sampled) == len(rows):
+            ids = self._sample(x, rows, ints, floats)
+        else:
+            ids = x.argmax(-1)
+            if sampled:
+                chosen = self._sample(x.index_select(0, ints["sampled"]), [rows[i] for i in sampled], ints, floats)
+                ids.index_copy_(0, ints["sampled"], chosen)
         return self._finish(raw, rows, ids, ints, plan.want)
 
     def _plan(self, rows: list[SampleRow], vocab: int) -> _Plan:

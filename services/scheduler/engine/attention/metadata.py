@@ -18,7 +18,7 @@ import torch
 from services.scheduler.engine.transfer import to_device
 
 
-@dataclass
+@dataclass(slots=True)
 class RowSpec:
     """One scheduled sequence: its page table, tokens already in KV, and tokens computed now."""
 
