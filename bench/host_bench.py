@@ -17,13 +17,15 @@ forward never runs in a measured step: it is the replay.
 
 Per batch size it reports host ms per step (median over steps of wall time minus time blocked on the stream,
 and of the thread's CPU time likewise: the first counts time the OS gave to other processes), wall ms per
-step, and the share of wall time during which the stream was busy, from the median of --repeat runs, and writes bench/results/host-bench.json
-(one entry per label, so before and after accumulate). Not a test: timings depend on the machine.
+step, and the share of wall time during which the stream was busy, from the median of --repeat runs, and
+writes bench/results/host-bench.json (one entry per label, so before and after accumulate). Not a test:
+timings depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -101,7 +103,7 @@ def gpu_ms(points: str, batch: int) -> float:
     pts = sorted((int(b), float(ms)) for b, ms in (p.split(":") for p in points.split(",")))
     if batch <= pts[0][0]:
         return pts[0][1]
-    for (b0, m0), (b1, m1) in zip(pts, pts[1:], strict=False):
+    for (b0, m0), (b1, m1) in itertools.pairwise(pts):
         if batch <= b1:
             return m0 + (m1 - m0) * (batch - b0) / (b1 - b0)
     return pts[-1][1]
