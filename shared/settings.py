@@ -152,7 +152,11 @@ class SchedulerSettings(StageSettings, StorageSettings):
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     chunk_size: int = Field(512, ge=16, description="most prompt tokens prefilled in one step")
     prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes")
-    cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
+    cuda_graphs: bool | None = Field(None, description="replay decode steps from CUDA graphs; unset: on wherever "
+                                     "the engine runs on CUDA with flashinfer attention")
+    overlap: bool | None = Field(None, description="launch each engine step on the device before the previous "
+                                 "one's tokens are read back, so the host's work hides behind the GPU's; "
+                                 "unset: on CUDA")
 
 
 class ApiSettings(CommonSettings, StorageSettings):
@@ -228,7 +232,8 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
 
 
 def _is_bool(annotation: object) -> bool:
-    return annotation is bool
+    """bool, or an optional bool (unset: a default that depends on the machine)."""
+    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
 
 
 def flag_parser(settings_cls: type[BaseSettings], parser: argparse.ArgumentParser) -> None:

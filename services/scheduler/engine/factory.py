@@ -159,7 +159,7 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
     bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
     config = EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
                           prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
-                          cuda_graphs=settings.cuda_graphs)
+                          cuda_graphs=settings.cuda_graphs, overlap=settings.overlap)
     if memory is None and param.device.type == "cuda":
         memory = CudaMemory(param.device)
     if settings.max_kv_tokens or memory is None:
