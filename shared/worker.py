@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from shared import streams
 from shared.keys import Keys
@@ -247,6 +247,7 @@ class SubscribedWorker(StageWorker[M]):
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
         self.busy_since: float | None = None
+        self.held_while_full: list[str] = []  # a batch whose output a full Redis refuses, retried in place
 
     async def start(self) -> None:
         await super().start()
@@ -278,13 +279,41 @@ class SubscribedWorker(StageWorker[M]):
             return
         self.busy_since = time.time()
         try:
-            await self.handle(batch, claimed)
+            await self._handle_riding_out_full_redis(batch, claimed)
             self.steps += 1
         except Exception:
             log.exception("handling %d entries failed; they stay pending for a retry", len(batch))
         finally:
             self.busy_since = None
             self.last_step_at = time.time()
+
+    async def _handle_riding_out_full_redis(self, batch: list[Delivery[M]], claimed: bool) -> None:
+        """`handle`, again and again while Redis refuses its writes for memory (OOM: maxmemory, noeviction). That
+        is backpressure, not a bad entry: left to the claimer, each retry would count toward the dead-letter limit
+        and the batch would be lost after a few seconds of a full Redis. Its acknowledgement was refused with its
+        writes (shared/streams.py `ack`), so the entries stay pending; they are kept alive meanwhile (keep_alive)
+        so that no peer claims them, and the subscriber reads nothing new until Redis has room."""
+        backoff = 0.1
+        try:
+            while True:
+                try:
+                    await self.handle(batch, claimed)
+                    return
+                except OutOfMemoryError as e:
+                    if self.stopping.is_set():
+                        raise  # shutting down: they stay pending, and the drain hands them back
+                    if not self.held_while_full:
+                        log.warning("redis is full (%s): holding %d entries until it takes their output", e,
+                                    len(batch))
+                    self.held_while_full = [d.entry_id for d in batch]
+                    self.busy_since = time.time()  # waiting on Redis, not stuck (liveness)
+                    await asyncio.sleep(backoff)
+                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+        finally:
+            self.held_while_full = []
+
+    def held_entries(self) -> list[str]:
+        return [*super().held_entries(), *self.held_while_full]
 
     async def _within_delivery_limit(self, entries: list[tuple[str, dict[bytes, bytes]]]
                                      ) -> list[tuple[str, dict[bytes, bytes]]]:
