@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
 
 from shared.keys import STAGES, Keys
+from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
 from shared.registry import declared_models, live_workers
-from shared.settings import ApiSettings, CommonSettings
+from shared.settings import ApiSettings, CommonSettings, ProbeSettings
 
 
 async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
@@ -52,37 +54,44 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
-async def healthcheck(settings: CommonSettings, args: argparse.Namespace) -> int:
-    """0 when this worker's heartbeat is fresh and its loop moved within max_stall_s. The heartbeat is
-    written by its own task, so a hung engine step shows as a fresh heartbeat with a stale loop. The probe runs
-    as another process, so it finds the worker by name: the newest heartbeat of `<role>:<name>@...`."""
+def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:
+    """Liveness (the default): 0 while this worker's liveness file says its loop moved within max_stall_s and its
+    process lives; Redis is not asked, so an outage never fails it (shared/liveness.py). With `--ready`
+    (readiness): also its heartbeat in Redis is fresh, so a worker that cannot reach Redis is unready, not dead."""
+    path = liveness_path(settings.liveness_file, settings.namespace, args.role, settings.name())
+    alive, why = check(path, args.max_stall_s)
+    if not alive:
+        print(f"unhealthy: {why}")
+        return 1
+    if args.ready:
+        ready, why = asyncio.run(heartbeat_fresh(settings, args.role))
+        if not ready:
+            print(f"not ready: {why}")
+            return 1
+    print(f"ok: {why}")
+    return 0
+
+
+async def heartbeat_fresh(settings: CommonSettings, role: str) -> tuple[bool, str]:
+    """Redis answers and holds a fresh heartbeat of this worker. The probe runs as another process, so it finds
+    the worker by name: the newest heartbeat of `<role>:<name>@...`."""
     keys = Keys(settings.namespace)
     redis = connect(settings.redis_url, **settings.redis_options())
-    prefix = f"{args.role}:{settings.name()}@"
+    prefix = f"{role}:{settings.name()}@"
     try:
         members = await redis.zrevrangebyscore(keys.workers(), "+inf", "-inf")
         mine = next((m.decode() for m in members if m.decode().startswith(prefix)), None)
-        raw = await redis.hgetall(keys.worker(args.role, mine.split(":", 1)[1])) if mine else {}
+        raw = await redis.hgetall(keys.worker(role, mine.split(":", 1)[1])) if mine else {}
     except Exception as e:
-        print(f"unhealthy: redis: {e}")
-        return 1
+        return False, f"redis: {e}"
     finally:
         await redis.aclose()
     if not raw:
-        print(f"unhealthy: no heartbeat for {prefix}*")
-        return 1
+        return False, f"no heartbeat for {prefix}*"
     fields = {k.decode(): v.decode() for k, v in raw.items()}
-    now = time.time()
-    if now - float(fields.get("updated_at", 0)) > settings.heartbeat_ttl_s:
-        print("unhealthy: heartbeat is stale")
-        return 1
-    load = json.loads(fields.get("load", "{}"))
-    stalled = now - float(load.get("last_step_at", now))
-    if stalled > args.max_stall_s:
-        print(f"unhealthy: loop has not moved for {stalled:.0f}s")
-        return 1
-    print("ok")
-    return 0
+    if time.time() - float(fields.get("updated_at", 0)) > settings.heartbeat_ttl_s:
+        return False, "heartbeat is stale"
+    return True, "heartbeat fresh"
 
 
 def drain(settings: ApiSettings, wait: float) -> int:

@@ -58,7 +58,19 @@ class CommonSettings(BaseSettings):
         return f"{self.name()}@{PROCESS_START}"
 
 
-class StageSettings(CommonSettings):
+# -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
+class LivenessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    liveness_file: str = Field("", description="file a stage worker touches while its loop moves, which `rsinfer "
+                               "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
+
+
+class ProbeSettings(CommonSettings, LivenessSettings):
+    """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
+
+
+class StageSettings(CommonSettings, LivenessSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
     model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")

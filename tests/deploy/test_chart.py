@@ -157,11 +157,13 @@ def test_commands_probes_and_env_match_the_cli(render, case):
         SETTINGS[role](**{k.removeprefix("RSINFER_").lower(): v for k, v in env.items()
                           if k in fields and k != "RSINFER_REDIS_URL"})
         if role != "api":
-            for probe in ("startupProbe", "livenessProbe"):
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 cmd = c[probe]["exec"]["command"]
                 assert cmd[:2] == ["rsinfer", "healthcheck"], cmd
                 args = parser.parse_args(cmd[1:])
                 assert args.role == role, shlex.join(cmd)
+                # liveness never asks Redis (an outage must restart no worker); readiness does
+                assert args.ready == (probe == "readinessProbe"), shlex.join(cmd)
 
 
 # ---------- api ----------
