@@ -7,9 +7,9 @@ import argparse
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 
+from services.api.admin import admin_socket_path
+from services.api.admin import call as admin_call
 from shared.keys import STAGES, Keys
 from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
@@ -95,16 +95,22 @@ async def heartbeat_fresh(settings: CommonSettings, role: str) -> tuple[bool, st
 
 
 def drain(settings: ApiSettings, wait: float) -> int:
-    """Ask the API process on this host's port to drain: it turns unready and refuses new requests, and the
-    call returns after `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). The API
-    accepts this from loopback, so the hook works whether or not an API key is configured."""
-    req = urllib.request.Request(f"http://127.0.0.1:{settings.port}/drain?wait={wait}")
-    if settings.api_key:
-        req.add_header("Authorization", f"Bearer {settings.api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=wait + 30) as resp:
-            print(resp.read().decode())
-            return 0
-    except (urllib.error.URLError, OSError) as e:
-        print(f"drain failed: {e}")
+    """Drain the API process of this pod through its control socket (services/api/admin.py): it turns unready
+    and refuses new requests for --drain-timeout-s, unless SIGTERM comes first; then keep the hook running for
+    `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open
+    the socket (one of this pod, as this user) can drain it: there is no HTTP route for it."""
+    if wait >= settings.drain_timeout_s:
+        print(f"drain failed: --wait {wait} must be shorter than --drain-timeout-s {settings.drain_timeout_s}, "
+              "after which the API goes back in service")
         return 1
+    path = admin_socket_path(settings.admin_socket, settings.port)
+    try:
+        reply = admin_call(path, "drain")
+    except (OSError, ValueError) as e:
+        print(f"drain failed: {path}: {e}")
+        return 1
+    print(json.dumps(reply))
+    if "error" in reply:
+        return 1
+    time.sleep(max(0.0, wait))
+    return 0

@@ -132,7 +132,17 @@ class SchedulerSettings(StageSettings):
     cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
 
 
-class ApiSettings(CommonSettings):
+# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+class DrainSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
+                              "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
+    drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
+                                   "seconds is undone: the process goes back in service")
+
+
+class ApiSettings(CommonSettings, DrainSettings):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")

@@ -175,11 +175,15 @@ def test_api_service_probes_and_graceful_shutdown(render):
     (c,) = spec["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]  # inside the pod: /drain takes loopback callers only
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]  # inside the pod: the API's control socket in /tmp
     assert pre_stop[:3] == ["rsinfer", "drain", "--wait"]
+    build_parser().parse_args(pre_stop[1:])
     drain = float(pre_stop[3])
     grace = float(config(docs)["api.RSINFER_GRACE_PERIOD_S"])
     assert spec["terminationGracePeriodSeconds"] > drain + grace
+    # a drain SIGTERM does not follow within the pod's grace period is undone (back in service)
+    assert float(config(docs)["api.RSINFER_DRAIN_TIMEOUT_S"]) == spec["terminationGracePeriodSeconds"]
+    assert all(p.get("httpGet", {}).get("path") != "/drain" for p in (c["readinessProbe"], c["livenessProbe"]))
     assert c["ports"][0]["containerPort"] == int(config(docs)["api.RSINFER_PORT"]) == 8000
     # the HPA owns the replica count; the PDB keeps some pods through node drains
     assert "replicas" not in api["spec"]
@@ -215,6 +219,10 @@ def test_termination_grace_must_cover_drain_and_grace(render):
     docs = render(sets=["api.terminationGracePeriodSeconds=120"])
     assert kube.pod_spec(kube.by_kind(docs, "Deployment")["rs-rsinfer-api"])[
         "terminationGracePeriodSeconds"] == 120
+    assert config(docs)["api.RSINFER_DRAIN_TIMEOUT_S"] == "120"
+    assert config(render(sets=["api.settings.drain_timeout_s=300"]))["api.RSINFER_DRAIN_TIMEOUT_S"] == "300"
+    with pytest.raises(helmbin.RenderError, match="drain_timeout_s"):
+        render(sets=["api.settings.drain_timeout_s=5"])  # undone before the hook's 10 s are over
 
 
 # ---------- metrics and tracing ----------

@@ -123,6 +123,12 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
   {{- end }}
 {{- end }}
 
+{{/* The API pod's terminationGracePeriodSeconds: given, or its preStop drain + open streams' grace + 10 s. */}}
+{{- define "rsinfer.apiTerminationGrace" -}}
+{{- $api := .Values.api }}
+{{- $api.terminationGracePeriodSeconds | default (add (int $api.drainSeconds) (int (default 20 $api.settings.grace_period_s)) 10) | int | toString }}
+{{- end }}
+
 {{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
 
 {{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
@@ -162,6 +168,10 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
+{{- /* a drain (the preStop hook) not followed by SIGTERM within the pod's grace period is undone */}}
+{{- if not (hasKey .Values.api.settings "drain_timeout_s") }}
+{{- $_ := set $api "RSINFER_DRAIN_TIMEOUT_S" (include "rsinfer.apiTerminationGrace" .) }}
+{{- end }}
 {{- /* the API takes requests for every pool's model even while its stages are scaled to zero */}}
 {{- $served := list }}
 {{- range .Values.modelPools }}
@@ -358,6 +368,11 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- if gt (int $cfg.keda.minReplicaCount) (int $cfg.keda.maxReplicaCount) }}
 {{- fail (printf "modelPools %s, %s: keda.minReplicaCount (%v) exceeds keda.maxReplicaCount (%v)" $pool.name $stage $cfg.keda.minReplicaCount $cfg.keda.maxReplicaCount) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.api.settings.drain_timeout_s }}
+{{- if le (float64 .) (float64 $.Values.api.drainSeconds) }}
+{{- fail (printf "api.settings.drain_timeout_s (%v) must exceed api.drainSeconds (%v): the preStop hook's drain would be undone before SIGTERM" . $.Values.api.drainSeconds) }}
 {{- end }}
 {{- end }}
 {{- with .Values.api.terminationGracePeriodSeconds }}
