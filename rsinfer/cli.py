@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.command
+    for secret in ("api_key", "redis_password"):
+        if getattr(args, secret, None):
+            flag, env = "--" + secret.replace("_", "-"), f"RSINFER_{secret.upper()}"
+            print(f"rsinfer: warning: {flag} on the command line shows in `ps`; use {env} or {flag}-file",
+                  file=sys.stderr)
     if cmd == "demo-model":
         from shared.demo_model import make_model
 

@@ -12,16 +12,39 @@ import os
 import secrets
 import socket
 import typing
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
 PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
-class CommonSettings(BaseSettings):
+# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
+class SecretFiles(BaseSettings):
+    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
+    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    redis_password_file: str = Field("", description="file holding the Redis password (instead of --redis-password, "
+                                     "which `ps` shows)")
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> SecretFiles:
+        for name in ("redis_password", "api_key"):
+            path = getattr(self, f"{name}_file", "")
+            if not path:
+                continue
+            if getattr(self, name, None):
+                raise ValueError(f"give {name} or {name}_file, not both")
+            object.__setattr__(self, name, Path(path).read_text().rstrip("\r\n"))  # frozen: set once, here
+        return self
+
+
+class CommonSettings(SecretFiles):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
@@ -142,7 +165,14 @@ class DrainSettings(BaseSettings):
                                    "seconds is undone: the process goes back in service")
 
 
-class ApiSettings(CommonSettings, DrainSettings):
+class ApiKeyFile(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
+                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
+
+
+class ApiSettings(CommonSettings, DrainSettings, ApiKeyFile):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -170,6 +200,12 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
 
     redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
     redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
+    # -- `rsinfer up`'s local defaults: loopback only, a bounded and password-protected embedded Redis --
+    host: str = Field("127.0.0.1", description="address the API listens on (0.0.0.0: every interface; give an "
+                      "API key then)")
+    redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
+                                 description="embedded redis-server's maxmemory (noeviction: past it writes are "
+                                 "refused and the API answers 503 broker_full); 0 = unbounded")
 
 
 def _is_bool(annotation: object) -> bool:
