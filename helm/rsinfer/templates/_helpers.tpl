@@ -290,14 +290,56 @@ call with (dict "root" $ "pool" $pool "cfg" <the pool's scheduler stage>) */}}
 {{/* Pod template annotations that roll pods when their configuration changes. */}}
 {{- define "rsinfer.checksums" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
-{{- with include "rsinfer.secretChecksum" . }}
-{{ . }}
+{{ include "rsinfer.secretChecksum" . }}
+{{- end }}
+
+{{/* A checksum of what is known of the secrets without them: which Secret, where the Redis password comes from,
+whether there is an API key, and auth.secretRevision (bump it when you change a secret). A hash of the secrets
+themselves in the pod annotations, which anyone who can read a Deployment sees, would let them test guesses of a
+weak key offline. auth.reloader leaves rolling on every change of the Secret to Stakater Reloader. */}}
+{{- define "rsinfer.secretChecksum" -}}
+checksum/secret: {{ printf "%s|%s|%s|%s" (include "rsinfer.secretName" .) (include "rsinfer.redisPasswordOrigin" .) (ternary "keyed" "open" (not (empty .Values.auth.apiKey))) (toString .Values.auth.secretRevision) | sha256sum }}
+{{- end }}
+
+{{/* Workload metadata annotations: Stakater Reloader's, when auth.reloader (it rolls the pods whenever the Secret
+changes, an existingSecret included). */}}
+{{- define "rsinfer.workloadAnnotations" -}}
+{{- if .Values.auth.reloader -}}
+secret.reloader.stakater.com/reload: {{ include "rsinfer.secretName" . | quote }}
 {{- end }}
 {{- end }}
 
-{{- define "rsinfer.secretChecksum" -}}
-{{- if not .Values.auth.existingSecret -}}
-checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPassword | sha256sum }}
+{{/* "true" when rendered against a cluster (helm install/upgrade): lookup sees it. Under `helm template` and
+GitOps renders (Argo CD) lookup sees nothing. */}}
+{{- define "rsinfer.online" -}}
+{{- if lookup "v1" "Secret" .Release.Namespace "" }}true{{ end }}
+{{- end }}
+
+{{/* Where the Redis password comes from (never the password): existing-secret, values, none (an external Redis
+without one), generated (rendered against the cluster: random at install, kept by lookup on upgrades) or
+derived (rendered without a cluster and none given: from the release's identity, the same at every render, so
+no sync changes it under running pods; it keeps out nobody who knows the release's name: give
+auth.existingSecret or auth.redisPassword for GitOps). */}}
+{{- define "rsinfer.redisPasswordOrigin" -}}
+{{- if .Values.auth.existingSecret }}existing-secret
+{{- else if .Values.auth.redisPassword }}values
+{{- else if ne .Values.redis.mode "internal" }}none
+{{- else if include "rsinfer.online" . }}generated
+{{- else }}derived
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.derivedRedisPassword" -}}
+{{- printf "rsinfer-redis-password|%s|%s" .Release.Namespace (include "rsinfer.fullname" .) | sha256sum | trunc 32 }}
+{{- end }}
+
+{{/* "true" when any stage of any pool is scaled by KEDA (whose operator then connects to Redis). */}}
+{{- define "rsinfer.kedaEnabled" -}}
+{{- range $pool := .Values.modelPools }}
+{{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
+{{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
+{{- if $cfg.keda.enabled }}true{{ end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -345,6 +387,11 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- end }}
 {{- $_ := set $names .name true }}
 {{- $_ := set $served .servedModelName true }}
+{{- end }}
+{{- range .Values.redis.internal.extraArgs }}
+{{- if has (toString .) (list "--maxmemory" "--maxmemory-policy") }}
+{{- fail (printf "redis.internal.extraArgs: %s is the chart's (redis.internal.maxmemory; the policy is always noeviction: an evicting Redis would drop requests' streams and records silently)" .) }}
+{{- end }}
 {{- end }}
 {{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) }}
 {{- fail "redis.mode is external: set redis.external.url (redis://host:6379/0 or rediss://...)" }}
