@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from pydantic_settings import BaseSettings
 
@@ -71,14 +73,16 @@ class Stack:
                 proc.wait()
 
 
-def serving(url: str, model: str | None = None) -> bool:
+def serving(url: str, model: str | None = None, api_key: str | None = None) -> bool:
     """The API at `url` is ready and `model` (or every model it knows, at least one) has a live worker in
-    every stage. `/ready` alone says only that the API takes requests: they would wait for the workers."""
+    every stage. `/ready` alone says only that the API takes requests: they would wait for the workers.
+    `api_key`: the key the API requires (for /v1/models; /ready is open)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
             if resp.status != 200:
                 return False
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as resp:
             cards = json.loads(resp.read())["data"]
     except (OSError, ValueError, KeyError):
         return False
@@ -87,12 +91,12 @@ def serving(url: str, model: str | None = None) -> bool:
     return bool(wanted) and all(states.get(m) == "ready" for m in wanted)
 
 
-def wait_ready(url: str, stack: Stack, model: str, timeout: float = 300.0) -> bool:
+def wait_ready(url: str, stack: Stack, model: str, api_key: str | None, timeout: float = 300.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if stack.dead():
             return False
-        if serving(url, model):
+        if serving(url, model, api_key):
             return True
         time.sleep(0.3)
     return False
@@ -108,23 +112,30 @@ def run_up(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    redis_server = None if settings.redis_url else RedisServer(settings.redis_port).start()
+    redis_server = None if settings.redis_url else embedded_redis(settings)
     redis_url = settings.redis_url or redis_server.url
     stack = Stack()
     try:
         model_path, model_name = resolve_model(settings)
         common = {"RSINFER_REDIS_URL": redis_url, "RSINFER_MODEL": model_path,
-                  "RSINFER_SERVED_MODEL_NAME": model_name,
+                  "RSINFER_SERVED_MODEL_NAME": model_name, "RSINFER_HOST": settings.host,
                   "RSINFER_MODELS": ",".join(dict.fromkeys([*settings.model_names(), model_name]))}
         single = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         for role, cls in ROLES.items():
-            stack.spawn(role, child_env(settings, cls, {**common, **({} if role == "scheduler" else single)}))
+            env = child_env(settings, cls, {**common, **({} if role == "scheduler" else single)})
+            if redis_server is not None:  # its password from the file: in neither argv nor the environment
+                env.pop("RSINFER_REDIS_PASSWORD", None)
+                env["RSINFER_REDIS_PASSWORD_FILE"] = str(password_file(redis_server))
+            stack.spawn(role, env)
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         api_url = f"http://{host}:{settings.port}"
-        print(f"rsinfer: redis at {redis_url} (redis-cli -u {redis_url}), namespace '{settings.namespace}'",
-              flush=True)
+        print(f"rsinfer: redis at {redis_url} ({redis_cli_hint(redis_server, redis_url)}), "
+              f"namespace '{settings.namespace}'", flush=True)
         print(f"rsinfer: serving model '{model_name}' from {model_path}", flush=True)
-        if not wait_ready(api_url, stack, model_name):
+        if settings.host not in ("127.0.0.1", "::1", "localhost") and not settings.api_key:
+            print(f"rsinfer: warning: listening on {settings.host} with no API key: anyone who can reach this "
+                  "machine can use it (RSINFER_API_KEY or --api-key-file)", flush=True)
+        if not wait_ready(api_url, stack, model_name, settings.api_key):
             print(f"rsinfer: failed to start: {', '.join(stack.dead()) or 'not ready in time'}", flush=True)
             return 1
         print(f"rsinfer: ready on {api_url}  (OpenAI base URL {api_url}/v1)", flush=True)
@@ -138,3 +149,26 @@ def run_up(settings: UpSettings) -> int:
         stack.stop(settings.grace_period_s)
         if redis_server:
             redis_server.stop()
+
+
+def embedded_redis(settings: UpSettings) -> RedisServer:
+    """A redis-server for this `up`: bounded by --redis-maxmemory (noeviction), with a password (yours, or a random
+    one) written to a 0600 file in its 0700 directory for the children and operators."""
+    password = settings.redis_password or secrets.token_urlsafe(24)
+    server = RedisServer(settings.redis_port, maxmemory=settings.redis_maxmemory, password=password)
+    fd = os.open(password_file(server), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return server.start()
+
+
+def password_file(server: RedisServer) -> Path:
+    return Path(server.dir) / "password"
+
+
+def redis_cli_hint(server: RedisServer | None, url: str) -> str:
+    if server is None:
+        return f"redis-cli -u {url}"
+    path = password_file(server)
+    return f'password in {path}: REDISCLI_AUTH="$(cat {path})" redis-cli -u {url}'
+

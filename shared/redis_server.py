@@ -58,30 +58,55 @@ def wait_until_up(client: redis.Redis, proc: subprocess.Popen, timeout: float = 
 class RedisServer:
     """Starts redis-server on 127.0.0.1 and stops it; restartable. No persistence, files in a temp dir removed
     at stop; or, with `aof_dir`, an append-only file there (`appendfsync everysec`, as the chart runs it) that
-    a restart loads again."""
+    a restart loads again.
 
-    def __init__(self, port: int = 0, binary: str | None = None, aof_dir: Path | None = None):
+    `maxmemory` (e.g. "1gb") bounds its memory with `noeviction`: past it Redis refuses writes (clients see OOM
+    errors, the API answers 503) rather than evict streams or records, which would lose requests silently.
+    `password` makes it require one; it goes into a config file (mode 0600 in its 0700 directory), never on the
+    command line, where `ps` would show it."""
+
+    def __init__(self, port: int = 0, binary: str | None = None, aof_dir: Path | None = None,
+                 maxmemory: str | int | None = None, password: str | None = None):
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
         self.aof = aof_dir is not None
         if aof_dir is not None:
             aof_dir.mkdir(parents=True, exist_ok=True)
         self.dir = str(aof_dir) if aof_dir is not None else tempfile.mkdtemp(prefix="rsinfer-redis-")
+        self.maxmemory = str(maxmemory) if maxmemory not in (None, "", 0, "0") else None
+        self.password = password or None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        """Its URL, without the password (give that apart: `password=`, RSINFER_REDIS_PASSWORD)."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kw) -> redis.Redis:
+        return redis.Redis(port=self.port, password=self.password, **kw)
+
+    def _config_file(self) -> list[str]:
+        """The options that must not show in `ps`, as a config file redis-server reads first."""
+        if not self.password:
+            return []
+        path = Path(self.dir) / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            f.write(f'requirepass "{quoted}"\n')
+        return [str(path)]
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Spawn it from the calling thread (children.spawn: never from a pool thread) and wait for PING, which
         answers once an AOF is loaded."""
         log = open(Path(self.dir) / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
         persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.aof else ["--appendonly", "no"]
+        memory = ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"] if self.maxmemory else []
         self.proc = children.spawn(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
-             "--dir", self.dir, "--protected-mode", "no"], stdout=log, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+            [self.binary, *self._config_file(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             *persistence, *memory, "--dir", self.dir, "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT)
+        client = self.client(socket_connect_timeout=0.5)
         try:
             wait_until_up(client, self.proc, timeout)
         except RuntimeError:

@@ -12,16 +12,39 @@ import os
 import secrets
 import socket
 import typing
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
 PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
-class CommonSettings(BaseSettings):
+# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
+class SecretFiles(BaseSettings):
+    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
+    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    redis_password_file: str = Field("", description="file holding the Redis password (instead of --redis-password, "
+                                     "which `ps` shows)")
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> SecretFiles:
+        for name in ("redis_password", "api_key"):
+            path = getattr(self, f"{name}_file", "")
+            if not path:
+                continue
+            if getattr(self, name, None):
+                raise ValueError(f"give {name} or {name}_file, not both")
+            object.__setattr__(self, name, Path(path).read_text().rstrip("\r\n"))  # frozen: set once, here
+        return self
+
+
+class CommonSettings(SecretFiles):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
@@ -93,7 +116,19 @@ class StorageSettings(BaseSettings):
         return url
 
 
-class StageSettings(CommonSettings):
+# -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
+class LivenessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    liveness_file: str = Field("", description="file a stage worker touches while its loop moves, which `rsinfer "
+                               "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
+
+
+class ProbeSettings(CommonSettings, LivenessSettings):
+    """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
+
+
+class StageSettings(CommonSettings, LivenessSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
     model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")
@@ -159,7 +194,24 @@ class SchedulerSettings(StageSettings, StorageSettings):
                                  "unset: on CUDA")
 
 
-class ApiSettings(CommonSettings, StorageSettings):
+# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+class DrainSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
+                              "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
+    drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
+                                   "seconds is undone: the process goes back in service")
+
+
+class ApiKeyFile(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
+                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
+
+
+class ApiSettings(CommonSettings, StorageSettings, DrainSettings, ApiKeyFile):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -229,6 +281,12 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
 
     redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
     redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
+    # -- `rsinfer up`'s local defaults: loopback only, a bounded and password-protected embedded Redis --
+    host: str = Field("127.0.0.1", description="address the API listens on (0.0.0.0: every interface; give an "
+                      "API key then)")
+    redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
+                                 description="embedded redis-server's maxmemory (noeviction: past it writes are "
+                                 "refused and the API answers 503 broker_full); 0 = unbounded")
 
 
 def _is_bool(annotation: object) -> bool:

@@ -172,8 +172,18 @@ def add_fields(target: Target, key: str, fields: dict[str, Any], maxlen: int | N
 
 def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     """XACK; on a pipeline, after everything queued before it has landed (on a cluster too: redis_conn.barrier),
-    so an entry is never acknowledged while its result is lost."""
+    so an entry is never acknowledged while its result is lost.
+
+    On a standalone Redis's pipeline the XACK goes in a MULTI/EXEC of its own. A Redis at its maxmemory
+    (noeviction) refuses the writes before it (XADD, HSET) with OOM, but not a plain XACK: the entry would be
+    acknowledged with its result refused. A command queued in MULTI is refused under OOM too, so the entry stays
+    pending and is handled again once Redis has room (its writes, if they did land, are written again: every
+    stage drops such duplicates, as after a crash). A cluster's pipeline stops at the barrier already."""
     barrier(target)
+    if isinstance(target, Pipeline) and not target.is_transaction:
+        target.execute_command("MULTI")
+        target.xack(key, group, *ids)
+        return target.execute_command("EXEC")
     return target.xack(key, group, *ids)
 
 

@@ -17,10 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from shared import streams
 from shared.keys import Keys
+from shared.liveness import Liveness, liveness_path
 from shared.metrics import WorkerMetrics
 from shared.redis_conn import broker, connect, is_cluster_client
 from shared.registry import Heartbeat, live_workers
@@ -66,6 +67,8 @@ class StageWorker(Generic[M]):
         self.stopping = asyncio.Event()
         self.forced = asyncio.Event()
         self.steps = 0
+        self.liveness = Liveness(liveness_path(settings.liveness_file, settings.namespace, self.role, settings.name()),
+                                 self.role, self.id)
         self.last_step_at = time.time()
         self._last: dict[str, float] = {}
         self.lost: set[str] = set()  # held entries a peer claimed from us (keep_alive finds them)
@@ -74,6 +77,21 @@ class StageWorker(Generic[M]):
         self._client_list_refused = False
         # in the heartbeat and the model's declaration: `root` (checkpoint) and `max_model_len`, for /v1/models
         self.model_info: dict = {}
+
+    @property
+    def last_step_at(self) -> float:
+        """When the loop last moved (busy or idle): in the heartbeat, and the liveness file is touched with it."""
+        return self._last_step_at
+
+    @last_step_at.setter
+    def last_step_at(self, value: float) -> None:
+        self._last_step_at = value
+        self.liveness.moved()
+
+    def loop_alive(self) -> None:
+        """The loop is not stuck: it stepped, or it is waiting out an unreachable or full Redis (liveness must
+        not depend on Redis)."""
+        self.last_step_at = time.time()
 
     # -- hooks for subclasses -------------------------------------------------------------------------
     async def handle(self, batch: list[Delivery[M]], claimed: bool) -> None:
@@ -108,6 +126,7 @@ class StageWorker(Generic[M]):
         await self.heartbeat.beat()
         self.heartbeat.start()
         self._keep_alive = asyncio.create_task(self.keep_alive(), name=f"keep-alive-{self.role}")
+        self.liveness.arm()
         log.info("%s ready: model=%s stream=%s", self.role, self.model_name, self.source.key)
 
     async def keep_alive(self) -> None:
@@ -135,6 +154,7 @@ class StageWorker(Generic[M]):
                 backoff = 0.1
             except (RedisError, OSError) as e:
                 log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
+                self.loop_alive()
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
 
@@ -216,6 +236,7 @@ class StageWorker(Generic[M]):
                 log.info("handed %d entries back to the group", len(left))
 
     async def close(self) -> None:
+        self.liveness.remove()
         if self._keep_alive is not None:
             await stop_task(self._keep_alive)
         await self.heartbeat.stop()
@@ -247,6 +268,11 @@ class SubscribedWorker(StageWorker[M]):
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
         self.busy_since: float | None = None
+        self.held_while_full: list[str] = []  # a batch whose output a full Redis refuses, retried in place
+
+    def loop_alive(self) -> None:
+        if self.busy_since is None or time.time() - self.busy_since < 1.0:  # else a handler is stuck
+            super().loop_alive()
 
     async def start(self) -> None:
         await super().start()
@@ -259,8 +285,7 @@ class SubscribedWorker(StageWorker[M]):
         """Once a second: the loop moved unless a handler is stuck; restart stopped subscribers; trim."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.stopping.wait(), 1.0)
-        if self.busy_since is None or time.time() - self.busy_since < 1.0:
-            self.last_step_at = time.time()
+        self.loop_alive()
         if any(not sub.running for sub in self.subscribers):
             log.warning("a subscriber of %s stopped (its group vanished); recreating it", self.source.key)
             await self.source.ensure_group()
@@ -278,13 +303,41 @@ class SubscribedWorker(StageWorker[M]):
             return
         self.busy_since = time.time()
         try:
-            await self.handle(batch, claimed)
+            await self._handle_riding_out_full_redis(batch, claimed)
             self.steps += 1
         except Exception:
             log.exception("handling %d entries failed; they stay pending for a retry", len(batch))
         finally:
             self.busy_since = None
             self.last_step_at = time.time()
+
+    async def _handle_riding_out_full_redis(self, batch: list[Delivery[M]], claimed: bool) -> None:
+        """`handle`, again and again while Redis refuses its writes for memory (OOM: maxmemory, noeviction). That
+        is backpressure, not a bad entry: left to the claimer, each retry would count toward the dead-letter limit
+        and the batch would be lost after a few seconds of a full Redis. Its acknowledgement was refused with its
+        writes (shared/streams.py `ack`), so the entries stay pending; they are kept alive meanwhile (keep_alive)
+        so that no peer claims them, and the subscriber reads nothing new until Redis has room."""
+        backoff = 0.1
+        try:
+            while True:
+                try:
+                    await self.handle(batch, claimed)
+                    return
+                except OutOfMemoryError as e:
+                    if self.stopping.is_set():
+                        raise  # shutting down: they stay pending, and the drain hands them back
+                    if not self.held_while_full:
+                        log.warning("redis is full (%s): holding %d entries until it takes their output", e,
+                                    len(batch))
+                    self.held_while_full = [d.entry_id for d in batch]
+                    self.busy_since = time.time()  # waiting on Redis, not stuck (liveness)
+                    await asyncio.sleep(backoff)
+                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+        finally:
+            self.held_while_full = []
+
+    def held_entries(self) -> list[str]:
+        return [*super().held_entries(), *self.held_while_full]
 
     async def _within_delivery_limit(self, entries: list[tuple[str, dict[bytes, bytes]]]
                                      ) -> list[tuple[str, dict[bytes, bytes]]]:

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors
+from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.formats import ChatFormat, CompletionFormat, GenerateFormat
 from services.api.gateway import bare_uid
@@ -26,7 +27,6 @@ from services.api.sse import RAW_SEND
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -81,9 +81,7 @@ class Guard:
         auth = headers.get(b"authorization", b"")
         expected = f"Bearer {self.api_key}".encode()
         keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
-        if scope["path"] == "/drain":
-            error = self._drain_refusal(scope, keyed)
-        elif self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
+        if self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
             error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
@@ -96,26 +94,20 @@ class Guard:
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
 
-    def _drain_refusal(self, scope, keyed: bool) -> ApiError | None:
-        """Draining takes the process out of service for good: only the pod itself (its preStop hook runs
-        `rsinfer drain` inside the pod) or a caller with the API key may do it."""
-        client = scope.get("client") or ("", 0)
-        if keyed or client[0] in LOOPBACK:
-            return None
-        if self.api_key:
-            return ApiError(401, "draining needs the API key", code="invalid_api_key")
-        return ApiError(403, "only the pod itself may drain it (no API key is configured)", code="forbidden")
-
 
 def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
+
+    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await svc.start()
         try:
+            await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
+            await control.close()
             await svc.close()
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
@@ -226,13 +218,6 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/metrics")
     async def metrics():
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/drain")
-    async def drain(wait: float = 0.0):
-        """preStop hook: stop taking new requests (and go unready), then give endpoints time to update."""
-        svc.draining = True
-        await asyncio.sleep(max(0.0, min(wait, 120.0)))
-        return {"draining": True, "inflight": len(svc.gateway.inflight)}
 
     return Guard(app, settings)
 

@@ -111,7 +111,9 @@ class Gateway:
         one round trip; the caller must close() the result. Nothing is left behind if Redis fails."""
         sub = self.hub.register(job.uid)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
+            # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
+            async with self.redis.pipeline(transaction=True) as pipe:
                 records.set_status(pipe, self.keys, job.uid, self.settings.request_ttl_s, "queued",
                                    model=job.model, pod=self.pod, created_at=f"{job.created_at:.3f}",
                                    deadline=f"{job.deadline:.3f}", background=int(job.background),

@@ -171,6 +171,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.id, self.source, engine.prefix_page_size,
                                     settings.heartbeat_ttl_s)
         self.heartbeat.extra = self.lanes.on_beat
+        # A batch whose admission pipeline Redis refused (full, or gone): admitted again at the next iteration.
+        self.unadmitted: tuple[list[Delivery[ScheduleJob]], bool] | None = None
 
     def load(self) -> dict:
         return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox),
@@ -180,7 +182,14 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         return min(self.settings.batch_size, self.engine.room())
 
     def held_entries(self) -> list[str]:
-        return [r.entry_id for r in self.running.values()]
+        unadmitted = [d.entry_id for d in self.unadmitted[0]] if self.unadmitted else []
+        return [r.entry_id for r in self.running.values()] + unadmitted
+
+    async def receive(self, block_ms: int | None = 1000) -> tuple[list[Delivery[ScheduleJob]], bool]:
+        if self.unadmitted:  # a batch whose admission Redis refused: again, before anything new
+            batch, self.unadmitted = self.unadmitted, None
+            return batch
+        return await super().receive(block_ms)
 
     async def iteration(self) -> None:
         """One engine step, the Redis I/O overlapped with it (`work`), then between steps: end what ended
@@ -264,6 +273,21 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
+        """Start the batch's requests; if Redis refuses the pipeline that records them (its maxmemory reached, or
+        an outage), none of them runs: a request running without its record saying so would be dropped as
+        `record_lost` by the next sweep. They stay pending and held, and are admitted again next iteration."""
+        started: list[str] = []
+        try:
+            await self._admit(batch, claimed, started)
+        except (RedisError, OSError):
+            for uid in started:
+                if (run := self.running.pop(uid, None)) is not None:
+                    self.engine.abort(uid)
+                    run.end_span("not_admitted")
+            self.unadmitted = (batch, claimed)
+            raise
+
+    async def _admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool, started: list[str]) -> None:
         self.metrics.consumed("schedule", len(batch))
         uids = [d.msg.uid for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, uids)
@@ -295,6 +319,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 elif job.deadline <= now:
                     records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
                 elif await self._start(pipe, d, claimed):
+                    started.append(job.uid)
                     continue
                 self.source.ack_in(pipe, [d.entry_id])
             await pipe.execute()

@@ -3,13 +3,19 @@ drains its open streams; a rolling restart of every stage under load loses no re
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import stat
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from services.api.admin import admin_socket_path
 from shared.redis_server import free_port
 from tests.e2e.conftest import LIFECYCLE_ENV
 from tests.e2e.helpers import api_ready, engines_idle, wait_for
@@ -62,6 +68,40 @@ def test_sigterm_api_lets_open_streams_finish(pipeline):
     assert httpx.get(f"{url}/ready", timeout=5).status_code == 503
     assert run.result() == expected  # the open stream finished within the grace period
     assert s.procs.pop("api-drain").wait(30) == 0
+
+
+def test_drain_is_the_pods_own_and_is_undone_without_sigterm(pipeline):
+    """`rsinfer drain` (the preStop hook) drains through the API's control socket, which only this user on this
+    machine can open; no HTTP request drains, from loopback or with the key. A drain that no SIGTERM follows
+    within --drain-timeout-s is undone: the API goes back in service."""
+    s = pipeline
+    port = free_port()
+    env = {**LIFECYCLE_ENV, "RSINFER_PORT": str(port), "RSINFER_DRAIN_TIMEOUT_S": "4", "RSINFER_API_KEY": "k"}
+    s.start("api-drained", "api", **env)
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    wait_for(lambda: api_ready(url), timeout=60)
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{url}/drain?wait=1", headers=key, timeout=5).status_code in (404, 405)
+    assert api_ready(url), "an HTTP request drained the API"
+    sock = admin_socket_path("", port)
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
+
+    hook = subprocess.run([sys.executable, "-m", "rsinfer.cli", "drain", "--wait", "0"], env=s.env(**env),
+                          capture_output=True, text=True, timeout=30)
+    assert hook.returncode == 0, hook.stdout + hook.stderr
+    assert json.loads(hook.stdout)["draining"] is True
+    t0 = time.monotonic()
+    assert httpx.get(f"{url}/ready", timeout=5).status_code == 503
+    refused = httpx.post(f"{url}/v1/chat/completions", json=body(62, 5), headers=key, timeout=5)
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    wait_for(lambda: api_ready(url), timeout=15)  # nobody sent SIGTERM: back in service
+    assert time.monotonic() - t0 >= 3
+    served = httpx.post(f"{url}/v1/chat/completions", json=body(62, 5), headers=key, timeout=30)
+    assert served.status_code == 200
+    proc = s.procs.pop("api-drained")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not sock.exists(), "the control socket is removed on exit"
 
 
 def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):

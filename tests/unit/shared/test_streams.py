@@ -167,3 +167,47 @@ async def test_trimmed_head_is_the_first_entry_kept_once_maxlen_cut_the_stream(e
     await redis.xtrim(key, maxlen=4, approximate=False)
     assert await streams.trimmed_head(redis, key) == ids[6].decode()
     assert streams.id_after(ids[7].decode(), ids[6].decode()) and not streams.id_after("5-1", "5-10")
+
+
+async def test_an_entry_whose_output_redis_refused_for_memory_stays_pending():
+    """maxmemory with noeviction: Redis refuses the output's XADD with OOM but would take a plain XACK, which
+    would acknowledge an entry whose result is lost. The acknowledgement is refused with it; once Redis has room
+    the same pipeline lands both."""
+    from redis.exceptions import OutOfMemoryError
+
+    from shared.keys import Keys
+    from shared.redis_conn import connect
+    from shared.redis_server import RedisServer
+
+    with RedisServer(maxmemory="4mb") as server:
+        redis, keys = connect(server.url), Keys("oom")
+        c = consumer(redis, keys, "a")
+        await c.ensure_group()
+        await streams.add(redis, keys.schedule("m"), job("u"))
+        (d,) = await c.read(10, None)
+        filler = 0
+        with pytest.raises(OutOfMemoryError):
+            while True:
+                await redis.set(f"fill{filler}", b"x" * 1024)
+                filler += 1
+
+        async def handle() -> None:
+            async with redis.pipeline(transaction=False) as pipe:
+                streams.add(pipe, keys.detokenize("m"), job("u"))
+                c.ack_in(pipe, [d.entry_id])
+                await pipe.execute()
+
+        for _ in range(3):  # refused for as long as Redis is full
+            with pytest.raises(OutOfMemoryError):
+                await handle()
+            assert await c.pending_ids() == [d.entry_id]
+        # at most the first XADD squeezed in (the refused SET's buffer freed): written again below, a duplicate
+        assert await redis.xlen(keys.detokenize("m")) <= 1
+        await redis.delete(*(f"fill{i}" for i in range(filler)))
+        await handle()
+        assert await c.pending_ids() == []
+        assert await redis.xlen(keys.detokenize("m")) >= 1
+        async with redis.pipeline(transaction=True) as pipe:  # inside a transaction: a plain XACK
+            c.ack_in(pipe, ["0-1"])
+            assert await pipe.execute() == [0]
+        await redis.aclose()
