@@ -100,6 +100,10 @@ class PagedEngine:
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        # What room() answers: the scheduler asks from its event loop while a step runs in its thread (it reads
+        # new requests then), so room is computed only by whoever mutates the queues (the step thread in a step;
+        # add and abort, between steps) and published as one int, never read off the queues.
+        self._room = self._free_room()
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
 
@@ -122,6 +126,7 @@ class PagedEngine:
             seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
                       compiling=compiling)
             self.scheduler.waiting.append(seq)
+            self._room = self._free_room()
             return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
@@ -132,6 +137,7 @@ class PagedEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _compile(self, p: SamplingParams) -> Future | None:
@@ -218,10 +224,17 @@ class PagedEngine:
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self._pending)
         self._pending = [o for o in self._pending if not (o.uid == uid and index in (None, o.index))]
-        return bool(self.scheduler.drop(uid, index)) or len(self._pending) != before
+        dropped = bool(self.scheduler.drop(uid, index))
+        self._room = self._free_room()
+        return dropped or len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
+        """New requests to pull now (safe to call while a step runs in another thread: see `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, or when the free pages are down to the reserve; else the free running slots.
+        Only on the thread that mutates the queues."""
         s = self.scheduler
         if any(q.ready for q in s.waiting) or self.pool.available() <= s.watermark + len(s.running):
             return 0
@@ -257,15 +270,23 @@ class PagedEngine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
         self._pending.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
 
     # ---- the step
 
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self._room = self._free_room()
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._prepare_grammars()
         batch = self.scheduler.schedule()
+        self._room = self._free_room()  # what a read during this step's forward may take
         if not batch:
             self._wait_for_grammars()
             return outputs
