@@ -118,6 +118,10 @@ class SchedulerSettings(StageSettings):
     chunk_size: int = Field(512, ge=16, description="most prompt tokens prefilled in one step")
     prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes")
     cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
+    # -- bounds on what one request may cost the pipeline (issue 18)
+    detokenize_budget_mb: float = Field(256.0, gt=0, description="approximate bytes (MiB) the model's detokenize "
+                                        "stream may hold: MAXLEN ~ this over the mean entry size (at least 1,000 "
+                                        "steps); reached only if no detokenizer reads for minutes")
 
 
 class ApiSettings(CommonSettings):

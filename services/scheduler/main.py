@@ -36,6 +36,7 @@ from shared.messages import (
     ScheduleJob,
     TokenDelta,
     decode,
+    encode,
 )
 from shared.replies import ProducedTokens
 from shared.routing import SchedulerLanes
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 # held-back tail (up to 3 U+FFFD) plus a character cut at the window's start (or one the prompt left
 # unfinished): 8 do.
 CONTEXT_TOKENS = 8
+# Detokenize entries published between two updates of the mean entry size (the stream's MAXLEN follows it).
+ENTRY_SIZE_WEIGHT = 1 / 64
+MIN_DETOKENIZE_MAXLEN = 1_000  # steps kept at least, however large the entries
 SWEEP_EVERY_S = 1.0  # how often abort flags, owners' heartbeats and request records are checked
 ABORTS_PER_READ = 1000
 TTL_REFRESH_S = 60.0  # at most this long between refreshes of a running request's TTLs (a tenth of the TTL if less)
@@ -90,10 +94,10 @@ class Running:
     checkpointed: int = 0  # tokens (all choices) at the last checkpoint written to the reply stream
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
     refreshed: float = field(default_factory=time.monotonic)  # when its keys' TTLs were last set
+    window: int = field(init=False)  # completion tokens sent before each delta (`context`)
 
-    @property
-    def window(self) -> int:
-        return CONTEXT_TOKENS + max((len(s.encode()) for s in self.job.params.stop), default=0)
+    def __post_init__(self) -> None:
+        self.window = CONTEXT_TOKENS + stop_span(self.job.params.stop)
 
     def context(self, seq: list[int], start: int) -> list[int]:
         """The tokens before completion token `start` that it is decoded after: the completion's last
@@ -116,8 +120,11 @@ class Running:
             first = {"cached_tokens": out.cached_tokens, "prompt_ids": self.job.input_ids if p.echo else None,
                      "prompt_logprobs": self.prompt_scores if p.prompt_logprobs is not None else None}
         edge = out.start == 0 or out.finish_reason is not None  # the detokenizer traces these
+        # The stop strings go with a choice's first delta only; the others say how many there are, and a
+        # detokenizer that lacks them reads them from the record (shared/messages.py TokenDelta).
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
-                          index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
+                          index=out.index, n=p.n, context=context, finish=out.finish_reason,
+                          stop=p.stop if out.start == 0 else [], stops=len(p.stop),
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
                           top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None,
                           epoch=self.epoch, **first)
@@ -159,6 +166,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.checkpoint_every = settings.reply_maxlen // 4
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
+        self.entry_bytes = 1024.0  # mean size of the detokenize entries published (bytes), for their MAXLEN
         self.aborts_key = self.keys.aborts(model_name)
         self.aborts_cursor = "0-0"  # set to the stream's tip at start
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
@@ -327,8 +335,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                                  prompt_tokens=len(job.input_ids))
         self.running[job.uid] = Running(d.entry_id, job, outputs, done, span, epoch=epoch,
                                         checkpointed=sum(len(o) for o in outputs))
+        # The stop strings, for a detokenizer that did not see a choice's first delta (shared/messages.py
+        # TokenDelta); written before any delta of the request is published.
+        stop = msgspec.json.encode(job.params.stop).decode() if job.params.stop else None
         records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id,
-                           max_tokens=max_tokens)
+                           max_tokens=max_tokens, stop=stop)
         return True
 
     async def _take_over(self, job: ScheduleJob) -> tuple[ProducedTokens, int]:
@@ -450,7 +461,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 pipe.expire(self.keys.abort(uid), self.ttl)  # an operator's flag need not outlive the request
                 # the tokens made before the abort first, so the abort lands where the client stands
                 deltas = [run.delta(o) for o in unsent] + run.abort_deltas()
-                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, deltas))
+                self.publish(pipe, DetokenizeBatch(self.id, self.steps, deltas))
             self.source.ack_in(pipe, [run.entry_id])
 
         self.outbox.append(write)
@@ -485,12 +496,22 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
         def write(pipe: Pipeline) -> None:
             if batch:
-                streams.add(pipe, self.detokenize_key, batch)
+                self.publish(pipe, batch)
             for uid, ck in checkpoints:
                 records.reply(pipe, self.keys, uid, ck, self.ttl, self.maxlen, refresh_ttl=False)
             self.source.ack_in(pipe, ended)
 
         self.outbox.append(write)
+
+    def publish(self, pipe: Pipeline, batch: DetokenizeBatch) -> None:
+        """XADD a step's deltas to the model's detokenize stream, capped near --detokenize-budget-mb: MAXLEN ~
+        the budget over the mean entry size. Detokenizers read an entry within milliseconds and every worker trims
+        what its group acknowledged every 10 s, so the cap only bites when no detokenizer reads for a long while
+        (entries trimmed unread are token ranges lost: their requests end at their deadline), not Redis' memory."""
+        data = encode(batch)
+        self.entry_bytes += (len(data) - self.entry_bytes) * ENTRY_SIZE_WEIGHT
+        maxlen = max(MIN_DETOKENIZE_MAXLEN, int(self.settings.detokenize_budget_mb * 2**20 / self.entry_bytes))
+        streams.add_data(pipe, self.detokenize_key, data, maxlen)
 
     def _due(self, out: StepOutput) -> StepOutput | None:
         """With --stream-interval N, a choice's tokens wait until N steps' worth are merged into one output; its
@@ -519,7 +540,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.unsent.clear()
         if items:
             batch = DetokenizeBatch(self.id, self.steps, items)
-            self.outbox.append(lambda pipe: streams.add(pipe, self.detokenize_key, batch))
+            self.outbox.append(lambda pipe: self.publish(pipe, batch))
 
     def _fail(self, uid: str, error: str) -> None:
         self._take_unsent(uid)
@@ -555,6 +576,14 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         for run in self.running.values():
             run.end_span("handed_back")  # a peer resumes it under the same trace
         await super().close()
+
+
+def stop_span(stops: list[str]) -> int:
+    """The most completion tokens one of these stop strings can span, and so the detokenizer's held-back text:
+    its UTF-8 bytes, since every token decodes to at least one byte (byte-level BPE and byte-fallback
+    vocabularies have a token for every byte, so no bound below the byte count holds for every way the model
+    may spell it). Computed once per request."""
+    return max((len(s.encode()) for s in stops), default=0)
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
