@@ -122,6 +122,10 @@ class SchedulerSettings(StageSettings):
     detokenize_budget_mb: float = Field(256.0, gt=0, description="approximate bytes (MiB) the model's detokenize "
                                         "stream may hold: MAXLEN ~ this over the mean entry size (at least 1,000 "
                                         "steps); reached only if no detokenizer reads for minutes")
+    grammar_mask_budget_ms: float = Field(20.0, gt=0, description="CPU time one constrained choice's token mask "
+                                          "may take in an engine step (a mask costs ~25 µs at 1k tokens, ~200 µs at "
+                                          "152k); a request whose grammar takes longer fails with a 400, checked "
+                                          "on its first masks before it joins the batch and at every step")
 
 
 class ApiSettings(CommonSettings):

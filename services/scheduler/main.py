@@ -474,7 +474,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             if run is None or out.index in run.done:
                 continue
             if out.error is not None:
-                self._fail(out.uid, out.error)
+                self._fail(out.uid, out.error, out.error_status, out.error_param)
                 continue
             if out.uid not in stepped:
                 stepped.add(out.uid)
@@ -542,15 +542,21 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             batch = DetokenizeBatch(self.id, self.steps, items)
             self.outbox.append(lambda pipe: self.publish(pipe, batch))
 
-    def _fail(self, uid: str, error: str) -> None:
+    def _fail(self, uid: str, error: str, status: int = 500, param: str | None = None) -> None:
         self._take_unsent(uid)
         run = self.running.pop(uid)
         self.engine.abort(uid)
         run.end_span("failed", error)
-        log.error("uid=%s failed in the engine: %s", uid, error)
+        if status < 500:  # the request's own fault (e.g. its grammar): a 400, one line
+            log.info("uid=%s refused by the engine: %s", uid, error)
+            reply = ReplyError(message=error, status=status, type="invalid_request_error", param=param,
+                               code="invalid_constraint" if error.startswith("structured output") else None)
+        else:
+            log.error("uid=%s failed in the engine: %s", uid, error)
+            reply = ReplyError(message=error)
 
         def write(pipe: Pipeline) -> None:
-            records.end_failed(pipe, self.keys, uid, ReplyError(message=error), self.ttl, self.maxlen)
+            records.end_failed(pipe, self.keys, uid, reply, self.ttl, self.maxlen)
             self.source.ack_in(pipe, [run.entry_id])
 
         self.outbox.append(write)

@@ -164,8 +164,14 @@ class PagedEngine:
                 failed.setdefault(seq.uid, f"structured output: {e}")
         outputs = []
         for uid, error in failed.items():
-            outputs += self._fail([s for s in self.scheduler.waiting if s.uid == uid][:1], error)
+            seqs = [s for s in self.scheduler.waiting if s.uid == uid][:1]
+            outputs += self._fail(seqs, error, 400, self._guided_param(seqs))
         return outputs
+
+    @staticmethod
+    def _guided_param(seqs: list[Seq]) -> str | None:
+        guided = seqs[0].req.params.guided if seqs else None
+        return (guided.param or None) if guided is not None else None
 
     def _wait_for_grammars(self) -> None:
         compiling = {s.compiling for s in self.scheduler.waiting if not s.ready}
@@ -368,10 +374,12 @@ class PagedEngine:
             outputs.append(out)
             if finish:
                 self.scheduler.finish(seq)
-        if refused:
+        if refused:  # the client's grammar (or its params) at fault: a 400
             gone = {s.uid for s in refused}
             outputs = [o for o in outputs if o.uid not in gone]
-            outputs += self._fail(refused, "structured output: the grammar admits no token the request allows")
+            for seq in refused:
+                assert seq.grammar is not None
+                outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
         return outputs
 
     def _finish_reason(self, seq: Seq, tok: int) -> str | None:
@@ -385,12 +393,13 @@ class PagedEngine:
             return "length"
         return None
 
-    def _fail(self, seqs: list[Seq], error: str) -> list[StepOutput]:
+    def _fail(self, seqs: list[Seq], error: str, status: int = 500, param: str | None = None) -> list[StepOutput]:
         outputs, failed = [], set()
         for seq in seqs:
             if seq.uid not in failed:  # the whole request fails, with every choice
                 failed.add(seq.uid)
                 for s in self.scheduler.drop(seq.uid):
                     for index in range(s.index, s.index + s.forks + 1):  # unforked choices fail too
-                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error))
+                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error,
+                                                  error_status=status, error_param=param))
         return outputs

@@ -126,8 +126,9 @@ class SimpleEngine:
             p = s.req.params
             finish = None
             if s.grammar is not None and not s.grammar.accept(s.out):
-                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error",
-                                          error="structured output: the grammar admits no token the request allows"))
+                guided = p.guided
+                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error", error=s.grammar.refusal,
+                                          error_status=400, error_param=(guided.param or None) if guided else None))
                 continue
             ended = s.grammar is not None and s.grammar.done
             if ended or (len(s.out) >= p.min_tokens and (
