@@ -72,6 +72,9 @@ class StageSettings(CommonSettings):
                                   "before the rest is handed to a peer")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve this worker's Prometheus metrics on this "
                               "port; 0 = off")
+    max_deliveries: int = Field(5, ge=1, description="an entry claimed after this many deliveries is poison: "
+                                "it goes to the dead-letter stream and its client gets an error (each delivery "
+                                "ended with its worker failing or gone)")
 
 
 class TokenizerSettings(StageSettings):

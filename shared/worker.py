@@ -38,7 +38,6 @@ TRIM_EVERY_S = 10.0
 MAX_BACKOFF_S = 2.0
 CLAIM_EVERY_S = 0.5  # claims are cheap; polling often is what makes a hand-back "at once"
 HANDOFF_CONSUMER = "handoff"  # entries handed back on shutdown wait here, idle, for any peer to claim
-MAX_DELIVERIES = 5  # an entry handed out this often without being handled is poison
 
 
 class StageWorker(Generic[M]):
@@ -234,7 +233,7 @@ class SubscribedWorker(StageWorker[M]):
     """A stage whose entries FastStream delivers (shared/streams.py `subscribe`): a batch reader of new
     entries and a claimer of a dead or hung peer's, both handing decoded deliveries to `handle`, which
     acknowledges in the pipeline that writes its output. Undecodable entries go to the dead-letter stream at
-    once; an entry delivered more than MAX_DELIVERIES times without being handled (its handling keeps
+    once; an entry delivered more than --max-deliveries times without being handled (its handling keeps
     failing) goes there too. The loop only watches: housekeeping, liveness, and restarting a subscriber that
     stopped because its group vanished (Redis came back empty)."""
 
@@ -288,12 +287,18 @@ class SubscribedWorker(StageWorker[M]):
 
     async def _within_delivery_limit(self, entries: list[tuple[str, dict[bytes, bytes]]]
                                      ) -> list[tuple[str, dict[bytes, bytes]]]:
+        limit = self.settings.max_deliveries
         counts = await self.source.delivery_counts([eid for eid, _ in entries])
         bad = [(eid, f, f"delivered {counts[eid]} times without being handled")
-               for eid, f in entries if counts.get(eid, 0) > MAX_DELIVERIES]
+               for eid, f in entries if counts.get(eid, 0) > limit]
         if bad:
             await self.source.dead_letter(bad)
-        return [(eid, f) for eid, f in entries if counts.get(eid, 0) <= MAX_DELIVERIES]
+            await self.answer_dead([d.msg for d in await self.source.decode_all([(e, f) for e, f, _ in bad])])
+        return [(eid, f) for eid, f in entries if counts.get(eid, 0) <= limit]
+
+    async def answer_dead(self, messages: list[M]) -> None:
+        """The clients of entries just dead-lettered, which would otherwise wait until their deadline. Default:
+        none (an entry may carry many requests' work)."""
 
     async def drain(self) -> None:
         """Stop reading (FastStream lets handlers in flight finish within the grace period), then hand back

@@ -220,7 +220,12 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     async def _step(self) -> list[StepOutput]:
         began = time.perf_counter()
-        outputs = await asyncio.to_thread(self.engine.step)
+        try:
+            outputs = await asyncio.to_thread(self.engine.step)
+        except Exception as e:  # the engine cannot tell whose it was: fail what it holds, serve what comes next
+            log.exception("engine step failed; failing the %d requests it held", len(self.running))
+            outputs = [StepOutput(uid, len(run.outputs[i]), [], i, "error", error=f"engine error: {e}")
+                       for uid, run in self.running.items() for i in range(run.job.params.n) if i not in run.done]
         self.metrics.step(time.perf_counter() - began)
         self.steps += 1
         return outputs
@@ -272,40 +277,92 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
+        """Start each request of a read, or end it here (aborted, past its deadline, a duplicate, poison). An
+        exception while admitting one request fails that request (a 500 to its client), not the process: a
+        restarted or peer scheduler would claim the same entry and die of it too."""
         self.metrics.consumed("schedule", len(batch))
+        if claimed:
+            batch = await self._within_delivery_limit(batch)
         uids = [d.msg.uid for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, uids)
         owners = await self._record_fields(uids, "scheduler", "entry")
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
-                job = d.msg
-                owner, owner_entry = owners[job.uid]
-                if job.uid in self.running:
-                    if not (claimed and self.running[job.uid].entry_id == d.entry_id):
-                        continue  # delivered twice to us: already running
-                    # Its entry went idle while we ran it: we stalled past the claim idle, and a peer may have
-                    # taken it over and died before it recorded itself as the owner. What we run may be fenced
-                    # out: take it over like any claimed entry, under a new epoch.
-                    log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
-                    self._drop(job.uid, "taken_over")
-                if owner and owner_entry and owner_entry != d.entry_id:
-                    # Another schedule entry of the same request was admitted (the tokenizer forwarded it
-                    # twice): acknowledge this one, or every claim interval a peer would resume the request
-                    # from it and take it from its owner, back and forth.
-                    log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
-                elif not claimed and owner:  # we were hung; a peer claimed this very entry: it is theirs
-                    log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
-                    continue
-                elif job.uid in aborted:
-                    records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
-                                        self.maxlen, len(job.input_ids))
-                elif job.deadline <= now:
-                    records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
-                elif await self._start(pipe, d, claimed):
-                    continue
+                try:
+                    if not await self._admit_one(pipe, d, claimed, owners[d.msg.uid], aborted.get(d.msg.uid), now):
+                        continue
+                except (RedisError, OSError):
+                    raise
+                except Exception as e:  # a bug or an engine that cannot take this job: fail it alone
+                    log.exception("uid=%s could not be admitted", d.msg.uid)
+                    self._forget(d.msg.uid)
+                    records.end_failed(pipe, self.keys, d.msg.uid, ReplyError(
+                        message=f"the scheduler could not start the request: {type(e).__name__}: {e}"),
+                        self.ttl, self.maxlen)
                 self.source.ack_in(pipe, [d.entry_id])
             await pipe.execute()
+
+    async def _admit_one(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool, owned: list[str | None],
+                         aborted: str | None, now: float) -> bool:
+        """Queue what admitting one entry writes; whether to acknowledge it now (False: it runs, or is not ours)."""
+        job = d.msg
+        owner, owner_entry = owned
+        if job.uid in self.running:
+            if not (claimed and self.running[job.uid].entry_id == d.entry_id):
+                return False  # delivered twice to us: already running
+            # Its entry went idle while we ran it: we stalled past the claim idle, and a peer may have taken it
+            # over and died before it recorded itself as the owner. What we run may be fenced out: take it over
+            # like any claimed entry, under a new epoch.
+            log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
+            self._drop(job.uid, "taken_over")
+        if owner and owner_entry and owner_entry != d.entry_id:
+            # Another schedule entry of the same request was admitted (the tokenizer forwarded it twice):
+            # acknowledge this one, or every claim interval a peer would resume the request from it and take it
+            # from its owner, back and forth.
+            log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
+        elif not claimed and owner:  # we were hung; a peer claimed this very entry: it is theirs
+            log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
+            return False
+        elif aborted is not None:
+            records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted, self.ttl, self.maxlen,
+                                len(job.input_ids))
+        elif job.deadline <= now:
+            records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
+        elif await self._start(pipe, d, claimed):
+            return False
+        return True
+
+    async def _within_delivery_limit(self, batch: list[Delivery[ScheduleJob]]) -> list[Delivery[ScheduleJob]]:
+        """Claimed entries delivered more than --max-deliveries times: each delivery ended with its scheduler
+        gone (a crash while running it, e.g. a native one no `except` sees), and the next would take down the
+        next scheduler. Dead-lettered, and their clients answered at once with an error."""
+        counts = await self.source.delivery_counts([d.entry_id for d in batch])
+        limit = self.settings.max_deliveries
+        poison = [d for d in batch if counts.get(d.entry_id, 0) > limit]
+        if not poison:
+            return batch
+        await self.source.dead_letter([(d.entry_id, {streams.FIELD: encode(d.msg)},
+                                        f"delivered {counts[d.entry_id]} times; each scheduler died with it")
+                                       for d in poison])
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in poison:
+                log.error("uid=%s dead-lettered: its schedule entry was delivered %d times", d.msg.uid,
+                          counts[d.entry_id])
+                self._forget(d.msg.uid)
+                records.end_failed(pipe, self.keys, d.msg.uid, poison_error(counts[d.entry_id]), self.ttl,
+                                   self.maxlen)
+            await pipe.execute()
+        bad = {d.entry_id for d in poison}
+        return [d for d in batch if d.entry_id not in bad]
+
+    def _forget(self, uid: str) -> None:
+        """Whatever the engine and this worker hold of a request that fails at admission."""
+        self.engine.abort(uid)
+        self._take_unsent(uid)
+        run = self.running.pop(uid, None)
+        if run is not None:
+            run.end_span("failed")
 
     async def _start(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool) -> bool:
         """Hand a request to the engine (resuming from its reply stream when claimed); False if it ended."""
@@ -582,6 +639,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         for run in self.running.values():
             run.end_span("handed_back")  # a peer resumes it under the same trace
         await super().close()
+
+
+def poison_error(deliveries: int) -> ReplyError:
+    return ReplyError(message=f"the request could not be served: every scheduler that took it ({deliveries}) "
+                      "stopped while running it", code="request_dead_lettered")
 
 
 def stop_span(stops: list[str]) -> int:

@@ -83,6 +83,15 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
                 result = encoded.get(job.uid)
                 span.end(error=result.message if isinstance(result, ReplyError) else None)
 
+    async def answer_dead(self, messages: list[TokenizeJob]) -> None:
+        """A job whose handling failed every time it was delivered: its client gets the error now."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in messages:
+                records.end_failed(pipe, self.keys, job.uid, ReplyError(
+                    message="the request could not be tokenized: every attempt failed", code="request_dead_lettered"),
+                    self.ttl, self.maxlen)
+            await pipe.execute()
+
     async def _schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
         """uid -> the scheduler whose own stream the job goes to (None: the shared stream)."""
         if self.router is None or not jobs:
