@@ -64,6 +64,12 @@ def check(guided: Guided) -> str | None:
     return problem
 
 
+def checked(guided: Guided) -> bool:
+    """Whether `check` has the answer for this constraint already (a new one may take ~0.2 s of CPU)."""
+    with _lock:
+        return (guided.kind, guided.spec) in _checked
+
+
 _lock = threading.Lock()  # checks run in worker threads (services/tokenizer/encode.py)
 _checked: ByteLRU[tuple[str, str], str | None] = ByteLRU(CHECK_CACHE_ENTRIES, CHECK_CACHE_BYTES)
 

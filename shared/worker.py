@@ -246,6 +246,12 @@ class SubscribedWorker(StageWorker[M]):
             self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
         self.busy_since: float | None = None
+        self.handling: set[str] = set()  # entries being handled now (kept alive: `held_entries`)
+
+    def held_entries(self) -> list[str]:
+        # Touched while they are handled, however long that takes: else after --claim-idle-ms a peer (or this
+        # worker's own claimer) takes an entry in the middle of its handling and does the same work again.
+        return list(self.handling)
 
     async def start(self) -> None:
         await super().start()
@@ -260,6 +266,7 @@ class SubscribedWorker(StageWorker[M]):
             await asyncio.wait_for(self.stopping.wait(), 1.0)
         if self.busy_since is None or time.time() - self.busy_since < 1.0:
             self.last_step_at = time.time()
+        self.lost.clear()  # entries a peer took from us mid-handling: whoever finishes second is dropped as a duplicate
         if any(not sub.running for sub in self.subscribers):
             log.warning("a subscriber of %s stopped (its group vanished); recreating it", self.source.key)
             await self.source.ensure_group()
@@ -276,12 +283,15 @@ class SubscribedWorker(StageWorker[M]):
         if not batch:
             return
         self.busy_since = time.time()
+        ids = {d.entry_id for d in batch}
+        self.handling |= ids
         try:
             await self.handle(batch, claimed)
             self.steps += 1
         except Exception:
             log.exception("handling %d entries failed; they stay pending for a retry", len(batch))
         finally:
+            self.handling -= ids
             self.busy_since = None
             self.last_step_at = time.time()
 
