@@ -124,7 +124,13 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one choice of one request, with what a detokenizer needs to turn them into text
     without any state of its own: the tokens just before them (`context`) and the stop strings. The context
     reaches back into the prompt while the completion is shorter than it: its first len(context) - start
-    tokens (if positive) are the prompt's last ones."""
+    tokens (if positive) are the prompt's last ones.
+
+    The stop strings travel once per choice, not with every step: `stop` is on a choice's first delta (start 0)
+    only, and `stops` on every delta says how many the request has. A detokenizer keeps them by uid; one that
+    has not seen them (another replica took the first delta, it restarted, a successor resumed the request)
+    reads them from the request record's `stop` field, which the scheduler writes when it admits the request.
+    A delta with `stop` and no `stops` (an older scheduler) carries them itself."""
 
     uid: str
     start: int  # completion-token index of ids[0]
@@ -134,7 +140,8 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     n: int = 1  # choices in the request
     context: list[int] = []
     finish: str | None = None
-    stop: list[str] = []
+    stop: list[str] = []  # a choice's first delta only (see above)
+    stops: int = 0  # how many stop strings the request has
     skip_special_tokens: bool = True
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -142,6 +142,9 @@ class StageSettings(CommonSettings, LivenessSettings):
                                   "before the rest is handed to a peer")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve this worker's Prometheus metrics on this "
                               "port; 0 = off")
+    max_deliveries: int = Field(5, ge=1, description="an entry claimed after this many deliveries is poison: "
+                                "it goes to the dead-letter stream and its client gets an error (each delivery "
+                                "ended with its worker failing or gone)")
 
 
 class TokenizerSettings(StageSettings):
@@ -192,6 +195,14 @@ class SchedulerSettings(StageSettings, StorageSettings):
     overlap: bool | None = Field(None, description="launch each engine step on the device before the previous "
                                  "one's tokens are read back, so the host's work hides behind the GPU's; "
                                  "unset: on CUDA")
+    # -- bounds on what one request may cost the pipeline (issue 18)
+    detokenize_budget_mb: float = Field(256.0, gt=0, description="approximate bytes (MiB) the model's detokenize "
+                                        "stream may hold: MAXLEN ~ this over the mean entry size (at least 1,000 "
+                                        "steps); reached only if no detokenizer reads for minutes")
+    grammar_mask_budget_ms: float = Field(20.0, gt=0, description="CPU time one constrained choice's token mask "
+                                          "may take in an engine step (a mask costs ~25 µs at 1k tokens, ~200 µs at "
+                                          "152k); a request whose grammar takes longer fails with a 400, checked "
+                                          "on its first masks before it joins the batch and at every step")
 
 
 # -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------

@@ -48,6 +48,11 @@ def add(target: Target, key: str, msg: msgspec.Struct, maxlen: int | None = None
     return target.xadd(key, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
 
 
+def add_data(target: Target, key: str, data: bytes, maxlen: int | None = None) -> Any:
+    """XADD one message its caller has encoded already (`encode(msg)`: e.g. to know its size)."""
+    return target.xadd(key, {FIELD: data}, maxlen=maxlen, approximate=True)
+
+
 # One call appends one entry to each of many streams (and refreshes the TTLs asked for): a detokenizer's read
 # writes an entry to the reply stream of every request in it, and as separate pipelined XADDs the client's
 # command packing and reply parsing cost it more CPU than everything else it does per token.

@@ -39,7 +39,6 @@ TRIM_EVERY_S = 10.0
 MAX_BACKOFF_S = 2.0
 CLAIM_EVERY_S = 0.5  # claims are cheap; polling often is what makes a hand-back "at once"
 HANDOFF_CONSUMER = "handoff"  # entries handed back on shutdown wait here, idle, for any peer to claim
-MAX_DELIVERIES = 5  # an entry handed out this often without being handled is poison
 
 
 class StageWorker(Generic[M]):
@@ -255,7 +254,7 @@ class SubscribedWorker(StageWorker[M]):
     """A stage whose entries FastStream delivers (shared/streams.py `subscribe`): a batch reader of new
     entries and a claimer of a dead or hung peer's, both handing decoded deliveries to `handle`, which
     acknowledges in the pipeline that writes its output. Undecodable entries go to the dead-letter stream at
-    once; an entry delivered more than MAX_DELIVERIES times without being handled (its handling keeps
+    once; an entry delivered more than --max-deliveries times without being handled (its handling keeps
     failing) goes there too. The loop only watches: housekeeping, liveness, and restarting a subscriber that
     stopped because its group vanished (Redis came back empty)."""
 
@@ -269,10 +268,16 @@ class SubscribedWorker(StageWorker[M]):
             self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
         self.busy_since: float | None = None
         self.held_while_full: list[str] = []  # a batch whose output a full Redis refuses, retried in place
+        self.handling: set[str] = set()  # entries being handled now (kept alive: `held_entries`)
 
     def loop_alive(self) -> None:
         if self.busy_since is None or time.time() - self.busy_since < 1.0:  # else a handler is stuck
             super().loop_alive()
+
+    def held_entries(self) -> list[str]:
+        # Touched while they are handled, however long that takes: else after --claim-idle-ms a peer (or this
+        # worker's own claimer) takes an entry in the middle of its handling and does the same work again.
+        return list(self.handling)
 
     async def start(self) -> None:
         await super().start()
@@ -286,6 +291,7 @@ class SubscribedWorker(StageWorker[M]):
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.stopping.wait(), 1.0)
         self.loop_alive()
+        self.lost.clear()  # entries a peer took from us mid-handling: whoever finishes second is dropped as a duplicate
         if any(not sub.running for sub in self.subscribers):
             log.warning("a subscriber of %s stopped (its group vanished); recreating it", self.source.key)
             await self.source.ensure_group()
@@ -302,12 +308,15 @@ class SubscribedWorker(StageWorker[M]):
         if not batch:
             return
         self.busy_since = time.time()
+        ids = {d.entry_id for d in batch}
+        self.handling |= ids
         try:
             await self._handle_riding_out_full_redis(batch, claimed)
             self.steps += 1
         except Exception:
             log.exception("handling %d entries failed; they stay pending for a retry", len(batch))
         finally:
+            self.handling -= ids
             self.busy_since = None
             self.last_step_at = time.time()
 
@@ -336,17 +345,20 @@ class SubscribedWorker(StageWorker[M]):
         finally:
             self.held_while_full = []
 
-    def held_entries(self) -> list[str]:
-        return [*super().held_entries(), *self.held_while_full]
-
     async def _within_delivery_limit(self, entries: list[tuple[str, dict[bytes, bytes]]]
                                      ) -> list[tuple[str, dict[bytes, bytes]]]:
+        limit = self.settings.max_deliveries
         counts = await self.source.delivery_counts([eid for eid, _ in entries])
         bad = [(eid, f, f"delivered {counts[eid]} times without being handled")
-               for eid, f in entries if counts.get(eid, 0) > MAX_DELIVERIES]
+               for eid, f in entries if counts.get(eid, 0) > limit]
         if bad:
             await self.source.dead_letter(bad)
-        return [(eid, f) for eid, f in entries if counts.get(eid, 0) <= MAX_DELIVERIES]
+            await self.answer_dead([d.msg for d in await self.source.decode_all([(e, f) for e, f, _ in bad])])
+        return [(eid, f) for eid, f in entries if counts.get(eid, 0) <= limit]
+
+    async def answer_dead(self, messages: list[M]) -> None:
+        """The clients of entries just dead-lettered, which would otherwise wait until their deadline. Default:
+        none (an entry may carry many requests' work)."""
 
     async def drain(self) -> None:
         """Stop reading (FastStream lets handlers in flight finish within the grace period), then hand back

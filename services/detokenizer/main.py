@@ -11,9 +11,12 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+import msgspec
+
 from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
 from shared import records, streams
 from shared.keys import DETOKENIZER_GROUP
+from shared.lru import ByteLRU
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
 from shared.settings import DetokenizerSettings
@@ -25,6 +28,12 @@ log = logging.getLogger(__name__)
 REFRESH_EVERY_TOKENS = 64  # refresh TTLs and the record's token count this often on long requests
 STATUS_OF = {"stop": "finished", "length": "finished", "abort": "aborted", "error": "failed"}
 FINISHED_MEMORY = 50_000
+# Stop strings by uid (shared/messages.py TokenDelta): every request in flight with stop strings, whatever they
+# weigh (the API caps them; 32 MiB is 8k requests at 4 KiB each). A request dropped from here is read again from
+# its record.
+STOP_CACHE_ENTRIES = 50_000
+STOP_CACHE_BYTES = 32 * 2**20
+_STOPS = msgspec.json.Decoder(list[str])
 
 
 class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
@@ -41,12 +50,13 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         # ones) and a successor's (after a takeover) still rendered. Bounded; the API also ignores anything
         # after a choice's final entry.
         self.finished: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        self.stops: ByteLRU[str, list[str]] = ByteLRU(STOP_CACHE_ENTRIES, STOP_CACHE_BYTES)
 
     def load(self) -> dict:
-        return {**super().load(), "finished_tracked": len(self.finished)}
+        return {**super().load(), "finished_tracked": len(self.finished), "stops_cached": len(self.stops)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
-        items = [it for d in batch for it in d.msg.items if not self._after_end(it)]
+        items = await self._with_stops([it for d in batch for it in d.msg.items if not self._after_end(it)])
         # Claimed entries are rendered one step at a time: a dead peer may have written some of them
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
@@ -68,6 +78,34 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
         finally:
             for span in spans:
                 span.end()
+
+    async def _with_stops(self, items: list[TokenDelta]) -> list[TokenDelta]:
+        """Each delta with its request's stop strings: from a choice's first delta, this replica's cache, or (one
+        round trip for the whole read) the request records, which the scheduler wrote before any delta. Every
+        replica renders a range with the same stop strings, however it learns them."""
+        known: dict[str, list[str]] = {}
+        for it in items:
+            if it.stop and it.stops:
+                known[it.uid] = it.stop
+                self.stops.put(it.uid, it.stop, sum(len(x) for x in it.stop) + 64)
+        wanted = [it for it in items if it.stops and not it.stop]
+        if not wanted:
+            return items
+        for uid in {it.uid for it in wanted} - known.keys():
+            if (cached := self.stops.get(uid)) is not None:
+                known[uid] = cached
+        missing = sorted({it.uid for it in wanted} - known.keys())
+        if missing:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for uid in missing:
+                    pipe.hget(self.keys.request(uid), "stop")
+                found = await pipe.execute()
+            for uid, raw in zip(missing, found, strict=True):
+                known[uid] = _STOPS.decode(raw) if raw else []
+                if not known[uid]:  # the record is gone (the scheduler drops such a request within a second)
+                    log.warning("uid=%s: stop strings not found in its record; rendered without them", uid)
+                self.stops.put(uid, known[uid], len(raw or b"") + 64)
+        return [msgspec.structs.replace(it, stop=known[it.uid]) if it.stops and not it.stop else it for it in items]
 
     def _event(self, it: TokenDelta, r: Rendered) -> tuple[str, ReplyEvent, bool]:
         """The reply entry for `it`, and whether it refreshes the stream's TTL (a request's first and last
@@ -93,6 +131,8 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
                                finish_reason=finish, completion_tokens=end)
             self._remember(it, end)
+            if it.n == 1:  # its last range (one redone later reads the record again)
+                self.stops.pop(it.uid)
             if r.stopped and it.finish is None:
                 log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
                 self._stop_engine(pipe, it)

@@ -36,6 +36,7 @@ from shared.messages import (
     ScheduleJob,
     TokenDelta,
     decode,
+    encode,
 )
 from shared.replies import ProducedTokens
 from shared.routing import SchedulerLanes
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 # held-back tail (up to 3 U+FFFD) plus a character cut at the window's start (or one the prompt left
 # unfinished): 8 do.
 CONTEXT_TOKENS = 8
+# Detokenize entries published between two updates of the mean entry size (the stream's MAXLEN follows it).
+ENTRY_SIZE_WEIGHT = 1 / 64
+MIN_DETOKENIZE_MAXLEN = 1_000  # steps kept at least, however large the entries
 SWEEP_EVERY_S = 1.0  # how often abort flags, owners' heartbeats and request records are checked
 ABORTS_PER_READ = 1000
 TTL_REFRESH_S = 60.0  # at most this long between refreshes of a running request's TTLs (a tenth of the TTL if less)
@@ -90,10 +94,10 @@ class Running:
     checkpointed: int = 0  # tokens (all choices) at the last checkpoint written to the reply stream
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
     refreshed: float = field(default_factory=time.monotonic)  # when its keys' TTLs were last set
+    window: int = field(init=False)  # completion tokens sent before each delta (`context`)
 
-    @property
-    def window(self) -> int:
-        return CONTEXT_TOKENS + max((len(s.encode()) for s in self.job.params.stop), default=0)
+    def __post_init__(self) -> None:
+        self.window = CONTEXT_TOKENS + stop_span(self.job.params.stop)
 
     def context(self, seq: list[int], start: int) -> list[int]:
         """The tokens before completion token `start` that it is decoded after: the completion's last
@@ -116,8 +120,11 @@ class Running:
             first = {"cached_tokens": out.cached_tokens, "prompt_ids": self.job.input_ids if p.echo else None,
                      "prompt_logprobs": self.prompt_scores if p.prompt_logprobs is not None else None}
         edge = out.start == 0 or out.finish_reason is not None  # the detokenizer traces these
+        # The stop strings go with a choice's first delta only; the others say how many there are, and a
+        # detokenizer that lacks them reads them from the record (shared/messages.py TokenDelta).
         return TokenDelta(uid=self.job.uid, start=out.start, ids=out.ids, prompt_tokens=len(self.job.input_ids),
-                          index=out.index, n=p.n, context=context, finish=out.finish_reason, stop=p.stop,
+                          index=out.index, n=p.n, context=context, finish=out.finish_reason,
+                          stop=p.stop if out.start == 0 else [], stops=len(p.stop),
                           skip_special_tokens=p.skip_special_tokens, logprobs=out.logprobs,
                           top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None,
                           epoch=self.epoch, **first)
@@ -159,6 +166,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.checkpoint_every = settings.reply_maxlen // 4
         self.running: dict[str, Running] = {}
         self.detokenize_key = self.keys.detokenize(model_name)
+        self.entry_bytes = 1024.0  # mean size of the detokenize entries published (bytes), for their MAXLEN
         self.aborts_key = self.keys.aborts(model_name)
         self.aborts_cursor = "0-0"  # set to the stream's tip at start
         # Writes a Redis outage kept us from sending; sent first when Redis is back, so no step is lost.
@@ -173,6 +181,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.heartbeat.extra = self.lanes.on_beat
         # A batch whose admission pipeline Redis refused (full, or gone): admitted again at the next iteration.
         self.unadmitted: tuple[list[Delivery[ScheduleJob]], bool] | None = None
+        self.started: list[str] = []  # uids the admission in progress started
 
     def load(self) -> dict:
         return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox),
@@ -221,7 +230,12 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     async def _step(self) -> list[StepOutput]:
         began = time.perf_counter()
-        outputs = await asyncio.to_thread(self.engine.step)
+        try:
+            outputs = await asyncio.to_thread(self.engine.step)
+        except Exception as e:  # the engine cannot tell whose it was: fail what it holds, serve what comes next
+            log.exception("engine step failed; failing the %d requests it held", len(self.running))
+            outputs = [StepOutput(uid, len(run.outputs[i]), [], i, "error", error=f"engine error: {e}")
+                       for uid, run in self.running.items() for i in range(run.job.params.n) if i not in run.done]
         self.metrics.step(time.perf_counter() - began)
         self.steps += 1
         return outputs
@@ -273,56 +287,108 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
     # -- admission ----------------------------------------------------------------------------------------
     async def admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
-        """Start the batch's requests; if Redis refuses the pipeline that records them (its maxmemory reached, or
-        an outage), none of them runs: a request running without its record saying so would be dropped as
-        `record_lost` by the next sweep. They stay pending and held, and are admitted again next iteration."""
-        started: list[str] = []
+        """Start each request of a read, or end it here (aborted, past its deadline, a duplicate, poison). An
+        exception while admitting one request fails that request (a 500 to its client), not the process: a
+        restarted or peer scheduler would claim the same entry and die of it too. If Redis refuses the pipeline
+        that records them (its maxmemory reached, or an outage), none of them runs: a request running without
+        its record saying so would be dropped as `record_lost` by the next sweep. They stay pending and held,
+        and are admitted again next iteration."""
+        self.started = []
         try:
-            await self._admit(batch, claimed, started)
+            await self._admit(batch, claimed)
         except (RedisError, OSError):
-            for uid in started:
+            for uid in self.started:
                 if (run := self.running.pop(uid, None)) is not None:
                     self.engine.abort(uid)
                     run.end_span("not_admitted")
             self.unadmitted = (batch, claimed)
             raise
 
-    async def _admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool, started: list[str]) -> None:
+    async def _admit(self, batch: list[Delivery[ScheduleJob]], claimed: bool) -> None:
         self.metrics.consumed("schedule", len(batch))
+        if claimed:
+            batch = await self._within_delivery_limit(batch)
         uids = [d.msg.uid for d in batch]
         aborted = await records.abort_reasons(self.redis, self.keys, uids)
         owners = await self._record_fields(uids, "scheduler", "entry")
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
-                job = d.msg
-                owner, owner_entry = owners[job.uid]
-                if job.uid in self.running:
-                    if not (claimed and self.running[job.uid].entry_id == d.entry_id):
-                        continue  # delivered twice to us: already running
-                    # Its entry went idle while we ran it: we stalled past the claim idle, and a peer may have
-                    # taken it over and died before it recorded itself as the owner. What we run may be fenced
-                    # out: take it over like any claimed entry, under a new epoch.
-                    log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
-                    self._drop(job.uid, "taken_over")
-                if owner and owner_entry and owner_entry != d.entry_id:
-                    # Another schedule entry of the same request was admitted (the tokenizer forwarded it
-                    # twice): acknowledge this one, or every claim interval a peer would resume the request
-                    # from it and take it from its owner, back and forth.
-                    log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
-                elif not claimed and owner:  # we were hung; a peer claimed this very entry: it is theirs
-                    log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
-                    continue
-                elif job.uid in aborted:
-                    records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted[job.uid], self.ttl,
-                                        self.maxlen, len(job.input_ids))
-                elif job.deadline <= now:
-                    records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
-                elif await self._start(pipe, d, claimed):
-                    started.append(job.uid)
-                    continue
+                try:
+                    if not await self._admit_one(pipe, d, claimed, owners[d.msg.uid], aborted.get(d.msg.uid), now):
+                        continue
+                except (RedisError, OSError):
+                    raise
+                except Exception as e:  # a bug or an engine that cannot take this job: fail it alone
+                    log.exception("uid=%s could not be admitted", d.msg.uid)
+                    self._forget(d.msg.uid)
+                    records.end_failed(pipe, self.keys, d.msg.uid, ReplyError(
+                        message=f"the scheduler could not start the request: {type(e).__name__}: {e}"),
+                        self.ttl, self.maxlen)
                 self.source.ack_in(pipe, [d.entry_id])
             await pipe.execute()
+
+    async def _admit_one(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool, owned: list[str | None],
+                         aborted: str | None, now: float) -> bool:
+        """Queue what admitting one entry writes; whether to acknowledge it now (False: it runs, or is not ours)."""
+        job = d.msg
+        owner, owner_entry = owned
+        if job.uid in self.running:
+            if not (claimed and self.running[job.uid].entry_id == d.entry_id):
+                return False  # delivered twice to us: already running
+            # Its entry went idle while we ran it: we stalled past the claim idle, and a peer may have taken it
+            # over and died before it recorded itself as the owner. What we run may be fenced out: take it over
+            # like any claimed entry, under a new epoch.
+            log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
+            self._drop(job.uid, "taken_over")
+        if owner and owner_entry and owner_entry != d.entry_id:
+            # Another schedule entry of the same request was admitted (the tokenizer forwarded it twice):
+            # acknowledge this one, or every claim interval a peer would resume the request from it and take it
+            # from its owner, back and forth.
+            log.info("uid=%s duplicate schedule entry dropped (admitted by %s)", job.uid, owner)
+        elif not claimed and owner:  # we were hung; a peer claimed this very entry: it is theirs
+            log.info("uid=%s was taken over by %s while we were stalled", job.uid, owner)
+            return False
+        elif aborted is not None:
+            records.end_aborted(pipe, self.keys, job.uid, job.params.n, aborted, self.ttl, self.maxlen,
+                                len(job.input_ids))
+        elif job.deadline <= now:
+            records.end_failed(pipe, self.keys, job.uid, records.deadline_error(), self.ttl, self.maxlen)
+        elif await self._start(pipe, d, claimed):
+            self.started.append(job.uid)  # rolled back if Redis refuses the pipeline (`admit`)
+            return False
+        return True
+
+    async def _within_delivery_limit(self, batch: list[Delivery[ScheduleJob]]) -> list[Delivery[ScheduleJob]]:
+        """Claimed entries delivered more than --max-deliveries times: each delivery ended with its scheduler
+        gone (a crash while running it, e.g. a native one no `except` sees), and the next would take down the
+        next scheduler. Dead-lettered, and their clients answered at once with an error."""
+        counts = await self.source.delivery_counts([d.entry_id for d in batch])
+        limit = self.settings.max_deliveries
+        poison = [d for d in batch if counts.get(d.entry_id, 0) > limit]
+        if not poison:
+            return batch
+        await self.source.dead_letter([(d.entry_id, {streams.FIELD: encode(d.msg)},
+                                        f"delivered {counts[d.entry_id]} times; each scheduler died with it")
+                                       for d in poison])
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in poison:
+                log.error("uid=%s dead-lettered: its schedule entry was delivered %d times", d.msg.uid,
+                          counts[d.entry_id])
+                self._forget(d.msg.uid)
+                records.end_failed(pipe, self.keys, d.msg.uid, poison_error(counts[d.entry_id]), self.ttl,
+                                   self.maxlen)
+            await pipe.execute()
+        bad = {d.entry_id for d in poison}
+        return [d for d in batch if d.entry_id not in bad]
+
+    def _forget(self, uid: str) -> None:
+        """Whatever the engine and this worker hold of a request that fails at admission."""
+        self.engine.abort(uid)
+        self._take_unsent(uid)
+        run = self.running.pop(uid, None)
+        if run is not None:
+            run.end_span("failed")
 
     async def _start(self, pipe: Pipeline, d: Delivery[ScheduleJob], claimed: bool) -> bool:
         """Hand a request to the engine (resuming from its reply stream when claimed); False if it ended."""
@@ -352,8 +418,11 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                                  prompt_tokens=len(job.input_ids))
         self.running[job.uid] = Running(d.entry_id, job, outputs, done, span, epoch=epoch,
                                         checkpointed=sum(len(o) for o in outputs))
+        # The stop strings, for a detokenizer that did not see a choice's first delta (shared/messages.py
+        # TokenDelta); written before any delta of the request is published.
+        stop = msgspec.json.encode(job.params.stop).decode() if job.params.stop else None
         records.set_status(pipe, self.keys, job.uid, self.ttl, "running", scheduler=self.id, entry=d.entry_id,
-                           max_tokens=max_tokens)
+                           max_tokens=max_tokens, stop=stop)
         return True
 
     async def _take_over(self, job: ScheduleJob) -> tuple[ProducedTokens, int]:
@@ -475,7 +544,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
                 pipe.expire(self.keys.abort(uid), self.ttl)  # an operator's flag need not outlive the request
                 # the tokens made before the abort first, so the abort lands where the client stands
                 deltas = [run.delta(o) for o in unsent] + run.abort_deltas()
-                streams.add(pipe, self.detokenize_key, DetokenizeBatch(self.id, self.steps, deltas))
+                self.publish(pipe, DetokenizeBatch(self.id, self.steps, deltas))
             self.source.ack_in(pipe, [run.entry_id])
 
         self.outbox.append(write)
@@ -488,7 +557,7 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             if run is None or out.index in run.done:
                 continue
             if out.error is not None:
-                self._fail(out.uid, out.error)
+                self._fail(out.uid, out.error, out.error_status, out.error_param)
                 continue
             if out.uid not in stepped:
                 stepped.add(out.uid)
@@ -510,12 +579,22 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
 
         def write(pipe: Pipeline) -> None:
             if batch:
-                streams.add(pipe, self.detokenize_key, batch)
+                self.publish(pipe, batch)
             for uid, ck in checkpoints:
                 records.reply(pipe, self.keys, uid, ck, self.ttl, self.maxlen, refresh_ttl=False)
             self.source.ack_in(pipe, ended)
 
         self.outbox.append(write)
+
+    def publish(self, pipe: Pipeline, batch: DetokenizeBatch) -> None:
+        """XADD a step's deltas to the model's detokenize stream, capped near --detokenize-budget-mb: MAXLEN ~
+        the budget over the mean entry size. Detokenizers read an entry within milliseconds and every worker trims
+        what its group acknowledged every 10 s, so the cap only bites when no detokenizer reads for a long while
+        (entries trimmed unread are token ranges lost: their requests end at their deadline), not Redis' memory."""
+        data = encode(batch)
+        self.entry_bytes += (len(data) - self.entry_bytes) * ENTRY_SIZE_WEIGHT
+        maxlen = max(MIN_DETOKENIZE_MAXLEN, int(self.settings.detokenize_budget_mb * 2**20 / self.entry_bytes))
+        streams.add_data(pipe, self.detokenize_key, data, maxlen)
 
     def _due(self, out: StepOutput) -> StepOutput | None:
         """With --stream-interval N, a choice's tokens wait until N steps' worth are merged into one output; its
@@ -544,17 +623,23 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         self.unsent.clear()
         if items:
             batch = DetokenizeBatch(self.id, self.steps, items)
-            self.outbox.append(lambda pipe: streams.add(pipe, self.detokenize_key, batch))
+            self.outbox.append(lambda pipe: self.publish(pipe, batch))
 
-    def _fail(self, uid: str, error: str) -> None:
+    def _fail(self, uid: str, error: str, status: int = 500, param: str | None = None) -> None:
         self._take_unsent(uid)
         run = self.running.pop(uid)
         self.engine.abort(uid)
         run.end_span("failed", error)
-        log.error("uid=%s failed in the engine: %s", uid, error)
+        if status < 500:  # the request's own fault (e.g. its grammar): a 400, one line
+            log.info("uid=%s refused by the engine: %s", uid, error)
+            reply = ReplyError(message=error, status=status, type="invalid_request_error", param=param,
+                               code="invalid_constraint" if error.startswith("structured output") else None)
+        else:
+            log.error("uid=%s failed in the engine: %s", uid, error)
+            reply = ReplyError(message=error)
 
         def write(pipe: Pipeline) -> None:
-            records.end_failed(pipe, self.keys, uid, ReplyError(message=error), self.ttl, self.maxlen)
+            records.end_failed(pipe, self.keys, uid, reply, self.ttl, self.maxlen)
             self.source.ack_in(pipe, [run.entry_id])
 
         self.outbox.append(write)
@@ -580,6 +665,19 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
         for run in self.running.values():
             run.end_span("handed_back")  # a peer resumes it under the same trace
         await super().close()
+
+
+def poison_error(deliveries: int) -> ReplyError:
+    return ReplyError(message=f"the request could not be served: every scheduler that took it ({deliveries}) "
+                      "stopped while running it", code="request_dead_lettered")
+
+
+def stop_span(stops: list[str]) -> int:
+    """The most completion tokens one of these stop strings can span, and so the detokenizer's held-back text:
+    its UTF-8 bytes, since every token decodes to at least one byte (byte-level BPE and byte-fallback
+    vocabularies have a token for every byte, so no bound below the byte count holds for every way the model
+    may spell it). Computed once per request."""
+    return max((len(s.encode()) for s in stops), default=0)
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:

@@ -14,6 +14,9 @@ from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
 # Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+# Normalizers that may shorten text before it is split into tokens (compatibility forms, stripped accents or
+# spaces): with one, a prompt's bytes bound its tokens less tightly, so the byte bound below is widened.
+SHRINKING_NORMALIZERS = ("NFKC", "NFKD", "Strip", "StripAccents", "BertNormalizer", "Precompiled")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ReplyError:
@@ -29,6 +32,7 @@ class PromptEncoder:
         self.tool_parser = tools.tool_parser_for(template, tool_call_parser)
         self.reasoning_parser = tools.reasoning_parser_for(template, reasoning_parser)
         vocab = tokenizer.get_vocab()
+        self.max_prompt_bytes = max_context * self._bytes_per_token_bound(vocab)
         self.fim = next((names for names in FIM_TOKENS if all(t in vocab for t in names)), None)
         self.call_tokens = all(len(tokenizer.encode(m, add_special_tokens=False)) == 1
                                for m in (tools.HERMES_OPEN, tools.HERMES_CLOSE))
@@ -38,6 +42,37 @@ class PromptEncoder:
             self.think_close = tokenizer.encode(tools.THINK_CLOSE, add_special_tokens=False)
             opening = tokenizer.encode(tools.THINK_OPEN, add_special_tokens=False)
             self.think_open = opening[0] if len(opening) == 1 else -1
+
+    def _bytes_per_token_bound(self, vocab: dict[str, int]) -> int:
+        """The most bytes of text one token can stand for: a vocabulary string is at least as long in UTF-8 as
+        the bytes it decodes to (byte-level BPE spells each byte as one character, SentencePiece a space as
+        `▁`, byte fallback `<0x41>`), so its longest is a bound, computed once. A prompt of more bytes than
+        the context times this cannot fit, whatever it tokenizes to."""
+        longest = max((len(t.encode()) for t in vocab), default=1)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalizer = repr(getattr(backend, "normalizer", None)) if backend is not None else "unknown"
+        if normalizer != "None" and any(n in normalizer for n in (*SHRINKING_NORMALIZERS, "unknown")):
+            longest *= 4  # a normalized character may be up to 4 bytes shorter than what the client sent
+        return longest
+
+    def too_long(self, text: str, param: str) -> ReplyError | None:
+        """A 400 for a prompt whose bytes cannot fit the context, before any time is spent tokenizing it."""
+        if len(text) <= self.max_prompt_bytes // 4:  # a character is at most 4 bytes: no need to count
+            return None
+        size = len(text.encode())
+        if size <= self.max_prompt_bytes:
+            return None
+        return invalid(f"This model's maximum context length is {self.max_context} tokens; a prompt of {size} bytes "
+                       f"cannot fit it (a token of this model stands for at most "
+                       f"{self.max_prompt_bytes // self.max_context} bytes).", param, "context_length_exceeded")
+
+    @staticmethod
+    def job_bytes(job: TokenizeJob) -> int:
+        """About how much text a job has to render and tokenize (characters): what makes it slow."""
+        size = len(job.prompt or "") + len(job.suffix or "") + len(job.input_ids or ())
+        for m in job.messages or ():
+            size += len(m.content) + len(m.reasoning_content or "")
+        return size
 
     @property
     def parsers(self) -> dict[str, str]:
@@ -61,6 +96,8 @@ class PromptEncoder:
                 results[i] = self._from_ids(job, job.input_ids)
             elif job.messages is not None:
                 rendered = self._render_chat(job)
+                if not isinstance(rendered, ReplyError):
+                    rendered = self.too_long(rendered, "messages") or rendered
                 if isinstance(rendered, ReplyError):
                     results[i] = rendered
                 else:
@@ -68,10 +105,14 @@ class PromptEncoder:
                     jobs[i] = self._answer_after_thinking(job, rendered)
             elif job.suffix is not None:
                 fim = self._fill_in_the_middle(job)
+                if not isinstance(fim, ReplyError):
+                    fim = self.too_long(fim, "prompt") or fim
                 if isinstance(fim, ReplyError):
                     results[i] = fim
                 else:
                     plain[i] = fim
+            elif (refused := self.too_long(job.prompt or "", "prompt")) is not None:
+                results[i] = refused
             else:
                 plain[i] = job.prompt or ""
         for texts, special in ((chat, False), (plain, True)):

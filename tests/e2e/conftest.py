@@ -58,8 +58,9 @@ class Stack:
                     "RSINFER_RESUME_WINDOW_S": "0", "RSINFER_SSE_PING_S": "2", **extra})
         return env
 
-    def start(self, name: str, role: str, **extra: str) -> subprocess.Popen:
-        """Start `rsinfer <role>` as process `name` (worker id = name; `up` names its own children)."""
+    def start(self, name: str, role: str, module: str = "rsinfer.cli", **extra: str) -> subprocess.Popen:
+        """Start `rsinfer <role>` as process `name` (worker id = name; `up` names its own children); `module`:
+        a test's own entry point instead of the CLI's (e.g. tests/e2e/poison_scheduler.py)."""
         serves_http = role in ("api", "up")
         if serves_http and not self.port:
             self.port = free_port()
@@ -68,7 +69,7 @@ class Stack:
         env = self.env(**{**({"RSINFER_PORT": str(self.port)} if serves_http else {}), **extra})
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (owned by the child)
         # Its own process group, so stop() reaches whatever it started too (`up`'s children).
-        proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", role], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", module, role], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         STARTED.append(proc)
         self.procs[name] = proc

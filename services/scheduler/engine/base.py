@@ -45,6 +45,8 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status the error maps to: 400 when the request itself is at fault
+    error_param: str | None = None  # the request field at fault, if one is
     # On a choice's first output only: prompt tokens read from the prefix cache, and (when asked, echo)
     # the logprob and top alternatives of each prompt token after the first.
     cached_tokens: int = 0

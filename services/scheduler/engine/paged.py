@@ -140,6 +140,10 @@ class PagedEngine:
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        # What room() answers: the scheduler asks from its event loop while a step runs in its thread (it reads
+        # new requests then), so room is computed only by whoever mutates the queues (the step thread in a step;
+        # add and abort, between steps) and published as one int, never read off the queues.
+        self._room = self._free_room()
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
 
@@ -162,6 +166,7 @@ class PagedEngine:
             seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
                       compiling=compiling)
             self.scheduler.waiting.append(seq)
+            self._room = self._free_room()
             return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
@@ -172,6 +177,7 @@ class PagedEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _compile(self, p: SamplingParams) -> Future | None:
@@ -198,8 +204,14 @@ class PagedEngine:
                 failed.setdefault(seq.uid, f"structured output: {e}")
         outputs = []
         for uid, error in failed.items():
-            outputs += self._fail([s for s in self.scheduler.waiting if s.uid == uid][:1], error)
+            seqs = [s for s in self.scheduler.waiting if s.uid == uid][:1]
+            outputs += self._fail(seqs, error, 400, self._guided_param(seqs))
         return outputs
+
+    @staticmethod
+    def _guided_param(seqs: list[Seq]) -> str | None:
+        guided = seqs[0].req.params.guided if seqs else None
+        return (guided.param or None) if guided is not None else None
 
     def _wait_for_grammars(self) -> None:
         compiling = {s.compiling for s in self.scheduler.waiting if not s.ready}
@@ -258,10 +270,17 @@ class PagedEngine:
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self._pending)
         self._pending = [o for o in self._pending if not (o.uid == uid and index in (None, o.index))]
-        return bool(self.scheduler.drop(uid, index)) or len(self._pending) != before
+        dropped = bool(self.scheduler.drop(uid, index))
+        self._room = self._free_room()
+        return dropped or len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
+        """New requests to pull now (safe to call while a step runs in another thread: see `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, or when the free pages are down to the reserve; else the free running slots.
+        Only on the thread that mutates the queues."""
         s = self.scheduler
         if any(q.ready for q in s.waiting) or self.pool.available() <= s.watermark + len(s.running):
             return 0
@@ -302,18 +321,26 @@ class PagedEngine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
         self._pending.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
 
     # ---- the step
 
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self._room = self._free_room()
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._prepare_grammars()
         batch = self.scheduler.schedule()
         if self._inflight is not None and (not batch or self._needs_host_tokens(batch)):
             outputs += self._resolve()
             batch = [sc for sc in batch if not sc.seq.ended]  # they stopped on the token just read
+        self._room = self._free_room()  # what a read during this step's forward may take
         if not batch:
             if not outputs:
                 self._wait_for_grammars()
@@ -464,10 +491,12 @@ class PagedEngine:
             if finish:
                 del seq.tokens[at + 1:]  # a token launched after this one is not the request's
                 self.scheduler.finish(seq)
-        if refused:
+        if refused:  # the client's grammar (or its params) at fault: a 400
             gone = {s.uid for s in refused}
             outputs = [o for o in outputs if o.uid not in gone]
-            outputs += self._fail(refused, "structured output: the grammar admits no token the request allows")
+            for seq in refused:
+                assert seq.grammar is not None
+                outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
         return outputs
 
     def _finish_reason(self, seq: Seq, tok: int, produced: int, length: int) -> str | None:
@@ -481,12 +510,13 @@ class PagedEngine:
             return "length"
         return None
 
-    def _fail(self, seqs: list[Seq], error: str) -> list[StepOutput]:
+    def _fail(self, seqs: list[Seq], error: str, status: int = 500, param: str | None = None) -> list[StepOutput]:
         outputs, failed = [], set()
         for seq in seqs:
             if seq.uid not in failed:  # the whole request fails, with every choice
                 failed.add(seq.uid)
                 for s in self.scheduler.drop(seq.uid):
                     for index in range(s.index, s.index + s.forks + 1):  # unforked choices fail too
-                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error))
+                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error,
+                                                  error_status=status, error_param=param))
         return outputs

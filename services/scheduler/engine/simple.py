@@ -37,6 +37,7 @@ class SimpleEngine:
         self.seqs: list[_Seq] = []
         self.sampler = Sampler(eos_ids, next(model.parameters()).device)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        self._room = self._free_room()
 
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
@@ -53,6 +54,7 @@ class SimpleEngine:
         if p.guided is not None:
             self._constrain(seqs)
         self.seqs.extend(seqs)
+        self._room = self._free_room()
         return max_tokens
 
     def _constrain(self, seqs: list[_Seq]) -> None:
@@ -70,9 +72,14 @@ class SimpleEngine:
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.seqs)
         self.seqs = [s for s in self.seqs if not (s.req.uid == uid and index in (None, s.index))]
+        self._room = self._free_room()
         return len(self.seqs) != before
 
     def room(self) -> int:
+        """Published by whoever last changed the batch (services/scheduler/engine/paged.py `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
         return max(0, self.max_running - len({s.req.uid for s in self.seqs}))
 
     def has_work(self) -> bool:
@@ -92,6 +99,7 @@ class SimpleEngine:
 
     def close(self) -> None:
         self.seqs.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
 
@@ -118,8 +126,9 @@ class SimpleEngine:
             p = s.req.params
             finish = None
             if s.grammar is not None and not s.grammar.accept(s.out):
-                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error",
-                                          error="structured output: the grammar admits no token the request allows"))
+                guided = p.guided
+                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error", error=s.grammar.refusal,
+                                          error_status=400, error_param=(guided.param or None) if guided else None))
                 continue
             ended = s.grammar is not None and s.grammar.done
             if ended or (len(s.out) >= p.min_tokens and (
@@ -133,4 +142,5 @@ class SimpleEngine:
             if finish is None:
                 keep.append(s)
         self.seqs = keep
+        self._room = self._free_room()
         return outputs

@@ -81,6 +81,7 @@ class SyntheticEngine:
         self.waiting: deque[_Seq] = deque()
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a step (resumed requests already done)
+        self._room = self._free_room()
 
     # ---- the tokens
 
@@ -125,6 +126,7 @@ class SyntheticEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _validate(self, req: EngineRequest) -> int:
@@ -173,10 +175,16 @@ class SyntheticEngine:
         self.running = [s for s in self.running if not ours(s.uid, s.index)]
         self.waiting = deque(s for s in self.waiting if not ours(s.uid, s.index))
         self._pending = [o for o in self._pending if not ours(o.uid, o.index)]
+        self._room = self._free_room()
         return len(self.running) + len(self.waiting) + len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, else the free running slots."""
+        """New requests to pull now, as published by whoever last changed the queues: the scheduler asks from
+        its event loop while a step runs in its thread (services/scheduler/engine/paged.py `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, else the free running slots."""
         if self.waiting:
             return 0
         return max(0, self.max_running - len(self.running))
@@ -211,6 +219,7 @@ class SyntheticEngine:
         self.running.clear()
         self.waiting.clear()
         self._pending.clear()
+        self._room = self._free_room()
 
     # ---- the step
 
@@ -221,6 +230,7 @@ class SyntheticEngine:
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
         if not self.running:
+            self._room = self._free_room()
             return outputs
         self.steps += 1
         still = []
@@ -229,6 +239,7 @@ class SyntheticEngine:
             if outputs[-1].finish_reason is None:
                 still.append(seq)
         self.running = still
+        self._room = self._free_room()  # what a read during the rest of the step may take
         self.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         return outputs
 

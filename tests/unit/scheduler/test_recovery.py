@@ -251,3 +251,27 @@ async def test_the_sweep_refreshes_a_running_requests_ttls_a_few_times_per_ttl_n
     w._last.pop("sweep", None)
     await w.work()
     assert [await w.redis.ttl(k) > 500 for k in keys] == [True, True]
+
+
+async def test_an_engine_step_that_raises_fails_its_requests_and_the_scheduler_serves_on(make):
+    """The engine cannot say whose fault a failed step was: its requests get a 500 each, the worker stays up
+    (a process that exits would have a peer claim the same requests, and fail the same way)."""
+    w = await make("s-step")
+    for uid in ("a1", "a2"):
+        await streams.add(w.redis, w.source.key, job(uid, 500))
+    await w.admit(await w.source.read(2, None), claimed=False)
+    real = w.engine.step
+    w.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("kernel fault"))
+    await w.work()
+    await w.flush()
+    assert not w.running and not w.engine.has_work()
+    for uid in ("a1", "a2"):
+        [(_, fields)] = [e for e in await w.redis.xrange(w.keys.reply(uid))]
+        err = decode(streams.payload(fields), Reply)
+        assert err.status == 500 and "kernel fault" in err.message
+        assert (await w.redis.hget(w.keys.request(uid), "status")) == b"failed"
+    w.engine.step = real
+    await streams.add(w.redis, w.source.key, job("b1", 5))
+    await w.admit(await w.source.read(1, None), claimed=False)
+    await run_until_idle(w)
+    assert not w.running and await w.source.pending_ids() == []  # served to its end and acknowledged
