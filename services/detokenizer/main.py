@@ -15,12 +15,12 @@ import msgspec
 
 from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
 from shared import records, streams
+from shared.consumer_group import Delivery
 from shared.keys import DETOKENIZER_GROUP
 from shared.lru import ByteLRU
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
 from shared.settings import DetokenizerSettings
-from shared.streams import Delivery
 from shared.worker import SubscribedWorker, run_stage
 
 log = logging.getLogger(__name__)

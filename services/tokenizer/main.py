@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from services.tokenizer.encode import PromptEncoder
 from shared import records, streams
+from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
@@ -25,7 +26,6 @@ from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
 from shared.routing import Router
 from shared.settings import TokenizerSettings
-from shared.streams import Delivery
 from shared.worker import SubscribedWorker, run_stage
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,10 @@ import uuid
 import pytest
 
 from services.detokenizer.main import DetokenizerWorker
+from shared.consumer_group import Delivery
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta, decode
 from shared.settings import DetokenizerSettings
-from shared.streams import FIELD, Delivery
+from shared.streams import FIELD
 
 pytestmark = pytest.mark.timeout(30)
 

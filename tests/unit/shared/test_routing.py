@@ -11,13 +11,13 @@ import uuid
 import pytest
 
 from shared import streams
+from shared.consumer_group import GroupConsumer
 from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob
 from shared.pages import chain_digest
 from shared.redis_conn import connect
 from shared.routing import MAX_SCORED_PAGES, Candidate, Router, SchedulerLanes, choose, leading, prompt_pages
 from shared.slots import key_slot
-from shared.streams import GroupConsumer
 
 pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
