@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
+from shared.request_states import Finish
+
 VERSION = 1
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(Finish)  # a choice's finish reasons (shared/request_states.py)
 
 
 class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
