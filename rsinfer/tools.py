@@ -10,23 +10,26 @@ import time
 
 from services.api.admin import admin_socket_path
 from services.api.admin import call as admin_call
+from shared import streams
 from shared.keys import STAGES, Keys
 from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
 from shared.registry import declared_models, live_workers
+from shared.request_store import RequestStore
 from shared.settings import ApiSettings, CommonSettings, ProbeSettings
 
 
 async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
     keys = Keys(settings.namespace)
     redis = connect(settings.redis_url, **settings.redis_options())
+    requests = RequestStore(redis, keys, settings.request_ttl_s, settings.reply_maxlen)
     try:
         if args.uid:
-            record = await redis.hgetall(keys.request(args.uid))
+            record = await requests.record(args.uid)
             if not record:
                 print(f"no request {args.uid}")
                 return 1
-            print(json.dumps({k.decode(): v.decode() for k, v in record.items()}, indent=2))
+            print(json.dumps(record, indent=2))
             return 0
         workers = await live_workers(redis, keys, settings.heartbeat_ttl_s)
         print(f"{'ROLE':12} {'WORKER':32} {'MODEL':20} LOAD")
@@ -37,7 +40,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
             for stage in STAGES:
                 try:
-                    groups = await redis.xinfo_groups(keys.stage_stream(stage, model))
+                    groups = await streams.groups(redis, keys.stage_stream(stage, model))
                 except Exception:
                     continue
                 for g in groups:
@@ -45,7 +48,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
-            r = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
+            r = await requests.record(keys.uid_of_request_key(key.decode()))
             age = now - float(r.get("created_at", now))
             print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
                   f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")

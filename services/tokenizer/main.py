@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from redis.exceptions import RedisError
 
 from services.tokenizer.encode import PromptEncoder
-from shared import records, streams
+from shared import streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
+from shared.request_states import NOT_SCHEDULED, Status
+from shared.request_store import RequestStore
 from shared.routing import Router
 from shared.settings import TokenizerSettings
 from shared.worker import SubscribedWorker, run_stage
@@ -47,6 +49,7 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
                                      context_length(model_path, settings.trust_remote_code),
                                      settings.tool_call_parser, settings.reasoning_parser)
+        self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
         self.router = Router(self.redis, self.keys, model_name, settings.heartbeat_ttl_s,
                              settings.prefix_routing_load_tokens) if settings.prefix_routing else None
@@ -124,15 +127,15 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         spans = [self.tracer.start("tokenize", j.trace, uid=j.uid, claimed=claimed) for j in jobs]
         encoded: dict[str, ScheduleJob | ReplyError] = {}
         try:
-            aborted = await records.abort_reasons(self.redis, self.keys, (j.uid for j in jobs))
+            aborted = await self.requests.abort_reasons(j.uid for j in jobs)
             now = time.time()
             todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
             results = await asyncio.get_running_loop().run_in_executor(thread, self.encoder.encode, todo)
             encoded = dict(zip((j.uid for j in todo), results, strict=True))
             routes = await self._schedulers_for([e for e in encoded.values() if isinstance(e, ScheduleJob)])
             async with self.redis.pipeline(transaction=False) as pipe:
-                forward = [r for job in jobs if (r := self._route(pipe, job, encoded.get(job.uid),
-                                                                  aborted.get(job.uid)))]
+                forward = [r for job in jobs if (r := self._record_outcome(pipe, job, encoded.get(job.uid),
+                                                                           aborted.get(job.uid)))]
                 # The record says `tokenized` before a scheduler can read the job (and write `running`); on a
                 # cluster, where the two are on different nodes, only a barrier orders them.
                 barrier(pipe)
@@ -149,9 +152,8 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         """A job whose handling failed every time it was delivered: its client gets the error now."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in messages:
-                records.end_failed(pipe, self.keys, job.uid, ReplyError(
-                    message="the request could not be tokenized: every attempt failed", code="request_dead_lettered"),
-                    self.ttl, self.maxlen)
+                self.requests.end_failed(pipe, job.uid, ReplyError(
+                    message="the request could not be tokenized: every attempt failed", code="request_dead_lettered"))
             await pipe.execute()
 
     async def _schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
@@ -172,33 +174,30 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
     async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
         """Jobs a scheduler has not taken yet. One `tokenized` may or may not have reached the schedule stream
         (its record is written first): it is forwarded again, and a scheduler drops the duplicate entry."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for d in batch:
-                pipe.hget(self.keys.request(d.msg.uid), "status")
-            statuses = await pipe.execute()
-        done = [d.entry_id for d, s in zip(batch, statuses, strict=True) if s not in (None, b"queued", b"tokenized")]
+        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
+        done = [d.entry_id for d in batch if (s := statuses[d.msg.uid]) is not None and s not in NOT_SCHEDULED]
         await self.source.ack(done)
         return [d for d in batch if d.entry_id not in done]
 
-    def _route(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None,
-               aborted: str | None) -> ScheduleJob | None:
+    def _record_outcome(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None,
+                        aborted: str | None) -> ScheduleJob | None:
         """Queue the job's record and any error reply; the schedule job to forward, if it goes on."""
-        uid, keys = job.uid, self.keys
+        uid = job.uid
         if aborted is not None:
             log.info("uid=%s skipped: aborted (%s)", uid, aborted)
-            records.end_aborted(pipe, keys, uid, job.params.n, aborted, self.ttl, self.maxlen)
+            self.requests.end_aborted(pipe, uid, job.params.n, aborted)
         elif result is None:
             log.info("uid=%s skipped: deadline passed", uid)
-            records.end_failed(pipe, keys, uid, records.deadline_error(), self.ttl, self.maxlen)
+            self.requests.end_timed_out(pipe, uid)
         elif isinstance(result, ReplyError):
             log.info("uid=%s refused: %s", uid, result.message)
-            records.end_failed(pipe, keys, uid, result, self.ttl, self.maxlen)
+            self.requests.end_failed(pipe, uid, result)
             self.metrics.published("reply")
         else:
             self.metrics.published("schedule")
             # an omitted max_tokens (None, not written) is resolved and recorded by the engine's scheduler
-            records.set_status(pipe, keys, uid, self.ttl, "tokenized", prompt_tokens=len(result.input_ids),
-                               max_tokens=result.params.max_tokens)
+            self.requests.set_status(pipe, uid, Status.TOKENIZED, prompt_tokens=len(result.input_ids),
+                                     max_tokens=result.params.max_tokens)
             return result
         return None
 
