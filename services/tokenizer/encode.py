@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from services.tokenizer import tools
+from shared.context_limits import LengthError, completion_limit
 from shared.grammars import check
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
@@ -174,26 +175,17 @@ class PromptEncoder:
     def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
         """Refuse a request that cannot fit the context. An omitted max_tokens stays None: it means up to
         the context, and only the engine knows how much of that its KV cache can hold."""
-        n, limit, p = len(ids), self.max_context, job.params
-        if n == 0:
+        p = job.params
+        if not ids:
             return invalid("the prompt is empty after tokenization", "prompt")
-        if n >= limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                           f"has {n} tokens.", "messages", "context_length_exceeded")
-        if p.max_tokens is not None and n + p.max_tokens > limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{n + p.max_tokens} tokens ({n} in the prompt, {p.max_tokens} for the completion). "
-                           "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        try:
+            completion_limit(len(ids), p.max_tokens, p.min_tokens, self.max_context)
+        except LengthError as e:
+            return invalid(str(e), e.param or "messages", e.code)
         bad_bias = next((t for t in p.logit_bias if t >= self.vocab_size), None)
         if bad_bias is not None:
             return invalid(f"logit_bias names token {bad_bias}, outside the vocabulary (size {self.vocab_size})",
                            "logit_bias")
-        if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-            return invalid(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens")
-        if n + p.min_tokens > limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested at "
-                           f"least {n + p.min_tokens} tokens ({n} in the prompt, min_tokens {p.min_tokens}).",
-                           "min_tokens", "context_length_exceeded")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
                            deadline=job.deadline, params=p, input_ids=ids, background=job.background,
                            priority=job.priority, trace=job.trace)

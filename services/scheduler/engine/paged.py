@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.engine.attention import AttentionBackend, RowSpec
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
@@ -228,43 +228,19 @@ class PagedEngine:
             raise RequestRejected(f"input token ids must be in [0, {vocab})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
-        if len(prompt) >= self.max_context:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        kv_tokens = self.pool.usable * self.config.page_size
-        if len(prompt) >= kv_tokens:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) does not fit the KV cache of {kv_tokens} "
-                                  "tokens with room for a completion", code="context_length_exceeded")
-        if p.max_tokens is None:
-            return self._default_max_tokens(p, len(prompt))
-        if p.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + p.max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if len(prompt) + p.max_tokens > kv_tokens:
-            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + p.max_tokens} tokens) exceeds the KV "
-                                  f"cache of {kv_tokens} tokens", code="context_length_exceeded", param="max_tokens")
-        if p.min_tokens > p.max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
-                                  param="min_tokens")
-        return p.max_tokens
+        max_tokens = allowed_completion(len(prompt), p, self.max_context, self.pool.usable * self.config.page_size)
+        return max_tokens if p.max_tokens is not None else self._default_max_tokens(p, len(prompt))
 
     def _default_max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
         """An omitted max_tokens: up to the context, as far as the KV pool can ever hold the request. That
         is all n choices side by side (they share the prompt's full pages) where they fit, else one
-        choice alone (the others wait their turn, preempted); never less than min_tokens."""
+        choice alone (the others wait their turn, preempted); never less than min_tokens (which
+        `allowed_completion` checked fits one choice alone)."""
         ps, usable = self.config.page_size, self.pool.usable
         context_left = self.max_context - prompt_len
         alone = usable * ps - prompt_len
         shared = prompt_len // ps
         together = (shared + (usable - shared) // p.n) * ps - prompt_len
-        most = min(context_left, alone)
-        if p.min_tokens > most:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {most} completion tokens that the "
-                                  f"model's context and the KV cache leave after the prompt ({prompt_len} tokens)",
-                                  code="context_length_exceeded", param="min_tokens")
         return max(p.min_tokens, min(context_left, together if together >= 1 else alone))
 
     def abort(self, uid: str, index: int | None = None) -> bool:

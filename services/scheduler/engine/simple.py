@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.sampling import Sampler, SampleRow
 
@@ -41,14 +41,8 @@ class SimpleEngine:
 
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
-        p, prompt_len = req.params, len(req.input_ids)
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - prompt_len
-        if max_tokens < 1 or prompt_len + max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                  f"context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if p.min_tokens > max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+        p = req.params
+        max_tokens = allowed_completion(len(req.input_ids), p, self.max_context)
         seqs = [_Seq(req, i, max_tokens, list(req.output_ids[i]) if i < len(req.output_ids) else [])
                 for i in range(p.n)]
         if p.guided is not None:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 
 log = logging.getLogger(__name__)
 
@@ -145,26 +145,7 @@ class SyntheticEngine:
         if p.prompt_logprobs is not None:
             raise RequestRejected("the synthetic engine does not score prompts (echo with logprobs)",
                                   param="logprobs")
-        context_left = self.max_context - len(prompt)
-        if context_left < 1:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        if p.max_tokens is None:
-            if p.min_tokens > context_left:
-                raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {context_left} completion tokens "
-                                      "the model's context leaves after the prompt", code="context_length_exceeded",
-                                      param="min_tokens")
-            return context_left
-        if p.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-        if p.max_tokens > context_left:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if p.min_tokens > p.max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
-                                  param="min_tokens")
-        return p.max_tokens
+        return allowed_completion(len(prompt), p, self.max_context)
 
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.running) + len(self.waiting) + len(self._pending)
