@@ -82,44 +82,40 @@ class ToolChoice(msgspec.Struct, frozen=True, omit_defaults=True):
     parallel: bool = True  # more than one call allowed
 
 
-class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
-    """api -> tokenizer: a new request, as the client sent it."""
+class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """What a request carries on its way to the engine, in a tokenize job and a schedule job alike: whose it is,
+    its limits in time and sampling, and how it is admitted. Not a message of its own (no `kind`)."""
 
     uid: str
     model: str
-    pod: str
+    pod: str  # the API process that owns it
     created_at: float
     deadline: float
     params: SamplingParams
+    background: bool = False  # it outlives its client
+    priority: int = 0  # admission order in the engine: lower first
+    trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
+    v: int = VERSION
+
+
+class TokenizeJob(RequestJob, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True, kw_only=True):
+    """api -> tokenizer: a new request, as the client sent it."""
+
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
-    background: bool = False
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects, rendered by the chat template
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
-    priority: int = 0  # admission order in the engine: lower first
     suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
-    trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
-    v: int = VERSION
 
 
-class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True):
+class ScheduleJob(RequestJob, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True, kw_only=True):
     """tokenizer -> scheduler: a tokenized request that fits the context (max_tokens may still be None)."""
 
-    uid: str
-    model: str
-    pod: str
-    created_at: float
-    deadline: float
-    params: SamplingParams
     input_ids: list[int]
-    background: bool = False
-    priority: int = 0
-    trace: str | None = None
-    v: int = VERSION
 
 
 class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
