@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import BenchStack, completion_body, loadavg, run_load  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import Keys  # noqa: E402
-from shared.redis_server import LocalCluster, RedisServer, free_port  # noqa: E402
+from shared.redis_server import RedisServer, free_port  # noqa: E402
+from tests.support.redis_cluster import LocalCluster  # noqa: E402
 
 NAME = "rsinfer-demo"
 STEP_MS = 20.0

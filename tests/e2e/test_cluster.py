@@ -20,12 +20,13 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import LocalCluster, free_port
+from shared.redis_server import free_port
 from tests.e2e import test_concurrency, test_crash, test_openai_api, test_operator, test_resume
 from tests.e2e.conftest import MODEL, Stack, start_pipeline
 from tests.e2e.helpers import api_ready, engines_idle, wait_for
 from tests.e2e.test_crash import body, reference
 from tests.e2e.test_operator import LongStream
+from tests.support.redis_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 # Heartbeats outlive a failover (about 3 s with a 2 s node timeout), else schedulers would take the requests of an
