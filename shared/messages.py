@@ -148,7 +148,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int = 0
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py)
+    epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py)
     trace: str | None = None  # the request's traceparent, on a choice's first and last delta when traced
 
 
@@ -190,7 +190,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
-    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py, fencing)
+    epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py, fencing)
     v: int = VERSION
 
 

@@ -117,7 +117,7 @@ class RequestStore:
 
     async def fence(self, uid: str, fence: ReplyFence) -> tuple[bool, streams.Rows]:
         """Append `fence` to the reply stream and read what came before it, in one round trip: whether MAXLEN
-        trimmed the stream's head, and the entries before the fence (shared/replies.py)."""
+        trimmed the stream's head, and the entries before the fence (shared/reply_order.py)."""
         key = self.keys.reply(uid)
         async with self.redis.pipeline(transaction=False) as pipe:
             self.reply(pipe, uid, fence)
