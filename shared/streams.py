@@ -136,7 +136,6 @@ return deleted
 """
 
 
-
 class Appender:
     """Appends entries to many streams in one EVALSHA per hash slot (a standalone Redis has one slot)."""
 
@@ -167,7 +166,7 @@ def _slot_function(redis: Redis) -> Any:
     return lambda _key: 0
 
 
-
+# -- acknowledging ---------------------------------------------------------------------------------------------
 def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     """XACK; on a pipeline, after everything queued before it has landed (on a cluster too: redis_conn.barrier),
     so an entry is never acknowledged while its result is lost.
@@ -185,7 +184,6 @@ def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     return target.xack(key, group, *ids)
 
 
-
 # -- reading without a group -----------------------------------------------------------------------------------
 async def read(redis: Redis, positions: dict[str, str], count: int, block_ms: int | None
                ) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
@@ -199,7 +197,6 @@ async def read_range(redis: Redis, key: str, after: str = "-", count: int | None
     """XRANGE from `after` (exclusive when it is an id) to the end."""
     start = "-" if after in ("-", "0", "0-0") else f"({after}"
     return [(as_str(eid), fields) for eid, fields in await redis.xrange(key, start, "+", count=count)]
-
 
 
 def queue_read(pipe: Pipeline, positions: dict[str, str], count: int) -> Any:
@@ -260,7 +257,6 @@ def was_trimmed(info: dict) -> bool:
 
 def payload(fields: dict[bytes, bytes]) -> bytes:
     return fields[FIELD]
-
 
 
 def fields_of(flat: list) -> dict[bytes, bytes]:
@@ -373,11 +369,11 @@ async def trim_acknowledged(redis: Redis, key: str) -> None:
     """XTRIM MINID below the oldest entry any group of `key` still needs (its oldest pending entry, else its last
     delivered one)."""
     try:
-        groups = await redis.xinfo_groups(key)
+        found = await groups(redis, key)
     except ResponseError:
         return  # no such stream yet
     floors = []
-    for g in groups:
+    for g in found:
         pending = await redis.xpending(key, g["name"])
         floors.append(as_str(pending["min"]) if pending["pending"] else as_str(g["last-delivered-id"]))
     if floors:
@@ -392,7 +388,6 @@ def end_if_drained(target: Target, key: str, group: str, companion: str, registr
     script (the three keys share a slot), so an entry XADDed meanwhile is never deleted with it. Its reply is 1
     if the stream was ended (one already gone counts), else 0. On a pipeline it is queued."""
     return target.eval(_END_IF_DRAINED, 3, key, companion, registry, group, member)
-
 
 
 # Names that moved up a layer, still importable from here for the modules not ported yet (shared/worker.py,
