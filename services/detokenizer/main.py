@@ -21,7 +21,7 @@ from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
 from shared.settings import DetokenizerSettings
 from shared.streams import Delivery
-from shared.worker import SubscribedWorker, run_stage
+from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ STOP_CACHE_BYTES = 32 * 2**20
 _STOPS = msgspec.json.Decoder(list[str])
 
 
-class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
+class DetokenizerWorker(PushWorker[DetokenizeBatch]):
     role = "detokenizer"
     group = DETOKENIZER_GROUP
     message_type = DetokenizeBatch

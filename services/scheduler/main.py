@@ -43,7 +43,7 @@ from shared.routing import SchedulerLanes
 from shared.settings import SchedulerSettings
 from shared.streams import Delivery
 from shared.tracing import NO_SPAN, Span
-from shared.worker import StageWorker, run_stage
+from shared.worker import PullWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,10 @@ class Running:
         return ReplyCheckpoint(epoch=self.epoch, outputs=[list(o) for o in self.outputs])
 
 
-class SchedulerWorker(StageWorker[ScheduleJob]):
+class SchedulerWorker(PullWorker[ScheduleJob]):
     role = "scheduler"
     group = SCHEDULER_GROUP
     message_type = ScheduleJob
-    # Its claim idle is the longest (a claim costs a resume) and its requests the most: a SIGKILLed scheduler's
-    # requests would otherwise all stall for it.
-    claims_on_disconnect = True
 
     def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine, model_path: str = ""):
         super().__init__(settings, model_name)
@@ -460,8 +457,8 @@ class SchedulerWorker(StageWorker[ScheduleJob]):
             return ends
         now = time.time()
         ends.requests |= {uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now}
-        if self.lost:  # our entries a peer claimed while we were stalled (keep_alive found them)
-            lost, self.lost = self.lost, set()
+        if self.taken:  # our entries a peer claimed while we were stalled (keep_alive found them)
+            lost, self.taken = self.taken, set()
             ends.requests |= {uid: "taken_over" for uid, r in self.running.items() if r.entry_id in lost}
         if self.due("sweep", SWEEP_EVERY_S):
             stoppable = [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop

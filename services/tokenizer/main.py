@@ -26,7 +26,7 @@ from shared.redis_conn import barrier
 from shared.routing import Router
 from shared.settings import TokenizerSettings
 from shared.streams import Delivery
-from shared.worker import SubscribedWorker, run_stage
+from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
 
 
-class TokenizerWorker(SubscribedWorker[TokenizeJob]):
+class TokenizerWorker(PushWorker[TokenizeJob]):
     role = "tokenizer"
     group = TOKENIZER_GROUP
     message_type = TokenizeJob
