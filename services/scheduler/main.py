@@ -182,7 +182,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     def load(self) -> dict:
         return {**super().load(), **self.engine_stats, "requests": len(self.running), "outbox": len(self.outbox),
-                "prefix_page_size": self.engine.prefix_page_size}
+                "prefix_page_size": self.lanes.advertised_page_size}
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())
@@ -255,9 +255,9 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     def queue_prefix_changes(self) -> None:
         """The pages the step cached and evicted, for the tokenizers' routing: on the next step's pipeline."""
-        write = self.lanes.publish(*self.engine.prefix_changes(), self.engine.prefix_digests)
-        if write is not None:
-            self.outbox.append(write)
+        changes = self.lanes.pages_due(self.engine.prefix_changes, self.engine.prefix_digests)
+        if changes is not None:
+            self.outbox.append(lambda pipe: self.lanes.write_pages(pipe, changes))
 
     async def adopt(self) -> None:
         await self.lanes.adopt()
@@ -654,7 +654,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
     async def start(self) -> None:
         tip = await self.redis.xrevrange(self.aborts_key, count=1)
         self.aborts_cursor = tip[0][0].decode() if tip else "0-0"  # older notifications: the sweep's job
-        await self.lanes.start()  # the own stream exists before the heartbeat says we serve
+        await self.lanes.start()  # the own stream (if it joins routing) exists before the heartbeat says we serve
         await super().start()
 
     async def close(self) -> None:
