@@ -55,7 +55,7 @@ async def a_tokenizer_routes(w) -> None:
 async def ran(w, uid: str) -> bool:
     """The worker admitted the request and it has ended there (its entry acknowledged)."""
     owner = await w.redis.hget(w.keys.request(uid), "scheduler")
-    return owner == w.id.encode() and uid not in w.running
+    return owner == w.id.encode() and uid not in w.book.running
 
 
 async def until(check, timeout: float = 20.0) -> None:
@@ -190,7 +190,7 @@ async def test_on_shutdown_what_it_holds_of_its_own_stream_is_handed_back_and_a_
 
     async def taken() -> bool:
         await peer.iteration()
-        return "h1" in peer.running
+        return "h1" in peer.book.running
 
     await until(taken)
     assert (await r.hgetall(keys.request("h1")))[b"scheduler"] == peer.id.encode()
