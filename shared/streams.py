@@ -388,18 +388,3 @@ def end_if_drained(target: Target, key: str, group: str, companion: str, registr
     script (the three keys share a slot), so an entry XADDed meanwhile is never deleted with it. Its reply is 1
     if the stream was ended (one already gone counts), else 0. On a pipeline it is queued."""
     return target.eval(_END_IF_DRAINED, 3, key, companion, registry, group, member)
-
-
-# Names that moved up a layer, still importable from here for the modules not ported yet (shared/worker.py,
-# shared/routing.py, services/api/registry.py, services/scheduler/main.py); to go once they import them from
-# shared/consumer_group.py and shared/faststream_glue.py.
-_MOVED = {"GroupConsumer": "shared.consumer_group", "Delivery": "shared.consumer_group",
-          "subscribe": "shared.faststream_glue"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from shared.models import load_tokenizer
 from shared.request_states import EndReason, Finish, status_after
 from shared.request_store import RequestStore
 from shared.settings import DetokenizerSettings
-from shared.worker import SubscribedWorker, run_stage
+from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ STOP_CACHE_BYTES = 32 * 2**20
 _STOPS = msgspec.json.Decoder(list[str])
 
 
-class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
+class DetokenizerWorker(PushWorker[DetokenizeBatch]):
     role = "detokenizer"
     group = DETOKENIZER_GROUP
     message_type = DetokenizeBatch

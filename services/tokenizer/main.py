@@ -28,7 +28,7 @@ from shared.request_states import NOT_SCHEDULED, Status
 from shared.request_store import RequestStore
 from shared.routing import Router
 from shared.settings import TokenizerSettings
-from shared.worker import SubscribedWorker, run_stage
+from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
 
 
-class TokenizerWorker(SubscribedWorker[TokenizeJob]):
+class TokenizerWorker(PushWorker[TokenizeJob]):
     role = "tokenizer"
     group = TOKENIZER_GROUP
     message_type = TokenizeJob
@@ -52,7 +52,9 @@ class TokenizerWorker(SubscribedWorker[TokenizeJob]):
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
         self.router = Router(self.redis, self.keys, model_name, settings.heartbeat_ttl_s,
-                             settings.prefix_routing_load_tokens) if settings.prefix_routing else None
+                             settings.prefix_routing_load_tokens, self.id) if settings.prefix_routing else None
+        if self.router is not None:  # its flag, with every beat, is what makes the model's schedulers join
+            self.heartbeat.extra = self.router.on_beat
         self._heavy_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize-heavy")
         self._heavy: dict[asyncio.Task, str] = {}  # heavy jobs being encoded apart -> their entry
         self._heavy_room = asyncio.Semaphore(HEAVY_IN_FLIGHT)

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.detokenizer.incremental import Detokenizer, merge_deltas
+from services.scheduler.book import CONTEXT_TOKENS, Running
 from services.scheduler.engine.base import StepOutput
-from services.scheduler.main import CONTEXT_TOKENS, Running
 from shared.messages import SamplingParams, ScheduleJob, TokenDelta
 from tests.metaspace_tokenizer import SPECIALS, completion_reference, metaspace_tokenizer
 

@@ -82,12 +82,3 @@ async def test_the_newest_id_and_the_length_of_a_stream(env):
     assert await streams.last_id(redis, key) is None and await streams.length(redis, key) == 0
     ids = [await streams.add(redis, key, job(f"u{i}")) for i in range(3)]
     assert await streams.last_id(redis, key) == ids[-1].decode() and await streams.length(redis, key) == 3
-
-
-def test_names_that_moved_up_a_layer_are_still_found_here_until_every_caller_is_ported():
-    from shared import consumer_group, faststream_glue
-
-    assert streams.GroupConsumer is consumer_group.GroupConsumer and streams.Delivery is consumer_group.Delivery
-    assert streams.subscribe is faststream_glue.subscribe
-    with pytest.raises(AttributeError):
-        _ = streams.no_such_name
