@@ -1,9 +1,39 @@
-"""OrderedReplies: per-choice order, duplicates dropped, gaps held until a peer fills them."""
+"""services/api/request.py: a request's replies in order (OrderedReplies: per-choice order, duplicates dropped,
+gaps held until a peer fills them), read off its subscription; a group's merged."""
 
 from __future__ import annotations
 
-from services.api.flow import OrderedReplies
+import asyncio
+import time
+import types
+
+from services.api.metrics import Metrics
+from services.api.request import SingleRequest
 from shared.messages import ReplyEvent
+from shared.replies import OrderedReplies
+
+
+def reader(sub, n: int = 1, deadline: float | None = None, redis=None) -> SingleRequest:
+    """A request reading `sub` (the Subscription surface it uses), with what it shares stubbed: no Redis but
+    `redis` (a reattach's check of a trimmed head), no hub but the one that hands out `sub`."""
+    ctx = types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda uid: sub), metrics=Metrics(None),
+                                redis=redis)
+    return SingleRequest(ctx, "u", n, deadline or time.time() + 60, "m")  # type: ignore[arg-type]
+
+
+class QueueSub:
+    """The Subscription surface a request reads: get() and drain() over a queue of (entry id, raw entry)."""
+
+    uid, key = "u", "k"
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def get(self):
+        return await self.queue.get()
+
+    def drain(self):
+        return [self.queue.get_nowait() for _ in range(self.queue.qsize())]
 
 
 def ev(start, end, index=0, finish=None):
@@ -41,30 +71,15 @@ def test_choices_are_independent_and_abort_ends_where_it_stands():
 async def test_cancelling_a_reader_is_never_swallowed_by_an_arriving_entry():
     """A request whose client left is cancelled while entries stream in; the cancellation must win
     (asyncio.wait_for on Python 3.11 returns the entry instead and the reader runs on)."""
-    import asyncio
     import contextlib
-    import time
 
-    from services.api.flow import ordered_events
     from shared.messages import encode
 
-    class Sub:  # the Subscription surface ordered_events uses
-        uid = "u"
-
-        def __init__(self):
-            self.queue: asyncio.Queue = asyncio.Queue()
-
-        async def get(self):
-            return await self.queue.get()
-
-        def drain(self):
-            return []
-
     for _ in range(200):
-        sub = Sub()
+        sub = QueueSub()
 
-        async def read(sub: Sub) -> None:
-            async for _ in ordered_events(sub, OrderedReplies(1), time.time() + 60):
+        async def read(sub: QueueSub) -> None:
+            async for _ in reader(sub).replies():
                 pass
 
         task = asyncio.ensure_future(read(sub))
@@ -77,14 +92,9 @@ async def test_cancelling_a_reader_is_never_swallowed_by_an_arriving_entry():
 
 
 async def test_a_reattach_reads_a_stream_trimmed_after_it_looked_whole(redis_server):
-    """Gateway.attach found the reply stream whole, then MAXLEN trimmed its head before the hub's first read:
-    the first range the reader gets starts past 0, so it asks Redis, learns the head is gone and starts there
-    (before, it held everything for token 0, which never came, until the deadline)."""
-    import asyncio
-    import time
-    import types
-
-    from services.api.flow import ordered_entries
+    """SingleRequest.attach found the reply stream whole, then MAXLEN trimmed its head before the hub's first
+    read: the first range the reader gets starts past 0, so it asks Redis, learns the head is gone and starts
+    there (before, it held everything for token 0, which never came, until the deadline)."""
     from shared import streams
     from shared.messages import encode
     from shared.redis_conn import connect
@@ -95,24 +105,13 @@ async def test_a_reattach_reads_a_stream_trimmed_after_it_looked_whole(redis_ser
            for i in range(10)]
     await redis.xtrim(key, maxlen=6, approximate=False)
 
-    class Sub:  # the Subscription surface ordered_entries uses, fed what an XREAD from 0-0 now returns
-        uid, hub = "u", types.SimpleNamespace(redis=redis)
-
-        def __init__(self, entries):
-            self.key, self.queue = key, asyncio.Queue()
-            for eid, fields in entries:
-                self.queue.put_nowait((eid.decode(), streams.payload(fields)))
-
-        async def get(self):
-            return await self.queue.get()
-
-        def drain(self):
-            return [self.queue.get_nowait() for _ in range(self.queue.qsize())]
-
-    order = OrderedReplies(1)
-    order.head_unsure = True
-    got = [ev for pairs in [p async for p in ordered_entries(Sub(await redis.xrange(key)), order, time.time() + 5)]
-           for _, ev in pairs]
-    assert [e.start for e in got] == [4, 5, 6, 7, 8, 9] and order.done
+    sub = QueueSub()  # fed what an XREAD from 0-0 now returns
+    sub.key = key
+    for eid, fields in await redis.xrange(key):
+        sub.queue.put_nowait((eid.decode(), streams.payload(fields)))
+    req = reader(sub, deadline=time.time() + 5, redis=redis)
+    req.order.head_unsure = True
+    got = [ev for batch in [b async for b in req.replies()] for _, ev in batch]
+    assert [e.start for e in got] == [4, 5, 6, 7, 8, 9] and req.done
     assert ids[4] == (await redis.xrange(key, count=1))[0][0]
     await redis.aclose()
