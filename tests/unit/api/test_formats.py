@@ -32,3 +32,25 @@ def test_echo_prepends_the_prompt_and_its_logprobs():
     assert choice["logprobs"]["top_logprobs"][0] is None and choice["logprobs"]["text_offset"] == [0, 2, 8]
     [second] = fmt.chunks([ReplyEvent(1, 2, "?", 2, logprobs=[lp("?", -1.5)])], NO_COUNTS)
     assert second["choices"][0]["logprobs"]["text_offset"] == [9]
+
+
+def test_usage_is_the_counts_given():
+    counts = OrderedReplies(1)
+    fmt = ChatFormat("c", "m", 0, 1, False, True)
+    fmt.continuous_usage = True
+    counts.accept(ReplyEvent(0, 2, "ab", 5, ids=[1, 2]))
+    [chunk] = fmt.chunks([ReplyEvent(0, 2, "ab", 5)], counts)
+    assert chunk["usage"]["prompt_tokens"] == 5 and chunk["usage"]["completion_tokens"] == 2
+    assert fmt.usage_chunk(counts)["usage"]["total_tokens"] == 7
+    fmt.add([ReplyEvent(0, 2, "ab", 5, finish_reason="stop")])
+    assert fmt.response(counts)["usage"]["completion_tokens"] == 2
+
+
+def test_a_batch_replayed_up_to_the_last_event_id_is_formatted_but_not_sent():
+    """A reattach: entries the client has go into the format (the echo, the text offsets) without a chunk."""
+    fmt = CompletionFormat("c", "m", 0, 1, False, False)
+    batch = [("1-0", ReplyEvent(0, 1, "a", 2)), ("2-0", ReplyEvent(1, 2, "b", 2))]
+    chunks, event_id = fmt.batch_chunks(batch, NO_COUNTS, replay_until="1-0")
+    assert [c["choices"][0]["text"] for c in chunks] == ["b"] and event_id == "2-0"
+    assert fmt.choices[0].length == 2  # "a" counted, unsent
+    assert CompletionFormat("c", "m", 0, 1, False, False).batch_chunks(batch[:1], NO_COUNTS, "1-0") == ([], None)

@@ -7,18 +7,25 @@ import asyncio
 import time
 import types
 
+import pytest
+
 from services.api.metrics import Metrics
-from services.api.request import SingleRequest
-from shared.messages import ReplyEvent
+from services.api.request import EndedEarly, RequestGroup, SingleRequest
+from shared.messages import ReplyError, ReplyEvent, encode
 from shared.replies import OrderedReplies
 
 
-def reader(sub, n: int = 1, deadline: float | None = None, redis=None) -> SingleRequest:
-    """A request reading `sub` (the Subscription surface it uses), with what it shares stubbed: no Redis but
-    `redis` (a reattach's check of a trimmed head), no hub but the one that hands out `sub`."""
-    ctx = types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda uid: sub), metrics=Metrics(None),
-                                redis=redis)
-    return SingleRequest(ctx, "u", n, deadline or time.time() + 60, "m")  # type: ignore[arg-type]
+def shared(redis=None) -> types.SimpleNamespace:
+    """What requests share (services/api/request.py Requests), stubbed: no Redis but `redis` (a reattach's check
+    of a trimmed head), no hub but one that hands out the subscription given to `reader`."""
+    return types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda uid: shared.sub), metrics=Metrics(None),
+                                 redis=redis)
+
+
+def reader(sub, n: int = 1, deadline: float | None = None, redis=None, ctx=None) -> SingleRequest:
+    """A request reading `sub` (the Subscription surface it uses)."""
+    shared.sub = sub
+    return SingleRequest(ctx or shared(redis), "u", n, deadline or time.time() + 60, "m")  # type: ignore[arg-type]
 
 
 class QueueSub:
@@ -115,3 +122,42 @@ async def test_a_reattach_reads_a_stream_trimmed_after_it_looked_whole(redis_ser
     assert [e.start for e in got] == [4, 5, 6, 7, 8, 9] and req.done
     assert ids[4] == (await redis.xrange(key, count=1))[0][0]
     await redis.aclose()
+
+
+def ttft_count(metrics: Metrics) -> float:
+    return metrics.registry.get_sample_value("rsinfer_time_to_first_token_seconds_count", {"model": "m"}) or 0.0
+
+
+@pytest.mark.timeout(10)
+async def test_a_group_numbers_choices_by_prompt_and_counts_one_first_token():
+    ctx = shared()
+    subs = [QueueSub(), QueueSub()]
+    group = RequestGroup([reader(sub, n=2, ctx=ctx) for sub in subs], per=2)
+    for k, sub in enumerate(subs):
+        for i in range(2):
+            sub.queue.put_nowait((f"{k}-{i}", encode(ev(0, 2, index=i, finish="stop"))))
+    got = [(eid, e.index) for batch in [b async for b in group.replies()] for eid, e in batch]
+    assert sorted(got) == [("0-0", 0), ("0-1", 1), ("1-0", 2), ("1-1", 3)]  # prompt k's choice i is k * 2 + i
+    assert group.done and group.counts.completion_tokens == 8 and group.counts.prompt_tokens == 6
+    assert ttft_count(ctx.metrics) == 1  # the group's first token, not one per prompt
+
+
+@pytest.mark.timeout(10)
+async def test_one_prompt_ending_early_ends_the_group_with_its_reason():
+    subs = [QueueSub(), QueueSub()]
+    group = RequestGroup([reader(sub, ctx=shared()) for sub in subs], per=1)
+    subs[1].queue.put_nowait(("1-0", encode(ReplyError("bad regex", 400, "invalid_request_error", param="regex"))))
+    with pytest.raises(EndedEarly) as info:
+        async for _ in group.replies():
+            pass
+    assert (info.value.status, info.value.param, info.value.reason) == (400, "regex", "rejected")
+    assert [m.end_reason for m in group.members] == ["rejected", "rejected"]
+
+
+@pytest.mark.timeout(10)
+async def test_a_request_past_its_deadline_ends_with_a_504():
+    req = reader(QueueSub(), deadline=time.time() + 0.05)
+    with pytest.raises(EndedEarly) as info:
+        async for _ in req.replies():
+            pass
+    assert (info.value.status, info.value.code, req.end_reason) == (504, "request_timeout", "timeout")
