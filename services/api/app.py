@@ -117,7 +117,7 @@ def create_app(settings: ApiSettings) -> Guard:
     errors.install(app)
 
     async def answer(request: Request, submission: Submission):
-        request.scope[errors.UID] = submission.uid  # whatever fails from here on is logged with it
+        request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
         return await svc.answer(request, submission)
 
     @app.post("/v1/chat/completions")

@@ -18,7 +18,6 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from dataclasses import field as dataclass_field
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -140,26 +139,22 @@ class Stamp:
 
 @dataclass(frozen=True)
 class Submission:
-    """What a body submits: its jobs (one per prompt), the format of its answer and what its record keeps."""
+    """What a body submits: its jobs (one per prompt), the format of its answer, and the fields of its record
+    that say how it is answered (services/api/request.py writes them with each job)."""
 
     jobs: list[TokenizeJob]
     fmt: Format
-    kind: str  # the record's `kind`: chat, completion, generate
+    record: dict
     stream: bool
     label: str  # how it is answered, in the metrics: stream, full, generate
-    annotations: dict[str, str] = dataclass_field(default_factory=dict)  # what the client tells about itself, and more
-
-    @property
-    def uid(self) -> str:
-        return self.jobs[0].uid
-
-    def record(self) -> dict:
-        """The record's fields of this answer (services/api/request.py writes them with the job)."""
-        return {"kind": self.kind, "n": self.jobs[0].params.n, **self.fmt.record_fields(), **self.annotations}
 
 
-def answered_as(stream: bool | None) -> str:
-    return "stream" if stream else "full"
+def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | None, label: str | None = None,
+               annotations: dict[str, str] | None = None) -> Submission:
+    """`kind`: the record's (chat, completion, generate); `annotations`: what the client tells about itself, and
+    what a reattach needs besides the format's fields; `label` by default says stream or full."""
+    record = {"kind": kind, "n": jobs[0].params.n, **fmt.record_fields(), **(annotations or {})}
+    return Submission(jobs, fmt, record, bool(stream), label or ("stream" if stream else "full"))
 
 
 class StreamOptions(BaseModel):
@@ -438,7 +433,7 @@ class ChatCompletionRequest(SamplingFields):
                          self.include_usage, parse)
         fmt.continuous_usage = self.continuous_usage
         annotations = {**self.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
-        return Submission([job], fmt, "chat", bool(self.stream), answered_as(self.stream), annotations)
+        return submission([job], fmt, "chat", self.stream, annotations=annotations)
 
     def answer_parsing(self, model_info: dict) -> dict:
         """How this model's answers are split (what its tokenizer detected): reasoning, and tool calls when the
@@ -526,7 +521,7 @@ class CompletionRequest(SamplingFields):
                                best_of=params.n, keep=self.n or 1)
         fmt.continuous_usage = self.continuous_usage
         annotations = {**self.annotations(), **({"echo": "1"} if self.echo else {})}
-        return Submission(jobs, fmt, "completion", bool(self.stream), answered_as(self.stream), annotations)
+        return submission(jobs, fmt, "completion", self.stream, annotations=annotations)
 
     @cached_property
     def prompt_list(self) -> list[tuple[str | None, list[int] | None]]:
@@ -592,7 +587,7 @@ class GenerateRequest(BaseModel):
         job = stamp.job(None, False, params=params, prompt=self.text, input_ids=self.input_ids,
                         priority=self.priority)
         fmt = GenerateFormat(job.uid, stamp.model, int(job.created_at))
-        return Submission([job], fmt, "generate", self.stream, "generate")
+        return submission([job], fmt, "generate", self.stream, "generate")
 
     def budget(self, params: SamplingParams) -> Budget:
         return Budget(1, 1, params.max_tokens, tokens_param="sampling_params")

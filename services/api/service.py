@@ -50,7 +50,7 @@ async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watch())
+    watcher, task = asyncio.ensure_future(watch()), asyncio.ensure_future(work)
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -163,7 +163,7 @@ class ApiService:
     async def answer(self, http: HttpRequest, submission: Submission):
         """Submit a body's jobs and answer them as one response (several jobs: a completion with a list of
         prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream."""
-        req = await self.requests.open(submission.jobs, submission.record(), submission.stream, submission.label)
+        req = await self.requests.open(submission.jobs, submission.record, submission.stream, submission.label)
         if submission.stream:
             return await self.stream(http, req, submission.fmt)
         try:

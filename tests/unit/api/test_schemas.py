@@ -88,10 +88,10 @@ def test_a_chat_body_builds_its_job_format_and_record():
                                                      stream_options={"include_usage": True}))
     sub = body.submission(body.params(), stamp())
     [job] = sub.jobs
-    assert (job.uid, job.pod, job.model, sub.uid) == ("u1", "pod-1", "m", "u1")
+    assert (job.uid, job.pod, job.model) == ("u1", "pod-1", "m")
     assert job.deadline == pytest.approx(job.created_at + 5) and job.messages[0].content == "hi"
-    assert (sub.fmt.rid, sub.stream, sub.label, sub.kind) == ("chatcmpl-u1", True, "stream", "chat")
-    assert sub.record() == {"kind": "chat", "n": 1, "rid": "chatcmpl-u1", "created": int(job.created_at),
+    assert (sub.fmt.rid, sub.stream, sub.label) == ("chatcmpl-u1", True, "stream")
+    assert sub.record == {"kind": "chat", "n": 1, "rid": "chatcmpl-u1", "created": int(job.created_at),
                             "include_usage": 1, "logprobs": 0, "user": "me", "parse": '{"reasoning":"qwen3"}'}
 
 
@@ -101,4 +101,4 @@ def test_a_timeout_is_capped_and_each_prompt_is_a_job():
     assert [j.uid for j in sub.jobs] == ["u1", "u2"] and [j.prompt for j in sub.jobs] == ["a", "b"]
     assert all(j.deadline == pytest.approx(j.created_at + 60) for j in sub.jobs)
     assert (sub.fmt.rid, len(sub.fmt.choices), sub.label) == ("cmpl-u1", 4, "full")
-    assert sub.record()["echo"] == "1" and sub.record()["n"] == 2
+    assert sub.record["echo"] == "1" and sub.record["n"] == 2 and sub.record["kind"] == "completion"
