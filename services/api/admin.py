@@ -77,7 +77,7 @@ class AdminSocket:
             op = request.get("op") if isinstance(request, dict) else None
             if op == "drain":
                 self.svc.drain_for(self.drain_timeout_s)
-                reply = {"draining": True, "inflight": len(self.svc.gateway.inflight), "for_s": self.drain_timeout_s}
+                reply = {"draining": True, "inflight": len(self.svc.requests.inflight), "for_s": self.drain_timeout_s}
             else:
                 reply = {"error": f"unknown op {op!r}; known: drain"}
         except (ValueError, TimeoutError, asyncio.LimitOverrunError) as e:
