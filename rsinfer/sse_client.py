@@ -23,7 +23,7 @@ import resource
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -65,6 +65,7 @@ class Response:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: int,
                  headers: dict[str, str]):
         self.reader, self.writer, self.status, self.headers = reader, writer, status, headers
+        self.on_data: Callable[[], None] | None = None  # called on every piece of the body (a keep-alive too)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; StreamBroken if the connection ends first."""
@@ -73,6 +74,8 @@ class Response:
             if self.headers.get("transfer-encoding", "").lower() == "chunked":
                 while size := int((await r.readuntil(b"\r\n")).split(b";")[0], 16):
                     data = await r.readexactly(size + 2)
+                    if self.on_data:
+                        self.on_data()
                     yield data[:-2]
                 while await r.readuntil(b"\r\n") != b"\r\n":  # trailers
                     pass
@@ -80,6 +83,8 @@ class Response:
                 yield await r.readexactly(int(self.headers["content-length"]))
             else:
                 while data := await r.read(65536):
+                    if self.on_data:
+                        self.on_data()
                     yield data
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError) as e:
             raise StreamBroken(f"the response ended early: {e!r}") from e
@@ -256,7 +261,7 @@ async def stream(url: str, body: bytes | dict | None, path: str = "/v1/completio
         async with asyncio.timeout(first) as limit:
             end = loop.time() + timeout if timeout else None
 
-            def progress() -> None:  # any byte of the response moves an idle limit on, up to the whole one
+            def progress() -> None:  # any piece of the response moves an idle limit on, up to the whole one
                 if idle_timeout:
                     at = loop.time() + idle_timeout
                     limit.reschedule(min(at, end) if end else at)
@@ -264,12 +269,12 @@ async def stream(url: str, body: bytes | dict | None, path: str = "/v1/completio
             async with open_stream(url, path, body, method, headers) as resp:
                 reply.status = resp.status
                 progress()
+                resp.on_data = progress
                 if resp.status != 200:
                     reply.refused(resp.status, await resp.read())
                     return reply
                 async for event in resp.events():
                     reply.feed(event)
-                    progress()
     except ConnectFailed as e:
         reply.error, reply.failure = repr(e)[:300], "connect"
     except StreamBroken as e:

@@ -315,7 +315,7 @@ def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_
         print(json.dumps(figures, indent=1))
         (tmp_path / "chaos.json").write_text(json.dumps(figures, indent=1))
         (tmp_path / "outcomes.json").write_text(json.dumps(  # what each client saw, next to replies.json
-            [{**vars(o), "job": vars(o.job), "reference": reference.get(o.job.key)} for o in outcomes]))
+            [{**o.record(), "reference": reference.get(o.job.key)} for o in outcomes]))
         if LONG:
             (ROOT / "bench" / "results" / "chaos.json").write_text(json.dumps(figures, indent=1) + "\n")
 

@@ -126,6 +126,13 @@ class Outcome:
         marks = [self.started, *self.times]
         return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
 
+    def record(self) -> dict:
+        """What the client saw, as JSON."""
+        return {"job": vars(self.job), "started": self.started, "texts": self.texts, "finish": self.finish,
+                "uid": self.uid, "last_event": self.last_event, "times": self.times, "errors": self.errors,
+                "reattached": self.reattached, "resubmitted": self.resubmitted, "rerouted": self.rerouted,
+                "done": self.done, "ended": self.ended}
+
     def gap_at(self, at: float) -> float | None:
         """The wait that spans time `at` (time.time()): from the last chunk before it (or the submission) to
         the first one after it; None if the stream had ended by then or had not started."""

@@ -118,6 +118,19 @@ async def test_a_connection_that_breaks_refuses_or_goes_quiet_is_a_failure(canne
     assert idle.failure == "timeout" and idle.ended - idle.t0 < 3
 
 
+async def test_keep_alives_keep_a_stream_waiting_for_its_first_token_open(canned):
+    """An idle limit counts time without any byte: a request queued behind others gets pings, not tokens."""
+    async def pings_then_text(head, writer):
+        writer.write(SSE_HEAD)
+        for _ in range(8):
+            writer.write(b"%x\r\n: ping\n\r\n" % 7)
+            await asyncio.sleep(0.2)
+        writer.write(chunked(b"data: " + chat_chunk("u4", {0: "late"}, "length") + b"\n\n", b"data: [DONE]\n\n"))
+
+    reply = await stream(await canned(pings_then_text), {}, idle_timeout=0.5)
+    assert reply.ok and reply.text == "late" and reply.ended - reply.t0 > 1.5
+
+
 async def test_a_reattach_carries_the_reply_on(canned):
     first = SSE_HEAD + b"%x\r\n%s\r\n" % (len(b"id: 5-0\ndata: " + chat_chunk("u3", {0: "ab"}) + b"\n\n"),
                                            b"id: 5-0\ndata: " + chat_chunk("u3", {0: "ab"}) + b"\n\n")
