@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import BenchStack, completion_body, loadavg, run_load  # noqa: E402
-from rsinfer.sse_client import StreamThread  # noqa: E402
+from rsinfer.sse_client import Request, StreamThread  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_server import LocalCluster, RedisServer  # noqa: E402
@@ -72,9 +72,9 @@ def throughput(stacks: dict[str, BenchStack], args: argparse.Namespace) -> dict:
 
 class Stream(StreamThread):
     def __init__(self, url: str, i: int, tokens: int):
-        super().__init__(url, {"model": NAME, "prompt": f"failover {i}", "max_tokens": tokens, "temperature": 0,
-                               "ignore_eos": True, "stream": True, "timeout": 120},
-                         path="/v1/completions", idle_timeout=180)
+        super().__init__(Request(url, {"model": NAME, "prompt": f"failover {i}", "max_tokens": tokens,
+                                       "temperature": 0, "ignore_eos": True, "stream": True, "timeout": 120},
+                                 idle_timeout=180))
 
     @property
     def arrivals(self) -> list[float]:

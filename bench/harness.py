@@ -23,7 +23,7 @@ import orjson
 from bench.report import Span, command_calls, error_counts, percentile, proc_cpu_ticks, proc_status_kb
 from rsinfer import sse_client
 from rsinfer.launcher import SINGLE_THREAD, Launcher
-from rsinfer.sse_client import Reply
+from rsinfer.sse_client import Reply, Request
 from shared.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +176,8 @@ def run_load(urls: list[str], bodies: list[bytes], concurrency: int, stagger_s: 
     """Send every body (a streamed /v1/completions request) at most `concurrency` at a time, request i
     starting no earlier than i * stagger_s, alternating over `urls`, from `processes` client processes
     (sse_client.run_load)."""
-    return LoadResult(*sse_client.run_load(urls, bodies, concurrency, stagger_s, processes, timeout))
+    requests = [Request(urls[i % len(urls)], body, timeout=timeout) for i, body in enumerate(bodies)]
+    return LoadResult(*sse_client.run_load(requests, concurrency, stagger_s, processes))
 
 
 def completion_body(model: str, prompt: list[int] | str, max_tokens: int, **extra) -> bytes:

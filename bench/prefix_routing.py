@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import BenchStack, loadavg  # noqa: E402
 from bench.report import percentile  # noqa: E402
-from rsinfer.sse_client import open_stream  # noqa: E402
+from rsinfer.sse_client import Request, open_stream  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "prefix-routing.json"
@@ -103,7 +103,7 @@ async def generate(url: str, model: str, ids: list[int], w: Workload, timeout: f
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
     began = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout), open_stream(url, "/generate", body) as resp:
+        async with asyncio.timeout(timeout), open_stream(Request(url, body, "/generate")) as resp:
             if resp.status != 200:
                 turn.error = f"{resp.status} {(await resp.read())[:200]!r}"
                 return turn

@@ -14,7 +14,7 @@ import random
 import statistics
 import urllib.request
 
-from rsinfer.sse_client import Reply, run_load
+from rsinfer.sse_client import Reply, Request, run_load
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while redis streams carry tokens between "
@@ -51,15 +51,14 @@ def _pct(values: list[float], q: float) -> float:
 def run_bench(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     model = args.model or _model(args.url, args.api_key)
-    bodies = []
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    requests = []
     for i in range(args.requests):
         prompt = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
-        bodies.append(json.dumps({"model": model, "prompt": f"{i} {prompt}", "max_tokens": args.max_tokens,
-                                  "stream": True, "temperature": 0, "ignore_eos": True,
-                                  "stream_options": {"include_usage": True}}).encode())
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    results, wall, client_cpu = run_load([args.url], bodies, args.concurrency, args.stagger_ms / 1000,
-                                         headers=headers)
+        body = {"model": model, "prompt": f"{i} {prompt}", "max_tokens": args.max_tokens, "stream": True,
+                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        requests.append(Request(args.url, json.dumps(body).encode(), headers=headers))
+    results, wall, client_cpu = run_load(requests, args.concurrency, args.stagger_ms / 1000)
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
     gaps = [g for r in ok for g in _gaps(r)]

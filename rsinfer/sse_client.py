@@ -6,7 +6,7 @@ measuring itself, and a raw socket also says exactly how a stream ended (`Connec
 `StreamBroken`: the connection ended before the response did). Lines split at "\\n" only: JSON leaves U+2028,
 U+0085 and the other str.splitlines breaks unescaped inside strings, and the demo model's text contains them.
 
-- `open_stream` sends one request and returns the `Response` (status, headers, body, SSE events).
+- `open_stream` sends one `Request` and yields the `Response` (status, headers, body, SSE events).
 - `Reply` is what a stream delivered: text and finish reason per choice, event ids, the request's id, usage,
   the error (a refusal, an error event, a broken connection) and when every event arrived. A reattach
   (GET /v1/requests/<uid>/stream with Last-Event-ID) carries the same Reply on.
@@ -38,6 +38,28 @@ class ConnectFailed(OSError):
 
 class StreamBroken(OSError):
     """The connection ended (closed, reset, garbled) before the response did."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One streamed request: `url` the server's base URL; `body` JSON (bytes as they are); `timeout` seconds for
+    the whole request, `idle_timeout` seconds without a byte of the response (None: no limit)."""
+
+    url: str
+    body: bytes | dict | None = None
+    path: str = "/v1/completions"
+    method: str = "POST"
+    headers: Mapping[str, str] | None = None
+    timeout: float | None = None
+    idle_timeout: float | None = None
+
+    def head(self, body: bytes) -> bytes:
+        lines = [f"{self.method} {self.path} HTTP/1.1", f"Host: {urllib.parse.urlsplit(self.url).netloc}",
+                 "Accept: text/event-stream", "Connection: close"]
+        if body or self.method == "POST":
+            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in (self.headers or {}).items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 @dataclass(frozen=True)
@@ -109,25 +131,13 @@ class Response:
                 if payload is not None:
                     yield Event(event_id, payload)
 
-    def close(self) -> None:
-        self.writer.close()
-
-
-def request_head(url: str, path: str, method: str, body: bytes, headers: Mapping[str, str] | None) -> bytes:
-    u = urllib.parse.urlsplit(url)
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {u.netloc}", "Accept: text/event-stream", "Connection: close"]
-    if body or method == "POST":
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
 
 @contextlib.asynccontextmanager
-async def open_stream(url: str, path: str, body: bytes | dict | None = None, method: str = "POST",
-                      headers: Mapping[str, str] | None = None) -> AsyncIterator[Response]:
-    """Send one request to `url` (the server's base URL) and yield its response once the head is in; the
+async def open_stream(request: Request) -> AsyncIterator[Response]:
+    """Send `request` and yield its response once the head is in (its timeouts are `stream`'s to apply); the
     connection is closed on leaving. ConnectFailed if there is no connection, StreamBroken if it ends before the
     response's head."""
+    url, body = request.url, request.body
     payload = body if isinstance(body, bytes) else orjson.dumps(body) if body is not None else b""
     u = urllib.parse.urlsplit(url)
     try:
@@ -136,7 +146,7 @@ async def open_stream(url: str, path: str, body: bytes | dict | None = None, met
         raise ConnectFailed(f"no connection to {url}: {e!r}") from e
     try:
         try:
-            writer.write(request_head(url, path, method, payload, headers) + payload)
+            writer.write(request.head(payload) + payload)
             await writer.drain()
             status_line = await reader.readuntil(b"\r\n")
             head: dict[str, str] = {}
@@ -246,16 +256,15 @@ class Reply:
             self.error = {"status": status, "body": body.decode(errors="replace")[:300]}
 
 
-async def stream(url: str, body: bytes | dict | None, path: str = "/v1/completions", method: str = "POST",
-                 headers: Mapping[str, str] | None = None, timeout: float | None = None,
-                 idle_timeout: float | None = None, reply: Reply | None = None) -> Reply:
-    """Stream one request into `reply` (a new one unless given: a reattach carries one on) and return it.
-    `timeout`: seconds for the whole request; `idle_timeout`: seconds without a byte of the response. Never
-    raises for what the server or the network did: `reply.error` (and `reply.failure`) say."""
+async def stream(request: Request, reply: Reply | None = None) -> Reply:
+    """Stream `request` into `reply` (a new one unless given: a reattach carries one on) and return it, within the
+    request's timeouts. Never raises for what the server or the network did: `reply.error` (and
+    `reply.failure`) say."""
     reply = reply if reply is not None else Reply()
     if reply.failure:  # carried on after a failed connection: that is no longer why it did not end well
         reply.error, reply.failure = None, ""
     loop = asyncio.get_running_loop()
+    timeout, idle_timeout = request.timeout, request.idle_timeout
     first = min((t for t in (timeout, idle_timeout) if t), default=None)
     try:
         async with asyncio.timeout(first) as limit:
@@ -266,7 +275,7 @@ async def stream(url: str, body: bytes | dict | None, path: str = "/v1/completio
                     at = loop.time() + idle_timeout
                     limit.reschedule(min(at, end) if end else at)
 
-            async with open_stream(url, path, body, method, headers) as resp:
+            async with open_stream(request) as resp:
                 reply.status = resp.status
                 progress()
                 resp.on_data = progress
@@ -290,18 +299,14 @@ class StreamThread(threading.Thread):
     """Streams one request in a thread of its own (and an event loop of its own) into `self.reply`, which the
     caller may read while it grows; `join()` waits for the end. Started at once."""
 
-    def __init__(self, url: str, body: bytes | dict, path: str = "/v1/chat/completions",
-                 idle_timeout: float | None = 90.0, timeout: float | None = None, method: str = "POST",
-                 headers: Mapping[str, str] | None = None):
+    def __init__(self, request: Request):
         super().__init__(daemon=True)
-        self.url, self.body, self.path, self.method, self.headers = url, body, path, method, headers
-        self.idle_timeout, self.timeout = idle_timeout, timeout
+        self.request = request
         self.reply = Reply()
         self.start()
 
     def run(self) -> None:
-        asyncio.run(stream(self.url, self.body, self.path, self.method, self.headers, self.timeout,
-                           self.idle_timeout, self.reply))
+        asyncio.run(stream(self.request, self.reply))
 
 
 # ---- many requests
@@ -311,14 +316,10 @@ class StreamThread(threading.Thread):
 class LoadPart:
     """One client process's share of a load run."""
 
-    urls: list[str]
-    bodies: list[bytes]  # this part's requests, in start order
+    requests: list[Request]  # this part's, in start order
     offsets: list[float]  # each request's start, seconds after start_at
     concurrency: int
     start_at: float  # time.time() when the first request of every part may start
-    timeout: float
-    path: str = "/v1/completions"
-    headers: dict[str, str] | None = None
 
 
 async def _run_part(part: LoadPart) -> list[Reply]:
@@ -327,9 +328,9 @@ async def _run_part(part: LoadPart) -> list[Reply]:
     async def one(i: int) -> Reply:
         await asyncio.sleep(max(0.0, part.start_at + part.offsets[i] - time.time()))
         async with sem:
-            return await stream(part.urls[i], part.bodies[i], part.path, headers=part.headers, timeout=part.timeout)
+            return await stream(part.requests[i])
 
-    return await asyncio.gather(*(one(i) for i in range(len(part.bodies))))
+    return await asyncio.gather(*(one(i) for i in range(len(part.requests))))
 
 
 def _part_main(part: LoadPart) -> tuple[list[Reply], float]:
@@ -340,23 +341,20 @@ def _part_main(part: LoadPart) -> tuple[list[Reply], float]:
     return replies, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
-def run_load(urls: list[str], bodies: list[bytes], concurrency: int, stagger_s: float = 0.0, processes: int = 1,
-             timeout: float = 600.0, path: str = "/v1/completions",
-             headers: dict[str, str] | None = None) -> tuple[list[Reply], float, float]:
-    """Stream every body, at most `concurrency` at a time, request i starting no earlier than i * stagger_s,
-    alternating over `urls`; `processes` client processes share the requests and the concurrency (a single
-    Python process cannot parse tens of thousands of events a second). Call it from a process with no running
-    event loop. The replies in no particular order, the wall time from the first send to the last end, and the
-    client processes' CPU seconds."""
-    n = len(bodies)
+def run_load(requests: list[Request], concurrency: int, stagger_s: float = 0.0,
+             processes: int = 1) -> tuple[list[Reply], float, float]:
+    """Stream every request, at most `concurrency` at a time, request i starting no earlier than i * stagger_s;
+    `processes` client processes share the requests and the concurrency (a single Python process cannot parse
+    tens of thousands of events a second). Call it from a process with no running event loop. The replies in no
+    particular order, the wall time from the first send to the last end, and the client processes' CPU seconds."""
+    n = len(requests)
     processes = max(1, min(processes, n))
     start_at = time.time() + (0.5 if processes > 1 else 0.05)
     parts = []
     for k in range(processes):
         idx = list(range(k, n, processes))
         share = concurrency // processes + (1 if k < concurrency % processes else 0)
-        parts.append(LoadPart([urls[i % len(urls)] for i in idx], [bodies[i] for i in idx],
-                              [i * stagger_s for i in idx], max(1, share), start_at, timeout, path, headers))
+        parts.append(LoadPart([requests[i] for i in idx], [i * stagger_s for i in idx], max(1, share), start_at))
     t0 = time.time()
     if processes == 1:
         results = [_part_main(parts[0])]

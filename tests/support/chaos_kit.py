@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -34,7 +35,7 @@ import redis
 import redis.asyncio as aioredis
 
 from rsinfer.launcher import api_ready
-from rsinfer.sse_client import Reply, stream
+from rsinfer.sse_client import Reply, Request, stream
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, STAGES, TOKENIZER_GROUP, Keys
 from tests.support.helpers import worker_name, workers
 from tests.support.stack import MODEL, Stack
@@ -178,7 +179,7 @@ class Clients:
         if out.uid is None:
             if api in self.unready and len(self.unready) < len(self.urls):
                 api = self._other(api)
-            failure = await self._stream(out, "POST", self.urls[api], "/v1/chat/completions", job.body())
+            failure = await self._stream(out, Request(self.urls[api], job.body(), "/v1/chat/completions"))
             if failure == "connect":
                 out.rerouted += 1
                 await asyncio.sleep(0.2)
@@ -193,19 +194,19 @@ class Clients:
             return self._other(api)
         out.reattached += 1
         headers = {"Last-Event-ID": out.last_event} if out.last_event else {}
-        if await self._stream(out, "GET", self.urls[api], f"/v1/requests/{out.uid}/stream", None, headers):
+        if await self._stream(out, Request(self.urls[api], path=f"/v1/requests/{out.uid}/stream", method="GET",
+                                           headers=headers)):
             await asyncio.sleep(0.2)
         return api if out.done else self._other(api)
 
-    async def _stream(self, out: Outcome, method: str, url: str, path: str, body: dict | None,
-                      headers: dict | None = None) -> str:
-        """Stream into the outcome's reply; what the transport did wrong ("" if nothing). A refusal or an
-        error event is one of the outcome's errors."""
-        reply = await stream(url, body, path, method, headers, idle_timeout=30, reply=out.reply)
+    async def _stream(self, out: Outcome, request: Request) -> str:
+        """Stream into the outcome's reply (a connection quiet for 30 s has failed); what the transport did wrong
+        ("" if nothing). A refusal or an error event is one of the outcome's errors."""
+        reply = await stream(dataclasses.replace(request, idle_timeout=30), out.reply)
         if reply.failure:
             return reply.failure
         if reply.status != 200:
-            out.errors.append(f"{method} {url}{path}: {json.dumps(reply.error)[:300]}")
+            out.errors.append(f"{request.method} {request.url}{request.path}: {json.dumps(reply.error)[:300]}")
         elif reply.error is not None:
             out.errors.append(json.dumps(reply.error)[:300])
         return ""

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from rsinfer.sse_client import StreamThread
+from rsinfer.sse_client import Request, StreamThread
 from tests.support.stack import MODEL
 
 
@@ -41,7 +41,7 @@ class Streamer(StreamThread):
     a connection quiet for 90 s (no token, no keep-alive) has failed."""
 
     def __init__(self, base_url: str, payload: dict, path: str = "/v1/chat/completions"):
-        super().__init__(base_url, {**payload, "stream": True}, path, idle_timeout=90)
+        super().__init__(Request(base_url, {**payload, "stream": True}, path, idle_timeout=90))
 
     @property
     def text(self) -> str:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from rsinfer.sse_client import Reply, run_load, stream
+from rsinfer.sse_client import Reply, Request, run_load, stream
 from shared.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,7 +73,7 @@ async def test_a_stream_split_anywhere_gives_text_per_choice_ids_usage_and_done(
         assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
         writer.write(SSE_HEAD + chunked(*pieces))
 
-    reply = await stream(await canned(answer), {"stream": True}, "/v1/chat/completions", timeout=10)
+    reply = await stream(Request(await canned(answer), {"stream": True}, "/v1/chat/completions", timeout=10))
     assert reply.ok and reply.problem == ""
     assert reply.texts == [text + "!", "x"] and reply.finish == ["length", "stop"]
     assert reply.uid == "u1" and reply.ids == ["1-0", "2-0"] and reply.tokens == 4
@@ -88,7 +88,7 @@ async def test_a_refusal_keeps_its_status_and_error(canned):
         writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(err), err))
 
-    reply = await stream(await canned(answer), {"stream": True}, timeout=10)
+    reply = await stream(Request(await canned(answer), {"stream": True}, timeout=10))
     assert reply.status == 429 and not reply.ok and reply.failure == ""
     assert reply.error == {"status": 429, "message": "slow down", "code": "too_many_requests"}
 
@@ -98,7 +98,7 @@ async def test_an_error_event_is_the_replys_error(canned):
         writer.write(SSE_HEAD + chunked(b"data: " + chat_chunk("u2", {0: "ab"}) + b"\n\n",
                                         b'data: {"error": {"code": "broker_unavailable"}}\n\n', b"data: [DONE]\n\n"))
 
-    reply = await stream(await canned(answer), {}, timeout=10)
+    reply = await stream(Request(await canned(answer), {}, timeout=10))
     assert reply.done and not reply.ok and reply.error == {"code": "broker_unavailable"} and reply.text == "ab"
 
 
@@ -110,11 +110,11 @@ async def test_a_connection_that_breaks_refuses_or_goes_quiet_is_a_failure(canne
         writer.write(SSE_HEAD + b"%x\r\n: ping\n\r\n" % 7)
         await asyncio.sleep(5)
 
-    reply = await stream(await canned(broken), {}, timeout=10)
+    reply = await stream(Request(await canned(broken), {}, timeout=10))
     assert reply.failure == "broken" and not reply.done and "StreamBroken" in reply.error
-    refused = await stream(f"http://127.0.0.1:{free_port()}", {}, timeout=10)
+    refused = await stream(Request(f"http://127.0.0.1:{free_port()}", {}, timeout=10))
     assert refused.failure == "connect" and "ConnectFailed" in refused.error
-    idle = await stream(await canned(quiet), {}, idle_timeout=0.5)
+    idle = await stream(Request(await canned(quiet), {}, idle_timeout=0.5))
     assert idle.failure == "timeout" and idle.ended - idle.t0 < 3
 
 
@@ -127,7 +127,7 @@ async def test_keep_alives_keep_a_stream_waiting_for_its_first_token_open(canned
             await asyncio.sleep(0.2)
         writer.write(chunked(b"data: " + chat_chunk("u4", {0: "late"}, "length") + b"\n\n", b"data: [DONE]\n\n"))
 
-    reply = await stream(await canned(pings_then_text), {}, idle_timeout=0.5)
+    reply = await stream(Request(await canned(pings_then_text), {}, idle_timeout=0.5))
     assert reply.ok and reply.text == "late" and reply.ended - reply.t0 > 1.5
 
 
@@ -145,10 +145,10 @@ async def test_a_reattach_carries_the_reply_on(canned):
                                             b"data: [DONE]\n\n"))
 
     url = await canned(answer)
-    reply = await stream(url, {}, "/v1/chat/completions", timeout=10)
+    reply = await stream(Request(url, {}, "/v1/chat/completions", timeout=10))
     assert reply.failure == "broken" and reply.ids[-1] == "5-0"
-    again = await stream(url, None, f"/v1/requests/{reply.uid}/stream", "GET",
-                         {"Last-Event-ID": reply.ids[-1]}, timeout=10, reply=reply)
+    again = await stream(Request(url, None, f"/v1/requests/{reply.uid}/stream", "GET",
+                                 {"Last-Event-ID": reply.ids[-1]}, timeout=10), reply)
     assert again is reply and reply.ok and reply.text == "abcd" and reply.finish == ["length"]
     assert heads[1].startswith(b"GET /v1/requests/u3/stream HTTP/1.1\r\n") and b"Last-Event-ID: 5-0" in heads[1]
 
@@ -180,6 +180,6 @@ def test_run_load_sends_every_body_at_most_concurrency_at_a_time():
 
     threading.Thread(target=server, daemon=True).start()
     assert ready.wait(10)
-    replies, wall, cpu = run_load([f"http://127.0.0.1:{port}"], [b"{}"] * 12, concurrency=3, timeout=10)
+    replies, wall, cpu = run_load([Request(f"http://127.0.0.1:{port}", b"{}", timeout=10)] * 12, concurrency=3)
     assert len(replies) == 12 and all(isinstance(r, Reply) and r.ok and r.tokens == 1 for r in replies)
     assert most[0] <= 3 and wall >= 0.05 * 12 / 3 * 0.9 and cpu >= 0
