@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         from rsinfer.bench import run_bench
 
-        return asyncio.run(run_bench(args))
+        return run_bench(args)
     if cmd == "asyncapi":
         from shared.contract import asyncapi_yaml
 

@@ -1,5 +1,5 @@
 """The request record's old helpers, as thin wrappers over shared/request_store.py `RequestStore` and the names of
-shared/request_states.py, for the modules not ported yet (services/scheduler/main.py, services/api/gateway.py,
+shared/request_states.py, for the modules not ported yet (services/scheduler/, services/api/request.py,
 services/api/app.py); to go once they use a `RequestStore` of their own. Nothing new goes here.
 """
 

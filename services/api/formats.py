@@ -24,7 +24,7 @@ from shared.messages import ReplyEvent, TokenLogprob
 
 
 class Counts(Protocol):
-    """Token counts of a request so far (shared/replies.py OrderedReplies, or a group's in request.py)."""
+    """Token counts of a request so far (shared/reply_order.py OrderedReplies, or a group's in request.py)."""
 
     @property
     def prompt_tokens(self) -> int: ...

@@ -4,7 +4,7 @@
 - `Requests.open` submits a body's jobs: per job the record, the tokenize job and the reply subscription in one
   round trip (`SingleRequest.open`); a completion's several prompts are one request each, answered as one
   (`RequestGroup`). `Requests.attach` follows a request submitted by any API process (reattach).
-- `replies()` yields its reply entries in order, in batches of what arrived together: shared/replies.py's
+- `replies()` yields its reply entries in order, in batches of what arrived together: shared/reply_order.py's
   OrderedReplies delivers each choice's ranges in token order, each once, and nothing of a scheduler that was
   taken over once its successor's fence is in the stream. A reply that ends before the request finished (an
   error reply, the deadline, Redis gone) is raised as `EndedEarly`, the HTTP error, with why it ended noted in
@@ -225,7 +225,7 @@ class SingleRequest:
         """Follow an existing request's reply stream (resumable streams), given its record. It counts as a
         client of the request: one that leaves is treated like the submitter's stream leaving (resume window).
         A 410 if the stream was trimmed past what the client has; else, if its head was trimmed, the reply
-        is read headless (shared/replies.py)."""
+        is read headless (shared/reply_order.py)."""
         bare = bare_uid(uid)
         kept_from = await streams.trimmed_head(ctx.redis, ctx.keys.reply(bare))
         if kept_from is not None and (last_event_id is None or streams.id_after(kept_from, last_event_id)):

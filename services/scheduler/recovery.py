@@ -96,7 +96,7 @@ class Recovery:
 
     async def take_over(self, job: ScheduleJob) -> Resumed:
         """Raise the request's epoch, put a fence with it into the reply stream, and read what came before
-        the fence: that is exactly what clients get of the previous owners (shared/replies.py)."""
+        the fence: that is exactly what clients get of the previous owners (shared/reply_order.py)."""
         epoch = await self.redis.hincrby(self.keys.request(job.uid), "epoch", 1)
         async with self.redis.pipeline(transaction=False) as pipe:
             records.reply(pipe, self.keys, job.uid, ReplyFence(epoch=epoch, scheduler=self.writer.id), self.ttl,

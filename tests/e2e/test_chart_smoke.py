@@ -36,8 +36,8 @@ import redis
 from shared.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
-from tests.e2e.helpers import wait_for
 from tests.e2e.test_observability import SERVICES, Collector
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

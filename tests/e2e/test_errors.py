@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 HELLO = [{"role": "user", "content": "hi"}]

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from shared.redis_server import RedisServer
-from tests.e2e.conftest import Stack, new_stack, start_pipeline
-from tests.e2e.helpers import wait_for
+from tests.support.helpers import wait_for
+from tests.support.stack import Stack, new_stack, start_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -2,7 +2,7 @@
 serves on), and one that kills every scheduler that takes it is dead-lettered after --max-deliveries, its client
 answered at once, instead of a pool that crash-loops on it while the client waits for its deadline.
 
-The schedulers run tests/e2e/poison_scheduler.py: the real scheduler, whose engine fails on one seed."""
+The schedulers run tests/support/poison_scheduler.py: the real scheduler, whose engine fails on one seed."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, Stack, new_stack
-from tests.e2e.helpers import live_names, wait_for
+from tests.support.helpers import live_names, wait_for
+from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
 
 pytestmark = pytest.mark.timeout(240)
 RAISE_SEED, EXIT_SEED = 424242, 737373
@@ -28,7 +28,7 @@ def poisoned(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
     try:
         for role in ("tokenizer", "detokenizer", "api"):
             s.start(f"{role}1", role, **ENV)
-        s.start("scheduler1", "scheduler", module="tests.e2e.poison_scheduler", **ENV)
+        s.start("scheduler1", "scheduler", module="tests.support.poison_scheduler", **ENV)
         s.wait_ready()
         yield s
     finally:
@@ -56,7 +56,7 @@ def test_a_job_the_engine_raises_on_fails_alone_and_the_scheduler_serves_on(pois
 
 def test_a_job_that_kills_each_scheduler_is_dead_lettered_and_its_client_answered(poisoned):
     s = poisoned
-    s.start("scheduler2", "scheduler", module="tests.e2e.poison_scheduler", **ENV)
+    s.start("scheduler2", "scheduler", module="tests.support.poison_scheduler", **ENV)
     wait_for(lambda: len(live_names(s, "scheduler")) == 2, timeout=90)
     result: dict = {}
 
@@ -68,7 +68,7 @@ def test_a_job_that_kills_each_scheduler_is_dead_lettered_and_its_client_answere
     # whichever scheduler reads it dies (delivery 1); its peer claims it and dies too (2)
     wait_for(lambda: all(p.poll() is not None for n, p in s.procs.items() if n.startswith("scheduler")), timeout=60)
     assert {p.returncode for n, p in s.procs.items() if n.startswith("scheduler")} == {70}
-    s.start("scheduler3", "scheduler", module="tests.e2e.poison_scheduler", **ENV)  # a restart, as Kubernetes does
+    s.start("scheduler3", "scheduler", module="tests.support.poison_scheduler", **ENV)  # a restart, as Kubernetes does
     started = time.monotonic()
     client.join(60)
     resp = result["resp"]

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from shared.redis_server import RedisServer
-from tests.e2e.conftest import MODEL, Stack, running_pipeline
-from tests.e2e.helpers import engines_idle, wait_for
-from tests.e2e.test_crash import Streamer, body, reference
+from tests.support.helpers import engines_idle, wait_for
+from tests.support.stack import MODEL, Stack, running_pipeline
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(180)
 

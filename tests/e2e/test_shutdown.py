@@ -15,11 +15,12 @@ import time
 import httpx
 import pytest
 
+from rsinfer.launcher import api_ready
 from services.api.admin import admin_socket_path
 from shared.redis_server import free_port
-from tests.e2e.conftest import LIFECYCLE_ENV
-from tests.e2e.helpers import api_ready, engines_idle, wait_for
-from tests.e2e.test_crash import Streamer, body, live, reference
+from tests.support.helpers import engines_idle, live_names, wait_for
+from tests.support.stack import LIFECYCLE_ENV
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(180)
 NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-back can move work
@@ -27,20 +28,20 @@ NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-
 
 def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
     s = pipeline
-    [current] = live(s, "scheduler")
+    [current] = live_names(s, "scheduler")
     # No grace at all: with two requests the tiny model makes hundreds of tokens a second, and any grace
     # would let the old scheduler finish them itself.
     s.start("scheduler-old", "scheduler", **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "0"})
     bodies = [body(i, 600) for i in range(50, 52)]
     expected = reference(s, bodies)
-    wait_for(lambda: "scheduler-old" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler-old" in live_names(s, "scheduler"), timeout=60)
     s.procs[current].send_signal(signal.SIGTERM)
     assert s.procs.pop(current).wait(30) == 0
     runs = [Streamer(s.base_url, b) for b in bodies]  # the old scheduler is the only one: it takes both
     wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
     s.procs["scheduler-old"].send_signal(signal.SIGSTOP)  # hold the generation mid-way while the peer starts
     s.start("scheduler-peer", "scheduler", **NO_CLAIMS)
-    wait_for(lambda: "scheduler-peer" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler-peer" in live_names(s, "scheduler"), timeout=60)
     t0 = time.monotonic()
     s.procs["scheduler-old"].send_signal(signal.SIGCONT)
     s.procs["scheduler-old"].send_signal(signal.SIGTERM)  # no grace: hand back at once
@@ -125,12 +126,12 @@ def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
         c.start()
     time.sleep(2)
     new_port = free_port()
-    old = {role: live(s, role) for role in ("tokenizer", "scheduler", "detokenizer")}
+    old = {role: live_names(s, role) for role in ("tokenizer", "scheduler", "detokenizer")}
     for role in old:
         s.start(f"{role}-new", role, **LIFECYCLE_ENV)
     s.start("api-new", "api", RSINFER_PORT=str(new_port), **LIFECYCLE_ENV)
     new_url = f"http://127.0.0.1:{new_port}"
-    wait_for(lambda: api_ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
+    wait_for(lambda: api_ready(new_url) and all(f"{r}-new" in live_names(s, r) for r in old), timeout=90)
     for names in old.values():  # one stage at a time, as a Deployment's rolling update does
         for name in names:
             s.procs[name].send_signal(signal.SIGTERM)

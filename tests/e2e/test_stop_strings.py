@@ -17,8 +17,8 @@ import pytest
 
 from shared.messages import ReplyEvent, SamplingParams, TokenizeJob, decode, encode
 from shared.streams import FIELD
-from tests.e2e.conftest import LIFECYCLE_ENV, MODEL
-from tests.e2e.helpers import live_names, wait_for
+from tests.support.helpers import live_names, wait_for
+from tests.support.stack import LIFECYCLE_ENV, MODEL
 
 pytestmark = pytest.mark.timeout(180)
 

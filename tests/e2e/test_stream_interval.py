@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import MODEL, Stack, running_pipeline
+from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 INTERVAL = 4

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 HELLO = [{"role": "user", "content": "Answer in JSON"}]

@@ -1,7 +1,7 @@
 """Test-only: `rsinfer scheduler` whose paged engine fails on one request, for tests/e2e/test_poison.py. A job
 sent with seed $POISON_RAISE_SEED makes `PagedEngine.add` raise (a bug, or a job this engine cannot take); one
 with seed $POISON_EXIT_SEED kills the process on the spot (as a native crash would: no `except` sees it).
-Kept out of the package: `python -m tests.e2e.poison_scheduler scheduler ...`."""
+Kept out of the package: `python -m tests.support.poison_scheduler scheduler ...`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add(self, req):
     if req.params.seed == EXIT_SEED:
         os._exit(70)
     if req.params.seed == RAISE_SEED:
-        raise RuntimeError("this engine cannot take this job (tests/e2e/poison_scheduler.py)")
+        raise RuntimeError("this engine cannot take this job (tests/support/poison_scheduler.py)")
     return _add(self, req)
 
 
