@@ -18,7 +18,7 @@ from services.scheduler.engine.base import EngineRequest, RequestRejected
 from shared import records
 from shared.consumer_group import Delivery
 from shared.messages import ReplyError, ScheduleJob
-from shared.replies import ProducedTokens
+from shared.reply_order import ProducedTokens
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
