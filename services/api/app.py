@@ -25,6 +25,7 @@ from services.api.request import bare_uid
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, Submission
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
+from shared.request_states import EndReason
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -165,10 +166,8 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.delete("/v1/requests/{uid}")
     async def abort_request(uid: str):
-        from shared import records
-
         record = await _record(svc, uid)
-        await records.abort_now(svc.redis, svc.keys, bare_uid(uid), "api", settings.request_ttl_s, record.get("model"))
+        await svc.store.abort_now(bare_uid(uid), EndReason.API, record.get("model"))
         return {"id": bare_uid(uid), "object": "request.abort", "aborted": True}
 
     @app.get("/v1/requests/{uid}/stream")
@@ -222,8 +221,8 @@ def _only_model(svc: ApiService) -> str:
 
 
 async def _record(svc: ApiService, uid: str) -> dict:
-    raw = await svc.redis.hgetall(svc.keys.request(bare_uid(uid)))
-    if not raw:
+    record = await svc.store.record(bare_uid(uid))
+    if not record:
         raise ApiError(404, f"no request `{uid}` (finished requests are kept for the TTL)", param="uid",
                        code="request_not_found")
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    return record

@@ -21,6 +21,9 @@ import orjson
 from services.api.parsers import AnswerParser, Parsed
 from shared import streams
 from shared.messages import ReplyEvent, TokenLogprob
+from shared.request_states import Finish
+
+TOOL_CALLS = "tool_calls"  # OpenAI's finish_reason for an answer that ends in tool calls (it is `Finish.STOP` here)
 
 
 class Counts(Protocol):
@@ -205,7 +208,7 @@ class ChatFormat(Format):
         if c.started and len(delta) == 0 and finish is None and not lps:
             return None
         logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
-        finish = "tool_calls" if finish == "stop" and self.calls[index] else finish
+        finish = TOOL_CALLS if finish == Finish.STOP and self.calls[index] else finish
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def full_choice(self, index, c):
@@ -220,7 +223,7 @@ class ChatFormat(Format):
                 message["reasoning_content"] = parsed.reasoning or None
             if calls:
                 message["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = TOOL_CALLS if finish == Finish.STOP else finish
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 

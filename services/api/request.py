@@ -39,11 +39,12 @@ from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
 from services.api.metrics import Metrics
 from services.api.reply_hub import HubError, ReplyHub, Subscription
-from shared import records, streams
-from shared.keys import Keys
+from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
 from shared.reply_order import OrderedReplies
+from shared.request_states import LEFT_RUNNING, STAGE_ENDED, TERMINAL, EndReason, Status
+from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN, Span, Tracer
 
@@ -51,9 +52,6 @@ log = logging.getLogger(__name__)
 
 Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
 
-CLIENT_GONE = "client_disconnected"
-STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
-LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
 UID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 
@@ -107,21 +105,24 @@ def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
     if isinstance(e, StageFailed):
         # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
         err = e.error
-        reason = "timeout" if err.code == "request_timeout" else "rejected" if 400 <= err.status < 500 else "failed"
+        reason = (EndReason.TIMEOUT if err.code == "request_timeout" else
+                  EndReason.REJECTED if 400 <= err.status < 500 else EndReason.FAILED)
         return EndedEarly(reason, ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code))
     if isinstance(e, DeadlineExceeded):
-        return EndedEarly("timeout", ApiError(504, "the request did not finish before its deadline",
-                                              code="request_timeout"))
-    return EndedEarly("broker_unavailable", redis_down())
+        return EndedEarly(EndReason.TIMEOUT, ApiError(504, "the request did not finish before its deadline",
+                                                      code="request_timeout"))
+    return EndedEarly(EndReason.BROKER_UNAVAILABLE, redis_down())
 
 
 class Requests:
     """What the requests of this process share (Redis, the reply hub, metrics, traces), and the ones it submitted
     that are still open (`inflight`: a drain waits for them)."""
 
-    def __init__(self, settings: ApiSettings, redis: Redis, hub: ReplyHub, keys: Keys, pod: str, tracer: Tracer,
+    def __init__(self, settings: ApiSettings, store: RequestStore, hub: ReplyHub, pod: str, tracer: Tracer,
                  metrics: Metrics):
-        self.settings, self.redis, self.hub, self.keys, self.pod = settings, redis, hub, keys, pod
+        self.settings, self.store, self.hub, self.pod = settings, store, hub, pod
+        self.redis: Redis = store.redis
+        self.keys = store.keys
         self.tracer, self.metrics = tracer, metrics
         self.inflight: dict[str, SingleRequest] = {}
         self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
@@ -143,18 +144,17 @@ class Requests:
     async def _abort_unless_reattached(self, uid: str, delay: float) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(delay)
-        attached, status, model = await self.redis.hmget(self.keys.request(uid), ["attached", "status", "model"])
-        if int(attached or 0) > 0 or status is None or status.decode() in records.TERMINAL:
+        attached, status, model = (await self.store.fields([uid], "attached", "status", "model"))[uid]
+        if int(attached or 0) > 0 or status is None or status in TERMINAL:
             return
-        log.info("uid=%s ended early: %s (no client reattached)", uid, CLIENT_GONE)
-        await records.abort_now(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s,
-                                model.decode() if model else None)
+        log.info("uid=%s ended early: %s (no client reattached)", uid, EndReason.CLIENT_GONE)
+        await self.store.abort_now(uid, EndReason.CLIENT_GONE, model)
 
     async def close(self) -> None:
-        """Shutdown: every open request ends (`server_shutdown`), and those waiting for a reattach are decided
-        now (nobody here will wait any longer)."""
+        """Shutdown: every open request ends (`EndReason.SERVER_SHUTDOWN`), and those waiting for a reattach are
+        decided now (nobody here will wait any longer)."""
         for req in list(self.inflight.values()):
-            await req.close("server_shutdown")
+            await req.close(EndReason.SERVER_SHUTDOWN)
         tasks = list(self.awaiting_reattach)
         for task in tasks:
             task.cancel()  # ends the wait, not the check
@@ -175,7 +175,7 @@ class SingleRequest:
         self.order = OrderedReplies(n)
         self.sub: Subscription = ctx.hub.register(uid)
         self.closed = False
-        self.end_reason = CLIENT_GONE
+        self.end_reason: str = EndReason.CLIENT_GONE
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.times_first_token = True  # a group's members leave it to the group
@@ -203,10 +203,9 @@ class SingleRequest:
             # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
             # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
             async with ctx.redis.pipeline(transaction=True) as pipe:
-                records.set_status(pipe, ctx.keys, job.uid, ctx.settings.request_ttl_s, "queued",
-                                   model=job.model, pod=ctx.pod, created_at=f"{job.created_at:.3f}",
-                                   deadline=f"{job.deadline:.3f}", background=int(job.background),
-                                   attached=1, **record)
+                ctx.store.set_status(pipe, job.uid, Status.QUEUED, model=job.model, pod=ctx.pod,
+                                     created_at=f"{job.created_at:.3f}", deadline=f"{job.deadline:.3f}",
+                                     background=int(job.background), attached=1, **record)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, ctx.keys.tokenize(job.model), job)
                 req.sub.shard.wake_in(pipe)
@@ -238,7 +237,7 @@ class SingleRequest:
                   label="reattach")
         try:
             async with ctx.redis.pipeline(transaction=False) as pipe:
-                records.attach(pipe, ctx.keys, bare, +1)
+                ctx.store.attach(pipe, bare, +1)
                 req.sub.shard.wake_in(pipe)
                 await pipe.execute()
         except BaseException:
@@ -348,8 +347,8 @@ class SingleRequest:
         if self.background and reason in LEFT_RUNNING:
             log.info("uid=%s left running in the background (%s)", uid, reason)
             return
-        if reason == CLIENT_GONE and self.resume_window > 0:
-            await records.attach(ctx.redis, ctx.keys, uid, -1)
+        if reason == EndReason.CLIENT_GONE and self.resume_window > 0:
+            await ctx.store.attach(ctx.redis, uid, -1)
             ctx.abort_unless_reattached(uid, self.resume_window)
             log.info("uid=%s client left; aborting unless a client reattaches within %.1fs", uid,
                      self.resume_window)
@@ -357,7 +356,7 @@ class SingleRequest:
         if not self.owner:
             return  # a follower's deadline or shutdown: the submitter's process or the stages decide
         log.info("uid=%s ended early: %s", uid, reason)
-        await records.abort_now(ctx.redis, ctx.keys, uid, reason, ctx.settings.request_ttl_s, self.model)
+        await ctx.store.abort_now(uid, reason, self.model)
 
     def _count(self) -> None:
         metrics, model, order = self.ctx.metrics, self.model, self.order
@@ -405,14 +404,14 @@ class RequestGroup:
     @classmethod
     async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
                    ) -> RequestGroup:
-        """Open every job; if one cannot be opened, those already open are ended (`rejected`)."""
+        """Open every job; if one cannot be opened, those already open are ended (`EndReason.REJECTED`)."""
         members: list[SingleRequest] = []
         try:
             for job in jobs:
                 members.append(await SingleRequest.open(ctx, job, record, stream, label))
         except BaseException:
             for m in members:
-                await m.close("rejected")
+                await m.close(EndReason.REJECTED)
             raise
         return cls(members, jobs[0].params.n)
 

@@ -37,6 +37,8 @@ from services.api.sse import SSEResponse, answer_events
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
+from shared.request_states import EndReason
+from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import Tracer
 
@@ -75,7 +77,8 @@ class ApiService:
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
-        self.requests = Requests(settings, self.redis, self.hub, self.keys, self.pod, self.tracer, self.metrics)
+        self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
+        self.requests = Requests(settings, self.store, self.hub, self.pod, self.tracer, self.metrics)
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
                                    settings.heartbeat_ttl_s, self.heartbeat_load)
         self._shutting_down = False  # SIGTERM (services/api/main.py): out of service for good
@@ -187,7 +190,7 @@ class ApiService:
             events = [ev for _, ev in batch]
             size += sum(len(msgspec.json.encode(ev)) for ev in events)
             if size > limit:
-                await req.close("response_too_large")
+                await req.close(EndReason.RESPONSE_TOO_LARGE)
                 raise ApiError(400, f"the answer is over {limit} bytes (--max-response-bytes) and was "
                                "stopped: stream it (`stream: true`) or ask for fewer tokens, choices or "
                                "logprobs", param="max_tokens", code="response_too_large")
