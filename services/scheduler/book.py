@@ -99,6 +99,20 @@ class Running:
                           top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None,
                           epoch=self.epoch, **first)
 
+    def count_step(self) -> None:
+        """One more engine step made tokens for it (the first is its span's `first_tokens`)."""
+        self.steps += 1
+        if self.steps == 1:
+            self.span.event("first_tokens")
+
+    def extend(self, out: StepOutput) -> bool:
+        """Add one choice's tokens of a step; whether every choice has now finished."""
+        self.outputs[out.index].extend(out.ids)
+        if out.finish_reason is None:
+            return False
+        self.done.add(out.index)
+        return len(self.done) == self.job.params.n
+
     def end_span(self, outcome: str, error: str | None = None) -> None:
         self.span.set(outcome=outcome, steps=self.steps, completion_tokens=sum(len(o) for o in self.outputs))
         self.span.end(error)
@@ -190,7 +204,9 @@ class RequestBook:
         """What one engine step made: requests failed, one Publish of its deltas, the checkpoints due, and the
         acknowledgement of the requests it ended."""
         effects: list[Effect] = []
-        items, ended, stepped = [], [], set()
+        items: list[TokenDelta] = []
+        ended: list[str] = []
+        stepped: set[str] = set()
         for out in outputs:
             run = self.running.get(out.uid)
             if run is None or out.index in run.done:
@@ -200,19 +216,18 @@ class RequestBook:
                 continue
             if out.uid not in stepped:
                 stepped.add(out.uid)
-                run.steps += 1
-                if run.steps == 1:
-                    run.span.event("first_tokens")
+                run.count_step()
             if (due := self.unsent.due(out)) is not None:
                 items.append(run.delta(due))
-            run.outputs[out.index].extend(out.ids)
-            if out.finish_reason is not None:
-                run.done.add(out.index)
-                if len(run.done) == run.job.params.n:
-                    ended.append(self.running.pop(out.uid).entry_id)
-                    run.end_span(Status.FINISHED)
-        if items:
-            effects.append(Publish(items, step))
+            if run.extend(out):
+                ended.append(self.running.pop(out.uid).entry_id)
+                run.end_span(Status.FINISHED)
+        return effects + self.published(items, step, ended)
+
+    def published(self, items: list[TokenDelta], step: int, ended: list[str]) -> list[Effect]:
+        """A step's deltas as one Publish, the checkpoints now due of the requests in it, and the acknowledgement
+        of the requests it ended (after both)."""
+        effects: list[Effect] = [Publish(items, step)] if items else []
         effects += [Checkpoint(uid, ck) for uid in {it.uid for it in items}
                     if uid in self.running and (ck := self.running[uid].checkpoint_due(self.checkpoint_every))]
         if ended:
