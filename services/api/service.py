@@ -30,7 +30,7 @@ from services.api.formats import Format, format_of_record
 from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
-from services.api.reply_hub import ReplyHub
+from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests
 from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
@@ -73,7 +73,7 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            settings.reply_shard_keys, outage_s=settings.broker_outage_s)
+                            HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
