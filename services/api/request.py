@@ -28,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
@@ -60,6 +61,28 @@ def bare_uid(uid: str) -> str:
     for prefix in UID_PREFIXES:
         uid = uid.removeprefix(prefix)
     return uid
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What an API process knows of a request it follows: from its job when it submits it (`of_job`), from its
+    record when it attaches to one submitted anywhere (`of_record`)."""
+
+    uid: str
+    model: str
+    n: int  # choices
+    deadline: float  # unix s
+    background: bool = False  # outlives its client
+
+    @classmethod
+    def of_job(cls, job: TokenizeJob) -> RequestInfo:
+        return cls(job.uid, job.model, job.params.n, job.deadline, job.background)
+
+    @classmethod
+    def of_record(cls, uid: str, record: dict, timeout_s: float) -> RequestInfo:
+        """`timeout_s` from now: the deadline of a record that names none."""
+        return cls(uid, record.get("model", ""), int(record.get("n", 1)),
+                   float(record.get("deadline", time.time() + timeout_s)), bool(int(record.get("background", 0))))
 
 
 class ApiRequest(Protocol):
@@ -166,14 +189,14 @@ class Requests:
 class SingleRequest:
     """One job's request: its reply subscription and order, its deadline, its accounting and its end."""
 
-    def __init__(self, ctx: Requests, uid: str, n: int, deadline: float, model: str, *, owner: bool = True,
-                 resume_window: float = 0.0, background: bool = False, label: str = "", span: Span = NO_SPAN):
-        self.ctx, self.uid, self.deadline, self.model = ctx, uid, deadline, model
+    def __init__(self, ctx: Requests, info: RequestInfo, *, owner: bool = True, resume_window: float = 0.0,
+                 label: str = "", span: Span = NO_SPAN):
+        self.ctx, self.uid, self.deadline, self.model = ctx, info.uid, info.deadline, info.model
         self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
         self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
-        self.background, self.label, self.span = background, label, span
-        self.order = OrderedReplies(n)
-        self.sub: Subscription = ctx.hub.register(uid)
+        self.background, self.label, self.span = info.background, label, span
+        self.order = OrderedReplies(info.n)
+        self.sub: Subscription = ctx.hub.register(info.uid)
         self.closed = False
         self.end_reason: str = EndReason.CLIENT_GONE
         self.started = time.monotonic()
@@ -197,8 +220,8 @@ class SingleRequest:
                                 stream=stream)
         if span.traceparent:
             job = msgspec.structs.replace(job, trace=span.traceparent)
-        req = cls(ctx, job.uid, job.params.n, job.deadline, job.model, label=label, span=span,
-                  resume_window=ctx.settings.resume_window_s if stream else 0.0, background=job.background)
+        req = cls(ctx, RequestInfo.of_job(job), label=label, span=span,
+                  resume_window=ctx.settings.resume_window_s if stream else 0.0)
         try:
             # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
             # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
@@ -231,10 +254,8 @@ class SingleRequest:
             raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last_event_id or 'its start'} (it "
                            f"keeps the last --reply-maxlen entries); what came before {kept_from} is gone",
                            param="Last-Event-ID", code="reply_trimmed")
-        deadline = float(record.get("deadline", time.time() + ctx.settings.request_timeout_s))
-        req = cls(ctx, bare, int(record.get("n", 1)), deadline, record.get("model", ""), owner=False,
-                  resume_window=ctx.settings.resume_window_s, background=bool(int(record.get("background", 0))),
-                  label="reattach")
+        req = cls(ctx, RequestInfo.of_record(bare, record, ctx.settings.request_timeout_s), owner=False,
+                  resume_window=ctx.settings.resume_window_s, label="reattach")
         try:
             async with ctx.redis.pipeline(transaction=False) as pipe:
                 ctx.store.attach(pipe, bare, +1)
@@ -264,41 +285,61 @@ class SingleRequest:
             raise error from None
 
     async def _ordered(self, idle_s: float | None) -> AsyncIterator[Batch]:
-        sub, order = self.sub, self.order
-        while not order.done:
-            remaining = self.deadline - time.time()
-            if remaining <= 0:
-                raise DeadlineExceeded()
-            wait = remaining if idle_s is None else min(remaining, idle_s)
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
-            # as an entry arrives, and a request whose client left would then never be aborted.
-            try:
-                async with asyncio.timeout(wait):
-                    first = await sub.get()
-            except TimeoutError:
-                if wait < remaining:
-                    yield []
-                    continue
-                raise DeadlineExceeded() from None
+        """What `replies` yields, before its accounting: each read's events in order, an empty batch when idle."""
+        while not self.order.done:
+            entries = await self._next_entries(idle_s)
+            if entries is None:
+                yield []
+                continue
             batch: Batch = []
-            for entry_id, raw in [first, *sub.drain()]:
-                try:
-                    msg = decode(raw, Reply)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    log.error("uid=%s unreadable reply entry %s: %s", self.uid, entry_id, e)
-                    continue
+            for entry_id, raw in entries:
+                msg = self._decoded(entry_id, raw)
                 if isinstance(msg, ReplyError):
                     if batch:
                         yield batch
                     raise StageFailed(msg)
-                if isinstance(msg, ReplyFence):
-                    order.fence(msg.epoch)
-                elif not isinstance(msg, ReplyCheckpoint):  # checkpoints are for a resuming scheduler
-                    if order.head_unsure and await self._head_trimmed_since(msg):
-                        order.start_headless()
-                    batch.extend((entry_id, ev) for ev in order.accept(msg))
+                if msg is not None:
+                    batch.extend(await self._accepted(entry_id, msg))
             if batch:
                 yield batch
+
+    async def _next_entries(self, idle_s: float | None) -> list[tuple[str, bytes]] | None:
+        """The reply entries that arrived, once one did; None after `idle_s` without any. DeadlineExceeded once
+        the deadline passed."""
+        remaining = self.deadline - time.time()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        wait = remaining if idle_s is None else min(remaining, idle_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
+        # as an entry arrives, and a request whose client left would then never be aborted.
+        try:
+            async with asyncio.timeout(wait):
+                first = await self.sub.get()
+        except TimeoutError:
+            if wait < remaining:
+                return None
+            raise DeadlineExceeded() from None
+        return [first, *self.sub.drain()]
+
+    def _decoded(self, entry_id: str, raw: bytes) -> Reply | None:
+        try:
+            return decode(raw, Reply)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("uid=%s unreadable reply entry %s: %s", self.uid, entry_id, e)
+            return None
+
+    async def _accepted(self, entry_id: str, msg: Reply) -> Batch:
+        """The events a reply entry (not an error) lets through in order, with its id: a fence refuses what an
+        older epoch sends after it, a checkpoint is for a resuming scheduler."""
+        order = self.order
+        if isinstance(msg, ReplyFence):
+            order.fence(msg.epoch)
+            return []
+        if isinstance(msg, ReplyCheckpoint):
+            return []
+        if order.head_unsure and await self._head_trimmed_since(msg):
+            order.start_headless()
+        return [(entry_id, ev) for ev in order.accept(msg)]
 
     async def _head_trimmed_since(self, ev: ReplyEvent) -> bool:
         """A reattach found the stream whole (`attach`), but MAXLEN may trim its head before the first read: then
