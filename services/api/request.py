@@ -148,6 +148,8 @@ class Requests:
         self.keys = store.keys
         self.tracer, self.metrics = tracer, metrics
         self.inflight: dict[str, SingleRequest] = {}
+        self.idle = asyncio.Event()  # set while `inflight` is empty
+        self.idle.set()
         self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
 
     async def open(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
@@ -158,6 +160,19 @@ class Requests:
 
     async def attach(self, uid: str, record: dict, last_event_id: str | None) -> SingleRequest:
         return await SingleRequest.attach(self, uid, record, last_event_id)
+
+    def opened(self, req: SingleRequest) -> None:
+        self.inflight[req.uid] = req
+        self.idle.clear()
+
+    def ended(self, uid: str) -> None:
+        self.inflight.pop(uid, None)
+        if not self.inflight:
+            self.idle.set()
+
+    async def drained(self) -> None:
+        """Return once none of the requests this process submitted is open."""
+        await self.idle.wait()
 
     def abort_unless_reattached(self, uid: str, delay: float) -> None:
         task = asyncio.create_task(self._abort_unless_reattached(uid, delay))
@@ -237,7 +252,7 @@ class SingleRequest:
             ctx.hub.unsubscribe(req.sub)
             span.end(error=repr(e))
             raise
-        ctx.inflight[job.uid] = req
+        ctx.opened(req)
         ctx.metrics.inflight.labels(job.model).inc()
         log.info("uid=%s queued for %s", job.uid, job.model)
         return req
@@ -371,7 +386,7 @@ class SingleRequest:
         with anyio.CancelScope(shield=True):
             self.ctx.hub.unsubscribe(self.sub)
             if self.owner:
-                self.ctx.inflight.pop(self.uid, None)
+                self.ctx.ended(self.uid)
             if not self.done:
                 try:
                     await self._leave()

@@ -10,9 +10,10 @@ import types
 import pytest
 
 from services.api.metrics import Metrics
-from services.api.request import EndedEarly, RequestGroup, RequestInfo, SingleRequest
+from services.api.request import EndedEarly, RequestGroup, RequestInfo, Requests, SingleRequest
 from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, encode
 from shared.reply_order import OrderedReplies
+from shared.settings import ApiSettings
 
 
 def shared(redis=None) -> types.SimpleNamespace:
@@ -182,3 +183,17 @@ async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a
     got = [(eid, e.text) for eid, e in await anext(replies)]
     assert got == [("1-0", "[0:1]"), ("6-0", "[1:2]")] and req.done
 
+
+async def test_a_drain_waits_until_the_last_open_request_ends():
+    ctx = Requests(ApiSettings(), types.SimpleNamespace(redis=None, keys=None), None, "pod", None,  # type: ignore[arg-type]
+                   Metrics(None))
+    await asyncio.wait_for(ctx.drained(), 1)  # none open
+    for uid in ("a", "b"):
+        ctx.opened(types.SimpleNamespace(uid=uid))  # type: ignore[arg-type]
+    drained = asyncio.ensure_future(ctx.drained())
+    ctx.ended("a")
+    await asyncio.sleep(0.01)
+    assert not drained.done()  # "b" is still open
+    ctx.ended("b")
+    await asyncio.wait_for(drained, 1)
+    assert not ctx.inflight
