@@ -22,13 +22,15 @@ from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
 from services.api.request import bare_uid
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, Submission
+from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
+from shared.request_states import EndReason
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 M = TypeVar("M", bound=BaseModel)
+Body = ChatCompletionRequest | CompletionRequest | GenerateRequest
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -113,35 +115,43 @@ def create_app(settings: ApiSettings) -> Guard:
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
     app.state.service = svc
-    limits = svc.limits
     errors.install(app)
+    add_generation_routes(app, svc)
+    add_model_routes(app, svc)
+    add_request_routes(app, svc)
+    add_probe_routes(app, svc)
+    return Guard(app, settings)
 
-    async def answer(request: Request, submission: Submission):
+
+def add_generation_routes(app: FastAPI, svc: ApiService) -> None:
+    """What generates: each body is parsed, checks its fields, is admitted, then answered."""
+    limits = svc.limits
+
+    async def answer(request: Request, body: Body):
+        params = body.checked(limits)
+        model = body.model or _only_model(svc)  # only /generate may leave it out
+        await svc.admit(model, body.budget(params))
+        submission = body.submission(params, svc.stamp(model))
         request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
         return await svc.answer(request, submission)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest, limits)
-        params = body.checked(limits)
-        await svc.admit(body.model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(body.model)))
+        return await answer(request, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest, limits)
-        params = body.checked(limits)
-        await svc.admit(body.model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(body.model)))
+        return await answer(request, body)
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
-        params = body.checked(limits)
-        model = body.model or _only_model(svc)
-        await svc.admit(model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(model)))
+        return await answer(request, body)
 
+
+def add_model_routes(app: FastAPI, svc: ApiService) -> None:
     @app.get("/v1/models")
     async def models():
         """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
@@ -158,6 +168,10 @@ def create_app(settings: ApiSettings) -> Guard:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return snap.model_card(model)
 
+
+def add_request_routes(app: FastAPI, svc: ApiService) -> None:
+    """A request by its uid (or response id), submitted by any API process: its record, its abort, its stream."""
+
     @app.get("/v1/requests/{uid}")
     async def get_request(uid: str):
         record = await _record(svc, uid)
@@ -165,10 +179,8 @@ def create_app(settings: ApiSettings) -> Guard:
 
     @app.delete("/v1/requests/{uid}")
     async def abort_request(uid: str):
-        from shared import records
-
         record = await _record(svc, uid)
-        await records.abort_now(svc.redis, svc.keys, bare_uid(uid), "api", settings.request_ttl_s, record.get("model"))
+        await svc.store.abort_now(bare_uid(uid), EndReason.API, record.get("model"))
         return {"id": bare_uid(uid), "object": "request.abort", "aborted": True}
 
     @app.get("/v1/requests/{uid}/stream")
@@ -176,6 +188,10 @@ def create_app(settings: ApiSettings) -> Guard:
         record = await _record(svc, uid)
         request.scope[errors.UID] = bare_uid(uid)
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
+
+
+def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
+    """What needs no key (OPEN_PATHS): liveness, readiness, metrics."""
 
     @app.get("/health")
     async def health():
@@ -194,8 +210,6 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/metrics")
     async def metrics():
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return Guard(app, settings)
 
 
 async def parse_body(request: Request, model: type[M], limits: Limits) -> M:
@@ -222,8 +236,8 @@ def _only_model(svc: ApiService) -> str:
 
 
 async def _record(svc: ApiService, uid: str) -> dict:
-    raw = await svc.redis.hgetall(svc.keys.request(bare_uid(uid)))
-    if not raw:
+    record = await svc.store.record(bare_uid(uid))
+    if not record:
         raise ApiError(404, f"no request `{uid}` (finished requests are kept for the TTL)", param="uid",
                        code="request_not_found")
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    return record

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
+from dataclasses import KW_ONLY, dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,14 +28,23 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/app.py), for logs
 
 
+@dataclass(eq=False)
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after: float | None = None, close: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or TYPES.get(status, "server_error")
-        self.retry_after = retry_after
-        self.close = close  # end the connection after the answer (a body not read to its end)
+    """An HTTP error: OpenAI's error object (`message`, `type`, `param`, `code`) and how it is answered (`status`,
+    `retry_after`, `close`)."""
+
+    status: int
+    message: str
+    _: KW_ONLY
+    param: str | None = None
+    code: str | None = None
+    type: str | None = None  # by default the status's (TYPES)
+    retry_after: float | None = None  # seconds, for a Retry-After header
+    close: bool = False  # end the connection after the answer (a body not read to its end)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+        self.type = self.type or TYPES.get(self.status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -21,6 +21,9 @@ import orjson
 from services.api.parsers import AnswerParser, Parsed
 from shared import streams
 from shared.messages import ReplyEvent, TokenLogprob
+from shared.request_states import Finish
+
+TOOL_CALLS = "tool_calls"  # OpenAI's finish_reason for an answer that ends in tool calls (it is `Finish.STOP` here)
 
 
 class Counts(Protocol):
@@ -80,6 +83,19 @@ def group_by_choice(events: list[ReplyEvent]) -> dict[int, tuple[str, list[Token
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What every format of a response is built with: its id, model and `created`, how many choices, and whether
+    it shows logprobs and ends a stream with a usage chunk."""
+
+    rid: str
+    model: str
+    created: int
+    n: int
+    logprobs: bool = False
+    include_usage: bool = False
+
+
 class Format:
     """Base: builds bodies for one request; subclasses say how a choice looks."""
 
@@ -87,11 +103,11 @@ class Format:
     object_full = ""
     event_ids = True  # each SSE event names the last reply entry it covers (Last-Event-ID, reattach)
 
-    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool):
-        self.rid, self.model, self.created = rid, model, created
-        self.want_logprobs, self.include_usage = logprobs, include_usage
+    def __init__(self, head: Head):
+        self.rid, self.model, self.created = head.rid, head.model, head.created
+        self.want_logprobs, self.include_usage = head.logprobs, head.include_usage
         self.continuous_usage = False  # every chunk carries the usage so far
-        self.choices = [Choice() for _ in range(n)]
+        self.choices = [Choice() for _ in range(head.n)]
 
     def record_fields(self) -> dict:
         """What a reattaching process needs to build this format again (`format_of_record`)."""
@@ -178,12 +194,11 @@ class ChatFormat(Format):
     object_chunk = "chat.completion.chunk"
     object_full = "chat.completion"
 
-    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool,
-                 parse: dict | None = None):
-        super().__init__(rid, model, created, n, logprobs, include_usage)
+    def __init__(self, head: Head, parse: dict | None = None):
+        super().__init__(head)
         self.parse = parse or {}
-        self.parsers = [self._parser() for _ in range(n)] if self.parse else None
-        self.calls = [0] * n
+        self.parsers = [self._parser() for _ in range(head.n)] if self.parse else None
+        self.calls = [0] * head.n
 
     def _parser(self) -> AnswerParser:
         return AnswerParser(bool(self.parse.get("reasoning")), self.parse.get("tools"))
@@ -205,7 +220,7 @@ class ChatFormat(Format):
         if c.started and len(delta) == 0 and finish is None and not lps:
             return None
         logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
-        finish = "tool_calls" if finish == "stop" and self.calls[index] else finish
+        finish = TOOL_CALLS if finish == Finish.STOP and self.calls[index] else finish
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def full_choice(self, index, c):
@@ -220,7 +235,7 @@ class ChatFormat(Format):
                 message["reasoning_content"] = parsed.reasoning or None
             if calls:
                 message["tool_calls"] = calls
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = TOOL_CALLS if finish == Finish.STOP else finish
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -231,9 +246,8 @@ class CompletionFormat(Format):
     object_chunk = "text_completion"
     object_full = "text_completion"
 
-    def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool,
-                 echo: bool = False, best_of: int | None = None, keep: int | None = None):
-        super().__init__(rid, model, created, n, logprobs, include_usage)
+    def __init__(self, head: Head, echo: bool = False, best_of: int | None = None, keep: int | None = None):
+        super().__init__(head)
         self.echo, self.best_of, self.keep = echo, best_of, keep
 
     def chunk_choice(self, index, c, text, lps, finish):
@@ -272,7 +286,7 @@ class GenerateFormat(Format):
     event_ids = False
 
     def __init__(self, uid: str, model: str, created: int):
-        super().__init__(uid, model, created, 1, False, False)
+        super().__init__(Head(uid, model, created, 1))
         self.choice, self.ids = self.choices[0], []
 
     def record_fields(self) -> dict:
@@ -297,9 +311,8 @@ class GenerateFormat(Format):
 
 def format_of_record(record: dict, uid: str) -> Format:
     """The format of a request submitted elsewhere, from its record (what `record_fields` wrote): reattach."""
-    n = int(record.get("n", 1))
-    head = (record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), n,
-            bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
+    head = Head(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), int(record.get("n", 1)),
+                bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
     if record.get("kind") == "chat":
-        return ChatFormat(*head, orjson.loads(record.get("parse") or "{}"))
-    return CompletionFormat(*head, echo=record.get("echo") == "1")
+        return ChatFormat(head, orjson.loads(record.get("parse") or "{}"))
+    return CompletionFormat(head, echo=record.get("echo") == "1")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import uvicorn
 
@@ -35,11 +34,11 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         svc = self.service
         svc.draining = True
-        deadline = time.monotonic() + self.settings.grace_period_s
         log.info("draining: %d requests in flight, up to %.0fs", len(svc.requests.inflight),
                  self.settings.grace_period_s)
-        while svc.requests.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.grace_period_s):
+                await svc.requests.drained()
         self._end_streams()  # streams still open end (their requests are aborted unless in the background)
         self.should_exit = True
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -34,6 +35,17 @@ BLOCK_MS = 2000
 CONTROL_TTL_S = 3600
 OUTAGE_S = 10.0  # Redis unreachable this long: fail every subscription rather than hang
 CLUSTER_OUTAGE_S = 30.0  # a cluster failover: cluster-node-timeout (15 s by default) plus the election
+
+
+@dataclass(frozen=True, slots=True)
+class HubLimits:
+    """How far a hub goes: keys per shard's read, entries queued per subscription before it is left out of
+    reads, and how long Redis may be unreachable before subscriptions fail (None: the default of the kind of
+    Redis, OUTAGE_S or CLUSTER_OUTAGE_S)."""
+
+    shard_keys: int = 256
+    high_water: int = 256
+    outage_s: float | None = None
 
 
 class HubError(Exception):
@@ -143,15 +155,16 @@ class _Shard:
 
 
 class ReplyHub:
-    def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, shard_keys: int = 256,
-                 high_water: int = 256, outage_s: float | None = None):
+    def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, limits: HubLimits = HubLimits()):
+        """`url` and `redis_options`: how each shard opens its own connection; `redis`: the process's client."""
         self.url, self.redis_options, self.redis = url, redis_options, redis
         self.keys, self.pod = keys, pod
-        self.shard_keys, self.high_water = shard_keys, high_water
+        self.shard_keys, self.high_water = limits.shard_keys, limits.high_water
         self.cluster = is_cluster_client(redis)
         # How long a shard's Redis may be unreachable before its subscriptions fail: on a cluster, long enough
         # for a replica to take over a failed primary.
-        self.outage_s = outage_s if outage_s is not None else CLUSTER_OUTAGE_S if self.cluster else OUTAGE_S
+        default_outage_s = CLUSTER_OUTAGE_S if self.cluster else OUTAGE_S
+        self.outage_s = limits.outage_s if limits.outage_s is not None else default_outage_s
         self.shards: list[_Shard] = []
         self.created = 0
         self.turn = 0

@@ -28,22 +28,24 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from shared.replies import OrderedReplies
 
 from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
 from services.api.metrics import Metrics
 from services.api.reply_hub import HubError, ReplyHub, Subscription
-from shared import records, streams
-from shared.keys import Keys
+from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
+from shared.reply_order import OrderedReplies
+from shared.request_states import LEFT_RUNNING, STAGE_ENDED, TERMINAL, EndReason, Status
+from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN, Span, Tracer
 
@@ -51,9 +53,6 @@ log = logging.getLogger(__name__)
 
 Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
 
-CLIENT_GONE = "client_disconnected"
-STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
-LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
 UID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 
@@ -62,6 +61,28 @@ def bare_uid(uid: str) -> str:
     for prefix in UID_PREFIXES:
         uid = uid.removeprefix(prefix)
     return uid
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What an API process knows of a request it follows: from its job when it submits it (`of_job`), from its
+    record when it attaches to one submitted anywhere (`of_record`)."""
+
+    uid: str
+    model: str
+    n: int  # choices
+    deadline: float  # unix s
+    background: bool = False  # outlives its client
+
+    @classmethod
+    def of_job(cls, job: TokenizeJob) -> RequestInfo:
+        return cls(job.uid, job.model, job.params.n, job.deadline, job.background)
+
+    @classmethod
+    def of_record(cls, uid: str, record: dict, timeout_s: float) -> RequestInfo:
+        """`timeout_s` from now: the deadline of a record that names none."""
+        return cls(uid, record.get("model", ""), int(record.get("n", 1)),
+                   float(record.get("deadline", time.time() + timeout_s)), bool(int(record.get("background", 0))))
 
 
 class ApiRequest(Protocol):
@@ -107,23 +128,28 @@ def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
     if isinstance(e, StageFailed):
         # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
         err = e.error
-        reason = "timeout" if err.code == "request_timeout" else "rejected" if 400 <= err.status < 500 else "failed"
+        reason = (EndReason.TIMEOUT if err.code == "request_timeout" else
+                  EndReason.REJECTED if 400 <= err.status < 500 else EndReason.FAILED)
         return EndedEarly(reason, ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code))
     if isinstance(e, DeadlineExceeded):
-        return EndedEarly("timeout", ApiError(504, "the request did not finish before its deadline",
-                                              code="request_timeout"))
-    return EndedEarly("broker_unavailable", redis_down())
+        return EndedEarly(EndReason.TIMEOUT, ApiError(504, "the request did not finish before its deadline",
+                                                      code="request_timeout"))
+    return EndedEarly(EndReason.BROKER_UNAVAILABLE, redis_down())
 
 
 class Requests:
     """What the requests of this process share (Redis, the reply hub, metrics, traces), and the ones it submitted
     that are still open (`inflight`: a drain waits for them)."""
 
-    def __init__(self, settings: ApiSettings, redis: Redis, hub: ReplyHub, keys: Keys, pod: str, tracer: Tracer,
+    def __init__(self, settings: ApiSettings, store: RequestStore, hub: ReplyHub, pod: str, tracer: Tracer,
                  metrics: Metrics):
-        self.settings, self.redis, self.hub, self.keys, self.pod = settings, redis, hub, keys, pod
+        self.settings, self.store, self.hub, self.pod = settings, store, hub, pod
+        self.redis: Redis = store.redis
+        self.keys = store.keys
         self.tracer, self.metrics = tracer, metrics
         self.inflight: dict[str, SingleRequest] = {}
+        self.idle = asyncio.Event()  # set while `inflight` is empty
+        self.idle.set()
         self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
 
     async def open(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
@@ -135,6 +161,19 @@ class Requests:
     async def attach(self, uid: str, record: dict, last_event_id: str | None) -> SingleRequest:
         return await SingleRequest.attach(self, uid, record, last_event_id)
 
+    def opened(self, req: SingleRequest) -> None:
+        self.inflight[req.uid] = req
+        self.idle.clear()
+
+    def ended(self, uid: str) -> None:
+        self.inflight.pop(uid, None)
+        if not self.inflight:
+            self.idle.set()
+
+    async def drained(self) -> None:
+        """Return once none of the requests this process submitted is open."""
+        await self.idle.wait()
+
     def abort_unless_reattached(self, uid: str, delay: float) -> None:
         task = asyncio.create_task(self._abort_unless_reattached(uid, delay))
         self.awaiting_reattach[task] = uid
@@ -143,18 +182,17 @@ class Requests:
     async def _abort_unless_reattached(self, uid: str, delay: float) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(delay)
-        attached, status, model = await self.redis.hmget(self.keys.request(uid), ["attached", "status", "model"])
-        if int(attached or 0) > 0 or status is None or status.decode() in records.TERMINAL:
+        attached, status, model = (await self.store.fields([uid], "attached", "status", "model"))[uid]
+        if int(attached or 0) > 0 or status is None or status in TERMINAL:
             return
-        log.info("uid=%s ended early: %s (no client reattached)", uid, CLIENT_GONE)
-        await records.abort_now(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s,
-                                model.decode() if model else None)
+        log.info("uid=%s ended early: %s (no client reattached)", uid, EndReason.CLIENT_GONE)
+        await self.store.abort_now(uid, EndReason.CLIENT_GONE, model)
 
     async def close(self) -> None:
-        """Shutdown: every open request ends (`server_shutdown`), and those waiting for a reattach are decided
-        now (nobody here will wait any longer)."""
+        """Shutdown: every open request ends (`EndReason.SERVER_SHUTDOWN`), and those waiting for a reattach are
+        decided now (nobody here will wait any longer)."""
         for req in list(self.inflight.values()):
-            await req.close("server_shutdown")
+            await req.close(EndReason.SERVER_SHUTDOWN)
         tasks = list(self.awaiting_reattach)
         for task in tasks:
             task.cancel()  # ends the wait, not the check
@@ -166,16 +204,16 @@ class Requests:
 class SingleRequest:
     """One job's request: its reply subscription and order, its deadline, its accounting and its end."""
 
-    def __init__(self, ctx: Requests, uid: str, n: int, deadline: float, model: str, *, owner: bool = True,
-                 resume_window: float = 0.0, background: bool = False, label: str = "", span: Span = NO_SPAN):
-        self.ctx, self.uid, self.deadline, self.model = ctx, uid, deadline, model
+    def __init__(self, ctx: Requests, info: RequestInfo, *, owner: bool = True, resume_window: float = 0.0,
+                 label: str = "", span: Span = NO_SPAN):
+        self.ctx, self.uid, self.deadline, self.model = ctx, info.uid, info.deadline, info.model
         self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
         self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
-        self.background, self.label, self.span = background, label, span
-        self.order = OrderedReplies(n)
-        self.sub: Subscription = ctx.hub.register(uid)
+        self.background, self.label, self.span = info.background, label, span
+        self.order = OrderedReplies(info.n)
+        self.sub: Subscription = ctx.hub.register(info.uid)
         self.closed = False
-        self.end_reason = CLIENT_GONE
+        self.end_reason: str = EndReason.CLIENT_GONE
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.times_first_token = True  # a group's members leave it to the group
@@ -197,16 +235,15 @@ class SingleRequest:
                                 stream=stream)
         if span.traceparent:
             job = msgspec.structs.replace(job, trace=span.traceparent)
-        req = cls(ctx, job.uid, job.params.n, job.deadline, job.model, label=label, span=span,
-                  resume_window=ctx.settings.resume_window_s if stream else 0.0, background=job.background)
+        req = cls(ctx, RequestInfo.of_job(job), label=label, span=span,
+                  resume_window=ctx.settings.resume_window_s if stream else 0.0)
         try:
             # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
             # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
             async with ctx.redis.pipeline(transaction=True) as pipe:
-                records.set_status(pipe, ctx.keys, job.uid, ctx.settings.request_ttl_s, "queued",
-                                   model=job.model, pod=ctx.pod, created_at=f"{job.created_at:.3f}",
-                                   deadline=f"{job.deadline:.3f}", background=int(job.background),
-                                   attached=1, **record)
+                ctx.store.set_status(pipe, job.uid, Status.QUEUED, model=job.model, pod=ctx.pod,
+                                     created_at=f"{job.created_at:.3f}", deadline=f"{job.deadline:.3f}",
+                                     background=int(job.background), attached=1, **record)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, ctx.keys.tokenize(job.model), job)
                 req.sub.shard.wake_in(pipe)
@@ -215,7 +252,7 @@ class SingleRequest:
             ctx.hub.unsubscribe(req.sub)
             span.end(error=repr(e))
             raise
-        ctx.inflight[job.uid] = req
+        ctx.opened(req)
         ctx.metrics.inflight.labels(job.model).inc()
         log.info("uid=%s queued for %s", job.uid, job.model)
         return req
@@ -232,13 +269,11 @@ class SingleRequest:
             raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last_event_id or 'its start'} (it "
                            f"keeps the last --reply-maxlen entries); what came before {kept_from} is gone",
                            param="Last-Event-ID", code="reply_trimmed")
-        deadline = float(record.get("deadline", time.time() + ctx.settings.request_timeout_s))
-        req = cls(ctx, bare, int(record.get("n", 1)), deadline, record.get("model", ""), owner=False,
-                  resume_window=ctx.settings.resume_window_s, background=bool(int(record.get("background", 0))),
-                  label="reattach")
+        req = cls(ctx, RequestInfo.of_record(bare, record, ctx.settings.request_timeout_s), owner=False,
+                  resume_window=ctx.settings.resume_window_s, label="reattach")
         try:
             async with ctx.redis.pipeline(transaction=False) as pipe:
-                records.attach(pipe, ctx.keys, bare, +1)
+                ctx.store.attach(pipe, bare, +1)
                 req.sub.shard.wake_in(pipe)
                 await pipe.execute()
         except BaseException:
@@ -265,41 +300,61 @@ class SingleRequest:
             raise error from None
 
     async def _ordered(self, idle_s: float | None) -> AsyncIterator[Batch]:
-        sub, order = self.sub, self.order
-        while not order.done:
-            remaining = self.deadline - time.time()
-            if remaining <= 0:
-                raise DeadlineExceeded()
-            wait = remaining if idle_s is None else min(remaining, idle_s)
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
-            # as an entry arrives, and a request whose client left would then never be aborted.
-            try:
-                async with asyncio.timeout(wait):
-                    first = await sub.get()
-            except TimeoutError:
-                if wait < remaining:
-                    yield []
-                    continue
-                raise DeadlineExceeded() from None
+        """What `replies` yields, before its accounting: each read's events in order, an empty batch when idle."""
+        while not self.order.done:
+            entries = await self._next_entries(idle_s)
+            if entries is None:
+                yield []
+                continue
             batch: Batch = []
-            for entry_id, raw in [first, *sub.drain()]:
-                try:
-                    msg = decode(raw, Reply)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    log.error("uid=%s unreadable reply entry %s: %s", self.uid, entry_id, e)
-                    continue
+            for entry_id, raw in entries:
+                msg = self._decoded(entry_id, raw)
                 if isinstance(msg, ReplyError):
                     if batch:
                         yield batch
                     raise StageFailed(msg)
-                if isinstance(msg, ReplyFence):
-                    order.fence(msg.epoch)
-                elif not isinstance(msg, ReplyCheckpoint):  # checkpoints are for a resuming scheduler
-                    if order.head_unsure and await self._head_trimmed_since(msg):
-                        order.start_headless()
-                    batch.extend((entry_id, ev) for ev in order.accept(msg))
+                if msg is not None:
+                    batch.extend(await self._accepted(entry_id, msg))
             if batch:
                 yield batch
+
+    async def _next_entries(self, idle_s: float | None) -> list[tuple[str, bytes]] | None:
+        """The reply entries that arrived, once one did; None after `idle_s` without any. DeadlineExceeded once
+        the deadline passed."""
+        remaining = self.deadline - time.time()
+        if remaining <= 0:
+            raise DeadlineExceeded()
+        wait = remaining if idle_s is None else min(remaining, idle_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
+        # as an entry arrives, and a request whose client left would then never be aborted.
+        try:
+            async with asyncio.timeout(wait):
+                first = await self.sub.get()
+        except TimeoutError:
+            if wait < remaining:
+                return None
+            raise DeadlineExceeded() from None
+        return [first, *self.sub.drain()]
+
+    def _decoded(self, entry_id: str, raw: bytes) -> Reply | None:
+        try:
+            return decode(raw, Reply)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("uid=%s unreadable reply entry %s: %s", self.uid, entry_id, e)
+            return None
+
+    async def _accepted(self, entry_id: str, msg: Reply) -> Batch:
+        """The events a reply entry (not an error) lets through in order, with its id: a fence refuses what an
+        older epoch sends after it, a checkpoint is for a resuming scheduler."""
+        order = self.order
+        if isinstance(msg, ReplyFence):
+            order.fence(msg.epoch)
+            return []
+        if isinstance(msg, ReplyCheckpoint):
+            return []
+        if order.head_unsure and await self._head_trimmed_since(msg):
+            order.start_headless()
+        return [(entry_id, ev) for ev in order.accept(msg)]
 
     async def _head_trimmed_since(self, ev: ReplyEvent) -> bool:
         """A reattach found the stream whole (`attach`), but MAXLEN may trim its head before the first read: then
@@ -331,7 +386,7 @@ class SingleRequest:
         with anyio.CancelScope(shield=True):
             self.ctx.hub.unsubscribe(self.sub)
             if self.owner:
-                self.ctx.inflight.pop(self.uid, None)
+                self.ctx.ended(self.uid)
             if not self.done:
                 try:
                     await self._leave()
@@ -348,8 +403,8 @@ class SingleRequest:
         if self.background and reason in LEFT_RUNNING:
             log.info("uid=%s left running in the background (%s)", uid, reason)
             return
-        if reason == CLIENT_GONE and self.resume_window > 0:
-            await records.attach(ctx.redis, ctx.keys, uid, -1)
+        if reason == EndReason.CLIENT_GONE and self.resume_window > 0:
+            await ctx.store.attach(ctx.redis, uid, -1)
             ctx.abort_unless_reattached(uid, self.resume_window)
             log.info("uid=%s client left; aborting unless a client reattaches within %.1fs", uid,
                      self.resume_window)
@@ -357,7 +412,7 @@ class SingleRequest:
         if not self.owner:
             return  # a follower's deadline or shutdown: the submitter's process or the stages decide
         log.info("uid=%s ended early: %s", uid, reason)
-        await records.abort_now(ctx.redis, ctx.keys, uid, reason, ctx.settings.request_ttl_s, self.model)
+        await ctx.store.abort_now(uid, reason, self.model)
 
     def _count(self) -> None:
         metrics, model, order = self.ctx.metrics, self.model, self.order
@@ -405,14 +460,14 @@ class RequestGroup:
     @classmethod
     async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
                    ) -> RequestGroup:
-        """Open every job; if one cannot be opened, those already open are ended (`rejected`)."""
+        """Open every job; if one cannot be opened, those already open are ended (`EndReason.REJECTED`)."""
         members: list[SingleRequest] = []
         try:
             for job in jobs:
                 members.append(await SingleRequest.open(ctx, job, record, stream, label))
         except BaseException:
             for m in members:
-                await m.close("rejected")
+                await m.close(EndReason.REJECTED)
             raise
         return cls(members, jobs[0].params.n)
 

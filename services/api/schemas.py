@@ -25,7 +25,7 @@ import msgspec
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.api.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
+from services.api.formats import ChatFormat, CompletionFormat, Format, GenerateFormat, Head
 from shared.messages import ChatMessage, Guided, SamplingParams, TokenizeJob, ToolChoice
 
 if TYPE_CHECKING:
@@ -429,8 +429,8 @@ class ChatCompletionRequest(SamplingFields):
                         tool_choice=self.tool_choice_struct(), chat_template_kwargs=self.chat_template_kwargs or {},
                         priority=self.priority)
         parse = self.answer_parsing(stamp.model_info)
-        fmt = ChatFormat(f"chatcmpl-{job.uid}", self.model, int(job.created_at), params.n, params.logprobs,
-                         self.include_usage, parse)
+        fmt = ChatFormat(Head(f"chatcmpl-{job.uid}", self.model, int(job.created_at), params.n, params.logprobs,
+                              self.include_usage), parse)
         fmt.continuous_usage = self.continuous_usage
         annotations = {**self.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
         return submission([job], fmt, "chat", self.stream, annotations=annotations)
@@ -516,8 +516,8 @@ class CompletionRequest(SamplingFields):
     def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
         jobs = [stamp.job(self.timeout, self.background, params=params, prompt=prompt, input_ids=ids,
                           suffix=self.suffix, priority=self.priority) for prompt, ids in self.prompt_list]
-        fmt = CompletionFormat(f"cmpl-{jobs[0].uid}", self.model, int(jobs[0].created_at), len(jobs) * params.n,
-                               self.logprobs is not None, self.include_usage, echo=bool(self.echo),
+        fmt = CompletionFormat(Head(f"cmpl-{jobs[0].uid}", self.model, int(jobs[0].created_at), len(jobs) * params.n,
+                                    self.logprobs is not None, self.include_usage), echo=bool(self.echo),
                                best_of=params.n, keep=self.n or 1)
         fmt.continuous_usage = self.continuous_usage
         annotations = {**self.annotations(), **({"echo": "1"} if self.echo else {})}

@@ -30,13 +30,15 @@ from services.api.formats import Format, format_of_record
 from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
-from services.api.reply_hub import ReplyHub
+from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests
 from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.registry import Heartbeat
+from shared.request_states import EndReason
+from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import Tracer
 
@@ -71,11 +73,12 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            settings.reply_shard_keys, outage_s=settings.broker_outage_s)
+                            HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
-        self.requests = Requests(settings, self.redis, self.hub, self.keys, self.pod, self.tracer, self.metrics)
+        self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
+        self.requests = Requests(settings, self.store, self.hub, self.pod, self.tracer, self.metrics)
         self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
                                    settings.heartbeat_ttl_s, self.heartbeat_load)
         self._shutting_down = False  # SIGTERM (services/api/main.py): out of service for good
@@ -187,7 +190,7 @@ class ApiService:
             events = [ev for _, ev in batch]
             size += sum(len(msgspec.json.encode(ev)) for ev in events)
             if size > limit:
-                await req.close("response_too_large")
+                await req.close(EndReason.RESPONSE_TOO_LARGE)
                 raise ApiError(400, f"the answer is over {limit} bytes (--max-response-bytes) and was "
                                "stopped: stream it (`stream: true`) or ask for fewer tokens, choices or "
                                "logprobs", param="max_tokens", code="response_too_large")

@@ -8,7 +8,7 @@ server's `send`; they only note that a response started, and nothing after the s
 another response). Around the chunks, three watchers, each one task for the stream's whole life:
 
 - the client leaving (`http.disconnect`) ends the stream at once, as cancellation of the chunk source;
-- a client that accepts nothing for `send_timeout` seconds ends it with reason "slow_client";
+- a client that accepts nothing for `send_timeout` seconds ends it with reason `EndReason.SLOW_CLIENT`;
 - every `ping_s` a keep-alive comment line (`PING`) is sent;
 - the server shutting down (`closing` set) ends it.
 
@@ -29,6 +29,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from services.api.errors import ApiError, log_unexpected
+from shared.request_states import EndReason
 
 if TYPE_CHECKING:
     from services.api.formats import Counts, Format
@@ -91,7 +92,7 @@ class SSEResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             reason = await self._run(receive, send)
         except OSError:
-            reason = "client_disconnected"
+            reason = EndReason.CLIENT_GONE
         except Exception as e:  # a bug: one line with the request's uid (services/api/errors.py)
             log_unexpected(scope, e)
         finally:
@@ -107,8 +108,8 @@ class SSEResponse(Response):
         """Pump the chunks until they end or a watcher ends the stream; the reason it ended early, if it did."""
         pump = asyncio.ensure_future(self._pump(send))
         watchers = {asyncio.ensure_future(w): why for w, why in (
-            (self._disconnected(receive), "client_disconnected"), (self._stalled(), "slow_client"),
-            (self.closing.wait(), "server_shutdown"), (self._ping(send), None))}
+            (self._disconnected(receive), EndReason.CLIENT_GONE), (self._stalled(), EndReason.SLOW_CLIENT),
+            (self.closing.wait(), EndReason.SERVER_SHUTDOWN), (self._ping(send), None))}
         try:
             done, _ = await asyncio.wait({pump, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         finally:

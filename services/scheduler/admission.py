@@ -15,10 +15,11 @@ import msgspec
 from services.scheduler.book import RequestBook, Running
 from services.scheduler.effects import Ack, Effect, EndAborted, Fail, RecordRunning
 from services.scheduler.engine.base import EngineRequest, RequestRejected
-from shared import records
 from shared.consumer_group import Delivery
 from shared.messages import ReplyError, ScheduleJob
-from shared.replies import ProducedTokens
+from shared.reply_order import ProducedTokens
+from shared.request_states import EndReason
+from shared.request_store import deadline_error
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Admission:
             # over and died before it recorded itself as the owner. What we run may be fenced out: take it over
             # like any claimed entry, under a new epoch.
             log.info("uid=%s: our own entry was idle long enough to claim; resuming it anew", job.uid)
-            self.book.drop(job.uid, "taken_over", 0)  # nothing to write: the entry and the reply are the peer's
+            self.book.drop(job.uid, EndReason.TAKEN_OVER, 0)  # nothing to write: the entry and the reply are the peer's
         if found.owner and found.owner_entry and found.owner_entry != d.entry_id:
             # Another schedule entry of the same request was admitted (the tokenizer forwarded it twice):
             # acknowledge this one, or every claim interval a peer would resume the request from it and take it
@@ -76,7 +77,7 @@ class Admission:
             return Verdict.ENDED, [EndAborted(job.uid, job.params.n, found.aborted, len(job.input_ids)),
                                    Ack([d.entry_id])]
         if job.deadline <= now:
-            return Verdict.ENDED, [Fail(job.uid, records.deadline_error()), Ack([d.entry_id])]
+            return Verdict.ENDED, [Fail(job.uid, deadline_error()), Ack([d.entry_id])]
         return Verdict.START, []
 
     def start(self, d: Delivery[ScheduleJob], resumed: Resumed | None) -> list[Effect]:

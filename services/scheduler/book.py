@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from services.scheduler.effects import Ack, Checkpoint, Effect, Fail, Publish, RecordAbort
 from services.scheduler.engine.base import Engine, StepOutput
-from shared import records
 from shared.messages import ReplyCheckpoint, ReplyError, ScheduleJob, TokenDelta
+from shared.request_states import EndReason, Finish, Status
+from shared.request_store import deadline_error
 from shared.tracing import NO_SPAN, Span
 
 log = logging.getLogger(__name__)
@@ -35,14 +36,14 @@ class Ends:
     choices: set[tuple[str, int]] = field(default_factory=set)
 
     def add_note(self, note: dict[str, str], running: dict) -> None:
-        """An abort notification (shared/records.py `abort`, `stop_choice`) about one of ours, if it is."""
+        """An abort notification (shared/request_store.py `abort`, `stop_choice`) about one of ours, if it is."""
         uid = note.get("uid", "")
         if uid not in running:
             return
         if "choice" in note:
             self.choices.add((uid, int(note["choice"])))
         else:
-            self.requests[uid] = note.get("reason", "aborted")
+            self.requests[uid] = note.get("reason", EndReason.ABORTED)
 
     def __or__(self, other: Ends) -> Ends:
         """Both; where both end a request, this one's reason."""
@@ -98,14 +99,28 @@ class Running:
                           top_logprobs=out.top_logprobs, trace=self.job.trace if edge else None,
                           epoch=self.epoch, **first)
 
+    def count_step(self) -> None:
+        """One more engine step made tokens for it (the first is its span's `first_tokens`)."""
+        self.steps += 1
+        if self.steps == 1:
+            self.span.event("first_tokens")
+
+    def extend(self, out: StepOutput) -> bool:
+        """Add one choice's tokens of a step; whether every choice has now finished."""
+        self.outputs[out.index].extend(out.ids)
+        if out.finish_reason is None:
+            return False
+        self.done.add(out.index)
+        return len(self.done) == self.job.params.n
+
     def end_span(self, outcome: str, error: str | None = None) -> None:
         self.span.set(outcome=outcome, steps=self.steps, completion_tokens=sum(len(o) for o in self.outputs))
         self.span.end(error)
 
     def abort_deltas(self) -> list[TokenDelta]:
-        """A final "abort" for every choice still open, so the client's reply ends in order."""
+        """A final `Finish.ABORT` for every choice still open, so the client's reply ends in order."""
         return [TokenDelta(uid=self.job.uid, start=len(seq), ids=[], prompt_tokens=len(self.job.input_ids),
-                           index=i, n=self.job.params.n, finish="abort", epoch=self.epoch)
+                           index=i, n=self.job.params.n, finish=Finish.ABORT, epoch=self.epoch)
                 for i, seq in enumerate(self.outputs) if i not in self.done]
 
     def checkpoint_due(self, every: int) -> ReplyCheckpoint | None:
@@ -170,26 +185,28 @@ class RequestBook:
         self.unsent.take(uid)
         run = self.running.pop(uid, None)
         if run is not None:
-            run.end_span("failed")
+            run.end_span(Status.FAILED)
 
     def roll_back(self, uids: list[str]) -> None:
         """Requests started by an admission whose writes Redis refused: they run only once recorded."""
         for uid in uids:
             if (run := self.running.pop(uid, None)) is not None:
                 self.engine.abort(uid)
-                run.end_span("not_admitted")
+                run.end_span(EndReason.NOT_ADMITTED)
 
     # -- engine steps ---------------------------------------------------------------------------------
     def failed_step(self, error: Exception) -> list[StepOutput]:
         """The engine cannot tell whose fault a failed step was: an error for every choice it held."""
-        return [StepOutput(uid, len(run.outputs[i]), [], i, "error", error=f"engine error: {error}")
+        return [StepOutput(uid, len(run.outputs[i]), [], i, Finish.ERROR, error=f"engine error: {error}")
                 for uid, run in self.running.items() for i in range(run.job.params.n) if i not in run.done]
 
     def stepped(self, outputs: list[StepOutput], step: int) -> list[Effect]:
         """What one engine step made: requests failed, one Publish of its deltas, the checkpoints due, and the
         acknowledgement of the requests it ended."""
         effects: list[Effect] = []
-        items, ended, stepped = [], [], set()
+        items: list[TokenDelta] = []
+        ended: list[str] = []
+        stepped: set[str] = set()
         for out in outputs:
             run = self.running.get(out.uid)
             if run is None or out.index in run.done:
@@ -199,19 +216,18 @@ class RequestBook:
                 continue
             if out.uid not in stepped:
                 stepped.add(out.uid)
-                run.steps += 1
-                if run.steps == 1:
-                    run.span.event("first_tokens")
+                run.count_step()
             if (due := self.unsent.due(out)) is not None:
                 items.append(run.delta(due))
-            run.outputs[out.index].extend(out.ids)
-            if out.finish_reason is not None:
-                run.done.add(out.index)
-                if len(run.done) == run.job.params.n:
-                    ended.append(self.running.pop(out.uid).entry_id)
-                    run.end_span("finished")
-        if items:
-            effects.append(Publish(items, step))
+            if run.extend(out):
+                ended.append(self.running.pop(out.uid).entry_id)
+                run.end_span(Status.FINISHED)
+        return effects + self.published(items, step, ended)
+
+    def published(self, items: list[TokenDelta], step: int, ended: list[str]) -> list[Effect]:
+        """A step's deltas as one Publish, the checkpoints now due of the requests in it, and the acknowledgement
+        of the requests it ended (after both)."""
+        effects: list[Effect] = [Publish(items, step)] if items else []
         effects += [Checkpoint(uid, ck) for uid in {it.uid for it in items}
                     if uid in self.running and (ck := self.running[uid].checkpoint_due(self.checkpoint_every))]
         if ended:
@@ -222,7 +238,7 @@ class RequestBook:
         self.unsent.take(uid)
         run = self.running.pop(uid)
         self.engine.abort(uid)
-        run.end_span("failed", error)
+        run.end_span(Status.FAILED, error)
         if status < 500:  # the request's own fault (e.g. its grammar): a 400, one line
             log.info("uid=%s refused by the engine: %s", uid, error)
             reply = ReplyError(message=error, status=status, type="invalid_request_error", param=param,
@@ -240,8 +256,8 @@ class RequestBook:
     # -- ends -----------------------------------------------------------------------------------------
     def ends_due(self, now: float, taken: set[str]) -> Ends:
         """Requests past their deadline, and those whose entry a peer claimed from us (`taken`)."""
-        ends = Ends({uid: "timeout" for uid, r in self.running.items() if r.job.deadline <= now})
-        ends.requests |= {uid: "taken_over" for uid, r in self.running.items() if r.entry_id in taken}
+        ends = Ends({uid: EndReason.TIMEOUT for uid, r in self.running.items() if r.job.deadline <= now})
+        ends.requests |= {uid: EndReason.TAKEN_OVER for uid, r in self.running.items() if r.entry_id in taken}
         return ends
 
     def stoppable(self) -> list[tuple[str, int]]:
@@ -278,7 +294,7 @@ class RequestBook:
         if len(run.done) < run.job.params.n:
             return []
         del self.running[uid]
-        run.end_span("finished")
+        run.end_span(Status.FINISHED)
         return [Ack([run.entry_id])]
 
     def drop(self, uid: str, reason: str, step: int) -> list[Effect]:
@@ -288,12 +304,12 @@ class RequestBook:
         self.engine.abort(uid)
         run.end_span(reason)
         log.info("uid=%s dropped: %s", uid, reason)
-        if reason == "taken_over":  # the entry and the reply are the peer's now
+        if reason == EndReason.TAKEN_OVER:  # the entry and the reply are the peer's now
             return []
         effects: list[Effect] = []
-        if reason == "timeout":
-            effects.append(Fail(uid, records.deadline_error()))
-        elif reason != "stop":  # a stop string already ended the reply in the detokenizer
+        if reason == EndReason.TIMEOUT:
+            effects.append(Fail(uid, deadline_error()))
+        elif reason != EndReason.STOP:  # a stop string already ended the reply in the detokenizer
             # the tokens made before the abort first, so the abort lands where the client stands
             effects += [RecordAbort(uid, reason), Publish([run.delta(o) for o in unsent] + run.abort_deltas(), step)]
         return [*effects, Ack([run.entry_id])]
@@ -302,7 +318,7 @@ class RequestBook:
         """On close: every request still running goes back to the group (a peer resumes it under the same
         trace)."""
         for run in self.running.values():
-            run.end_span("handed_back")
+            run.end_span(EndReason.HANDED_BACK)
 
 
 def stop_span(stops: list[str]) -> int:

@@ -12,10 +12,11 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
-from shared import records, streams
+from shared import streams
 from shared.consumer_group import GroupConsumer
-from shared.keys import Keys
 from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, TokenDelta, encode
+from shared.request_states import Status
+from shared.request_store import RequestStore
 from shared.routing import PageChanges, SchedulerLanes
 
 # Detokenize entries published between two updates of the mean entry size (the stream's MAXLEN follows it).
@@ -49,7 +50,7 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """The request ends with this error: to its client, and its record says `failed`."""
+    """The request ends with this error: to its client, and its record says `Status.FAILED`."""
 
     uid: str
     error: ReplyError
@@ -57,7 +58,7 @@ class Fail:
 
 @dataclass(frozen=True, slots=True)
 class EndAborted:
-    """A request aborted before it ran: every choice ends with finish_reason "abort"."""
+    """A request aborted before it ran: every choice ends with finish_reason `Finish.ABORT`."""
 
     uid: str
     n: int
@@ -91,10 +92,10 @@ class EffectWriter:
     """Turns effects into commands on a pipeline (`apply`); nothing else in the scheduler writes to Redis, but
     for a takeover's fence (services/scheduler/recovery.py), the heartbeat and the lanes' upkeep."""
 
-    def __init__(self, keys: Keys, source: GroupConsumer, lanes: SchedulerLanes, scheduler_id: str,
-                 detokenize_key: str, ttl: int, maxlen: int, detokenize_budget_mb: float):
-        self.keys, self.source, self.lanes, self.id = keys, source, lanes, scheduler_id
-        self.detokenize_key, self.ttl, self.maxlen = detokenize_key, ttl, maxlen
+    def __init__(self, requests: RequestStore, source: GroupConsumer, lanes: SchedulerLanes, scheduler_id: str,
+                 detokenize_key: str, detokenize_budget_mb: float):
+        self.requests, self.source, self.lanes, self.id = requests, source, lanes, scheduler_id
+        self.detokenize_key = detokenize_key
         self.budget_bytes = detokenize_budget_mb * 2**20
         self.entry_bytes = 1024.0  # mean size of the detokenize entries published (bytes), for their MAXLEN
         self._write: dict[type, Callable[[Pipeline, Any], None]] = {
@@ -122,18 +123,17 @@ class EffectWriter:
         streams.add_data(pipe, self.detokenize_key, data, maxlen)
 
     def checkpoint(self, pipe: Pipeline, e: Checkpoint) -> None:
-        records.reply(pipe, self.keys, e.uid, e.checkpoint, self.ttl, self.maxlen, refresh_ttl=False)
+        self.requests.reply(pipe, e.uid, e.checkpoint, refresh_ttl=False)
 
     def fail(self, pipe: Pipeline, e: Fail) -> None:
-        records.end_failed(pipe, self.keys, e.uid, e.error, self.ttl, self.maxlen)
+        self.requests.end_failed(pipe, e.uid, e.error)
 
     def end_aborted(self, pipe: Pipeline, e: EndAborted) -> None:
-        records.end_aborted(pipe, self.keys, e.uid, e.n, e.reason, self.ttl, self.maxlen, e.prompt_tokens)
+        self.requests.end_aborted(pipe, e.uid, e.n, e.reason, e.prompt_tokens)
 
     def record_abort(self, pipe: Pipeline, e: RecordAbort) -> None:
-        records.set_status(pipe, self.keys, e.uid, self.ttl, error=f"aborted: {e.reason}")
-        pipe.expire(self.keys.abort(e.uid), self.ttl)  # an operator's flag need not outlive the request
+        self.requests.note_abort(pipe, e.uid, e.reason)
 
     def record_running(self, pipe: Pipeline, e: RecordRunning) -> None:
-        records.set_status(pipe, self.keys, e.uid, self.ttl, "running", scheduler=self.id, entry=e.entry,
-                           max_tokens=e.max_tokens, stop=e.stop)
+        self.requests.set_status(pipe, e.uid, Status.RUNNING, scheduler=self.id, entry=e.entry,
+                                 max_tokens=e.max_tokens, stop=e.stop)

@@ -32,6 +32,7 @@ from services.scheduler.recovery import AbortNotes, Recovery
 from shared.consumer_group import Delivery
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
+from shared.request_store import RequestStore
 from shared.routing import SchedulerLanes
 from shared.settings import SchedulerSettings
 from shared.worker import PullWorker, run_stage
@@ -58,10 +59,10 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.id, self.source, engine.prefix_page_size,
                                     settings.heartbeat_ttl_s)
         self.heartbeat.extra = self.lanes.on_beat
-        self.writer = EffectWriter(self.keys, self.source, self.lanes, self.id, self.keys.detokenize(model_name),
-                                   self.ttl, self.maxlen, settings.detokenize_budget_mb)
-        self.recovery = Recovery(self.redis, self.keys, self.source, self.book, self.writer, self.ttl,
-                                 settings.max_deliveries)
+        self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
+        self.writer = EffectWriter(self.requests, self.source, self.lanes, self.id, self.keys.detokenize(model_name),
+                                   settings.detokenize_budget_mb)
+        self.recovery = Recovery(self.requests, self.source, self.book, self.writer, settings.max_deliveries)
         # Effects not sent yet: with the next exchange. A Redis outage keeps them here, so no step is lost.
         self.outbox: list[Effect] = []
         self.notes = AbortNotes(self.keys.aborts(model_name))

@@ -16,15 +16,16 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
-from shared.replies import ProducedTokens
 
 from services.scheduler.admission import Found, Resumed
 from services.scheduler.book import Ends, RequestBook, Running
 from services.scheduler.effects import EffectWriter, Fail
-from shared import records, streams
+from shared import streams
 from shared.consumer_group import Delivery, GroupConsumer
-from shared.keys import Keys
 from shared.messages import Reply, ReplyError, ReplyFence, ScheduleJob, decode, encode
+from shared.reply_order import ProducedTokens
+from shared.request_states import EndReason
+from shared.request_store import RequestStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ ABORTS_PER_READ = 1000
 
 
 class AbortNotes:
-    """The model's abort notifications (shared/records.py `abort`, `stop_choice`), read on each exchange's
+    """The model's abort notifications (shared/request_store.py `abort`, `stop_choice`), read on each exchange's
     pipeline from where the last read stopped: one command per step, not one per running request."""
 
     def __init__(self, key: str):
@@ -57,21 +58,18 @@ class AbortNotes:
 
 
 class Recovery:
-    def __init__(self, redis: Redis, keys: Keys, source: GroupConsumer, book: RequestBook, writer: EffectWriter,
-                 ttl: int, max_deliveries: int):
-        self.redis, self.keys, self.source, self.book, self.writer = redis, keys, source, book, writer
-        self.ttl, self.max_deliveries = ttl, max_deliveries
+    def __init__(self, requests: RequestStore, source: GroupConsumer, book: RequestBook, writer: EffectWriter,
+                 max_deliveries: int):
+        self.requests, self.source, self.book, self.writer = requests, source, book, writer
+        self.redis, self.keys, self.ttl = requests.redis, requests.keys, requests.ttl
+        self.max_deliveries = max_deliveries
 
     async def look_up(self, batch: list[Delivery[ScheduleJob]]) -> dict[str, Found]:
         """Per request: its abort flag, and the scheduler and entry its record names."""
         uids = [d.msg.uid for d in batch]
-        aborted = await records.abort_reasons(self.redis, self.keys, uids)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for uid in uids:
-                pipe.hmget(self.keys.request(uid), ["scheduler", "entry"])
-            rows = await pipe.execute()
-        return {uid: Found(aborted.get(uid), *(v.decode() if v is not None else None for v in row))
-                for uid, row in zip(uids, rows, strict=True)}
+        aborted = await self.requests.abort_reasons(uids)
+        owners = await self.requests.fields(uids, "scheduler", "entry")
+        return {uid: Found(aborted.get(uid), *owners[uid]) for uid in uids}
 
     async def without_poison(self, batch: list[Delivery[ScheduleJob]]) -> list[Delivery[ScheduleJob]]:
         """Claimed entries delivered more than --max-deliveries times: each delivery ended with its scheduler
@@ -97,17 +95,10 @@ class Recovery:
     async def take_over(self, job: ScheduleJob) -> Resumed:
         """Raise the request's epoch, put a fence with it into the reply stream, and read what came before
         the fence: that is exactly what clients get of the previous owners (shared/reply_order.py)."""
-        epoch = await self.redis.hincrby(self.keys.request(job.uid), "epoch", 1)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            records.reply(pipe, self.keys, job.uid, ReplyFence(epoch=epoch, scheduler=self.writer.id), self.ttl,
-                          self.writer.maxlen)
-            pipe.xinfo_stream(self.keys.reply(job.uid))
-            pipe.xrange(self.keys.reply(job.uid))
-            fence_id, _, info, entries = await pipe.execute()
-        produced = ProducedTokens(job.params.n, trimmed=streams.was_trimmed(info))
-        for entry_id, fields in entries:
-            if entry_id == fence_id:
-                break
+        epoch = await self.requests.raise_epoch(job.uid)
+        trimmed, before = await self.requests.fence(job.uid, ReplyFence(epoch=epoch, scheduler=self.writer.id))
+        produced = ProducedTokens(job.params.n, trimmed=trimmed)
+        for _, fields in before:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 produced.add(decode(streams.payload(fields), Reply))
         produced.fence(epoch)
@@ -117,8 +108,7 @@ class Recovery:
         """What ended without a notification: the abort flags of every running request (an operator's `SET
         rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string ended, and
         requests whose client or record is gone or that are no longer ours. A flag's reason wins."""
-        flagged, stopped = await records.ended_elsewhere(self.redis, self.keys, self.book.running,
-                                                         self.book.stoppable())
+        flagged, stopped = await self.requests.ended_elsewhere(self.book.running, self.book.stoppable())
         return Ends({**await self.orphans(), **flagged}, stopped)
 
     async def orphans(self) -> dict[str, str]:
@@ -135,8 +125,7 @@ class Recovery:
             for r in runs:
                 pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
             for r in stale:
-                pipe.expire(self.keys.request(r.job.uid), self.ttl)
-                pipe.expire(self.keys.reply(r.job.uid), self.ttl)
+                self.requests.refresh(pipe, r.job.uid)
             found = await pipe.execute()
         alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
         owners = found[len(pods):len(pods) + len(runs)]
@@ -150,14 +139,14 @@ def orphan_reason(run: Running, owner: bytes | None, epoch: bytes | None, alive:
     the record is gone (Redis lost its data), a peer took it over while we were stalled, or the API process died
     (unless it runs in the background). None: it is ours."""
     if owner is None:
-        return "record_lost"
+        return EndReason.RECORD_LOST
     if owner.decode() != me or int(epoch or 0) != run.epoch:
         # A newer epoch with us still recorded as the owner: a peer took over and died before it
         # recorded itself. Our steps are refused after its fence; dropped, the entry goes idle and
         # whoever claims it resumes from what the client has.
-        return "taken_over"
+        return EndReason.TAKEN_OVER
     if run.job.pod not in alive and not run.job.background:
-        return "owner_gone"
+        return EndReason.OWNER_GONE
     return None
 
 

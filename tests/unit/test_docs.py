@@ -122,7 +122,7 @@ def test_every_section_code_cites_exists():
 
 
 def record_fields_written() -> set[str]:
-    """Keyword fields of every records.set_status call in the stages (the request record's fields)."""
+    """Keyword fields of every `set_status` call in the stages (shared/request_store.py: the record's fields)."""
     fields = {"status", "updated_at"}
     for top in ("services", "shared"):
         for path in (ROOT / top).rglob("*.py"):

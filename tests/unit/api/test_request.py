@@ -10,9 +10,10 @@ import types
 import pytest
 
 from services.api.metrics import Metrics
-from services.api.request import EndedEarly, RequestGroup, SingleRequest
-from shared.messages import ReplyError, ReplyEvent, encode
-from shared.replies import OrderedReplies
+from services.api.request import EndedEarly, RequestGroup, RequestInfo, Requests, SingleRequest
+from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, encode
+from shared.reply_order import OrderedReplies
+from shared.settings import ApiSettings
 
 
 def shared(redis=None) -> types.SimpleNamespace:
@@ -25,7 +26,7 @@ def shared(redis=None) -> types.SimpleNamespace:
 def reader(sub, n: int = 1, deadline: float | None = None, redis=None, ctx=None) -> SingleRequest:
     """A request reading `sub` (the Subscription surface it uses)."""
     shared.sub = sub
-    return SingleRequest(ctx or shared(redis), "u", n, deadline or time.time() + 60, "m")  # type: ignore[arg-type]
+    return SingleRequest(ctx or shared(redis), RequestInfo("u", "m", n, deadline or time.time() + 60))  # type: ignore[arg-type]
 
 
 class QueueSub:
@@ -161,3 +162,38 @@ async def test_a_request_past_its_deadline_ends_with_a_504():
         async for _ in req.replies():
             pass
     assert (info.value.status, info.value.code, req.end_reason) == (504, "request_timeout", "timeout")
+
+
+@pytest.mark.timeout(10)
+async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a_fence_ends_and_say_when_idle():
+    """What `replies(idle_s)` yields of each read: an empty batch when nothing came for `idle_s`, the events in
+    order with their entry ids, nothing of a checkpoint or an unreadable entry, nothing of an older epoch after a
+    successor's fence."""
+    sub = QueueSub()
+    req = reader(sub, deadline=time.time() + 5)
+    replies = req.replies(idle_s=0.01)
+    assert await anext(replies) == []  # idle
+    sub.queue.put_nowait(("1-0", encode(ev(0, 1))))
+    sub.queue.put_nowait(("2-0", b"not json"))
+    sub.queue.put_nowait(("3-0", encode(ReplyCheckpoint(epoch=0, outputs=[[1]]))))
+    sub.queue.put_nowait(("4-0", encode(ReplyFence(epoch=1, scheduler="s2"))))
+    sub.queue.put_nowait(("5-0", encode(ev(1, 2))))  # epoch 0, after the fence: refused
+    sub.queue.put_nowait(("6-0", encode(ReplyEvent(start=1, end=2, text="[1:2]", prompt_tokens=3, ids=[1], epoch=1,
+                                                   finish_reason="stop"))))
+    got = [(eid, e.text) for eid, e in await anext(replies)]
+    assert got == [("1-0", "[0:1]"), ("6-0", "[1:2]")] and req.done
+
+
+async def test_a_drain_waits_until_the_last_open_request_ends():
+    ctx = Requests(ApiSettings(), types.SimpleNamespace(redis=None, keys=None), None, "pod", None,  # type: ignore[arg-type]
+                   Metrics(None))
+    await asyncio.wait_for(ctx.drained(), 1)  # none open
+    for uid in ("a", "b"):
+        ctx.opened(types.SimpleNamespace(uid=uid))  # type: ignore[arg-type]
+    drained = asyncio.ensure_future(ctx.drained())
+    ctx.ended("a")
+    await asyncio.sleep(0.01)
+    assert not drained.done()  # "b" is still open
+    ctx.ended("b")
+    await asyncio.wait_for(drained, 1)
+    assert not ctx.inflight

@@ -23,7 +23,8 @@ from services.scheduler.engine.synthetic import SyntheticEngine
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
-from shared.replies import ProducedTokens
+from shared.reply_order import ProducedTokens
+from shared.request_store import RequestStore
 from shared.routing import PageChanges, SchedulerLanes
 from shared.tracing import Tracer
 
@@ -203,7 +204,7 @@ def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline():
     redis = Redis()  # never connected: the pipeline only queues
     source = GroupConsumer(redis, keys.schedule("m"), "scheduler", "s1", ScheduleJob, keys.dead())
     lanes = SchedulerLanes(redis, keys, "m", "s1", source, page_size=16, heartbeat_ttl_s=5)
-    writer = EffectWriter(keys, source, lanes, "s1", keys.detokenize("m"), ttl=60, maxlen=100,
+    writer = EffectWriter(RequestStore(redis, keys, ttl=60, maxlen=100), source, lanes, "s1", keys.detokenize("m"),
                           detokenize_budget_mb=1)
     book, adm = book_of()
     admitted(book, adm, delivery("a", max_tokens=1))

@@ -11,10 +11,10 @@ import pytest
 
 from services.detokenizer.main import DetokenizerWorker
 from services.scheduler.main import build_worker
-from shared import records, streams
+from shared import streams
 from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
-from shared.replies import OrderedReplies, ProducedTokens
+from shared.reply_order import OrderedReplies, ProducedTokens
 from shared.settings import DetokenizerSettings, SchedulerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,7 +163,7 @@ async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
     for _ in range(5):
         await w.work()
     async with w.redis.pipeline(transaction=False) as pipe:
-        records.stop_choice(pipe, w.keys, "u3", 0, 60, "demo")  # as the detokenizer does for choice 0
+        w.requests.stop_choice(pipe, "u3", 0, "demo")  # as the detokenizer does for choice 0
         await pipe.execute()
     await w.work()
     assert w.book.running["u3"].done == {0}
@@ -197,7 +197,7 @@ async def a_peer_took_over_and_died(w, uid: str, to: str | None = "ghost") -> No
         await w.redis.xclaim(w.source.key, "scheduler", to, 0, [w.book.running[uid].entry_id], justid=True)
     epoch = await w.redis.hincrby(w.keys.request(uid), "epoch", 1)
     async with w.redis.pipeline(transaction=False) as pipe:
-        records.reply(pipe, w.keys, uid, ReplyFence(epoch=epoch, scheduler="ghost"), w.ttl, w.maxlen)
+        w.requests.reply(pipe, uid, ReplyFence(epoch=epoch, scheduler="ghost"))
         await pipe.execute()
 
 

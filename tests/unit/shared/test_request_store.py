@@ -1,14 +1,14 @@
 """A request's keys through shared/request_store.py against a real redis-server: the record, the reply stream,
-the ends, the abort flags and notifications; and the old helpers of shared/records.py writing the same."""
+the ends, the abort flags and notifications, and what each write queues on the caller's pipeline."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared import records, streams
+from shared import streams
 from shared.messages import Reply, ReplyError, ReplyEvent, ReplyFence, decode
 from shared.request_states import TERMINAL, EndReason, Finish, Status, status_after
-from shared.request_store import ABORTS_MAXLEN, RequestStore
+from shared.request_store import RequestStore, deadline_error
 
 pytestmark = pytest.mark.timeout(30)
 TTL, MAXLEN = 120, 64
@@ -124,37 +124,36 @@ async def test_abort_flags_and_notifications(store):
     reasons, stopped = await store.ended_elsewhere(["x", "w"], [("z", 0), ("z", 1)])
     assert reasons == {"x": "client_disconnected"} and stopped == {("z", 1)}
     assert 0 < await redis.ttl(keys.choice_stop("z", 1)) <= TTL
-    assert ABORTS_MAXLEN == records.ABORTS_MAXLEN
 
 
-async def test_the_old_helpers_write_what_the_store_writes(store):
-    """shared/records.py stays until its last callers use a store: each helper is the store's method."""
-    redis, keys = store.redis, store.keys
+async def test_every_write_is_queued_on_the_callers_pipeline_in_order(store):
+    """One pipeline holds a whole request's writes, each method's commands in the order it is called (no method
+    adds a round trip): the record, replies, a client attaching, the ends, an abort flag and a choice's stop."""
+    redis = store.redis
     async with redis.pipeline(transaction=False) as pipe:
-        records.set_status(pipe, keys, "o", TTL, "running", scheduler="s1")
-        records.reply(pipe, keys, "o", ReplyEvent(start=0, end=1, text="a", prompt_tokens=1), TTL, MAXLEN)
-        records.replies(pipe, store.appender, keys, [("o", ReplyEvent(start=1, end=2, text="b", prompt_tokens=1),
-                                                      False)], TTL, MAXLEN)
-        records.attach(pipe, keys, "o", 1)
-        records.end_aborted(pipe, keys, "o", 1, "api", TTL, MAXLEN, 1)
-        records.end_failed(pipe, keys, "o2", records.deadline_error(), TTL, MAXLEN)
-        records.abort(pipe, keys, "o", "api", TTL, "m")
-        records.stop_choice(pipe, keys, "o", 0, TTL, "m")
+        store.set_status(pipe, "o", Status.RUNNING, scheduler="s1")
+        store.reply(pipe, "o", ReplyEvent(start=0, end=1, text="a", prompt_tokens=1))
+        store.replies(pipe, [("o", ReplyEvent(start=1, end=2, text="b", prompt_tokens=1), False)])
+        store.attach(pipe, "o", 1)
+        store.end_aborted(pipe, "o", 1, EndReason.API, 1)
+        store.end_failed(pipe, "o2", deadline_error())
+        store.abort(pipe, "o", EndReason.API, "m")
+        store.stop_choice(pipe, "o", 0, "m")
         assert commands(pipe) == ["HSET", "EXPIRE", "XADD", "EXPIRE", "EVAL", "HINCRBY", "XADD", "EXPIRE", "HSET",
                                   "EXPIRE", "EXPIRE", "XADD", "EXPIRE", "HSET", "EXPIRE", "SET", "XADD", "SET",
                                   "XADD"]
         await pipe.execute()
-    await records.abort_now(redis, keys, "o3", "api", TTL, None)
-    assert await records.abort_reasons(redis, keys, ["o", "o3"]) == {"o": "api", "o3": "api"}
-    assert await records.ended_elsewhere(redis, keys, ["o"], [("o", 0)]) == ({"o": "api"}, {("o", 0)})
+    await store.abort_now("o3", EndReason.API, None)
+    assert await store.abort_reasons(["o", "o3"]) == {"o": "api", "o3": "api"}
+    assert await store.ended_elsewhere(["o"], [("o", 0)]) == ({"o": "api"}, {("o", 0)})
     o = await store.record("o")
     assert (o["status"], o["scheduler"], o["attached"]) == ("aborted", "s1", "1")
     assert [r.text for r in await replies_of(store, "o")] == ["a", "b", ""]
-    assert records.STATUSES == ("queued", "tokenized", "running", "finished", "aborted", "failed")
-    assert records.TERMINAL == ("finished", "aborted", "failed")
 
 
 def test_the_vocabulary_is_the_strings_on_the_wire():
+    assert tuple(Status) == ("queued", "tokenized", "running", "finished", "aborted", "failed")
+    assert [s for s in Status if s in TERMINAL] == ["finished", "aborted", "failed"]
     assert [Status(s) for s in ("queued", "running")] == [Status.QUEUED, Status.RUNNING]
     assert "finished" in TERMINAL and "running" not in TERMINAL
     assert [status_after(f) for f in Finish] == [Status.FINISHED, Status.FINISHED, Status.ABORTED, Status.FAILED]
