@@ -12,7 +12,7 @@ import pytest
 from services.api.metrics import Metrics
 from services.api.request import EndedEarly, RequestGroup, SingleRequest
 from shared.messages import ReplyError, ReplyEvent, encode
-from shared.replies import OrderedReplies
+from shared.reply_order import OrderedReplies
 
 
 def shared(redis=None) -> types.SimpleNamespace:

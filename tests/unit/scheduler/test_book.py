@@ -23,7 +23,7 @@ from services.scheduler.engine.synthetic import SyntheticEngine
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
-from shared.replies import ProducedTokens
+from shared.reply_order import ProducedTokens
 from shared.routing import PageChanges, SchedulerLanes
 from shared.tracing import Tracer
 

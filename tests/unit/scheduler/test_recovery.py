@@ -14,7 +14,7 @@ from services.scheduler.main import build_worker
 from shared import records, streams
 from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
-from shared.replies import OrderedReplies, ProducedTokens
+from shared.reply_order import OrderedReplies, ProducedTokens
 from shared.settings import DetokenizerSettings, SchedulerSettings
 
 pytestmark = pytest.mark.timeout(60)
