@@ -280,7 +280,8 @@ class SchedulerLanes:
 
     def end_if_drained(self, target: Any, lane: str) -> Any:
         return streams.end_if_drained(target, self.keys.scheduler_stream(self.model, lane), self.consumer.group,
-                                      self.keys.cached_pages(self.model, lane), self.routed_key, lane)
+                                      companion=self.keys.cached_pages(self.model, lane), registry=self.routed_key,
+                                      member=lane)
 
     async def release(self) -> None:
         """On close: the cache dies with the process, so its set goes; the own stream ends if nothing is left in
