@@ -72,7 +72,7 @@ def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -
 class Router:
     """The tokenizer's side: which stream each schedule job goes to."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, heartbeat_ttl_s: float, load_tokens: float,
+    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, load_tokens: float,
                  tokenizer_id: str = "tokenizer"):
         self.redis, self.keys, self.model, self.id = redis, keys, model, tokenizer_id
         self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
