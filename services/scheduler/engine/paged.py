@@ -85,8 +85,7 @@ def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dt
             else:
                 name = "flashinfer"
     if name == "flashinfer":
-        return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype,
-                                        flashinfer=module)
+        return FlashInferPagedAttention(kv, g, dtype, flashinfer=module)
     from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 
     return TorchPagedAttention(kv)
