@@ -324,16 +324,11 @@ class Check:
     # ---- 3. decode steps
 
     def decode(self) -> dict:
-        import torch
-
         from services.scheduler.engine import transfer
-        from services.scheduler.engine.base import EngineRequest
-        from shared.messages import SamplingParams
 
         batches = [int(b) for b in self.args.batches.split(",")]
-        top, steps, prompt_len = max(batches), self.args.steps, self.args.prompt_len
         result: dict = {}
-        blocked = [0.0]
+        blocked = [0.0]  # seconds the host waited for a step's result since it was reset
         real_wait = transfer.DeviceResult.wait
 
         def wait(res):
@@ -346,47 +341,56 @@ class Check:
         transfer.DeviceResult.wait = wait
         try:
             for name, kw in self.engines().items():
-                if self.left() < 30:
-                    result[name] = "skipped: budget"
-                    continue
-                per_seq = -(-(prompt_len + steps + 16) // 16) + 1
-                eng = engine(clone(self.model), num_pages=top * per_seq + 8, max_running=top, prefill_budget=2048,
-                             **kw)
-                rows = {}
-                for b in batches:
-                    params = SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True)
-                    for i, p in enumerate(prompts([prompt_len] * b, self.shape["vocab_size"], seed=b)):
-                        eng.add(EngineRequest(f"b{b}-{i}", p, params))
-                    while any(not s.is_decode for s in eng.scheduler.running) or eng.scheduler.waiting:
-                        eng.step()
-                    for _ in range(4):
-                        eng.step()
-                    sync(self.device)
-                    blocked[0], t0, tokens = 0.0, time.perf_counter(), 0
-                    for _ in range(steps):
-                        tokens += sum(len(o.ids) for o in eng.step())
-                    sync(self.device)
-                    wall = (time.perf_counter() - t0) / steps
-                    r = {"ms_per_step": 1e3 * wall, "tok_per_s": tokens / (wall * steps),
-                         "host_ms_per_step": 1e3 * (wall - blocked[0] / steps)}
-                    graphs = eng.runner.graphs
-                    if graphs is not None:
-                        r["gpu_ms_per_replay"] = self._replay_ms(graphs, b)
-                        r["gpu_busy_share"] = r["gpu_ms_per_replay"] / r["ms_per_step"]
-                        r["plans"] = graphs.plans
-                    rows[str(b)] = r
-                    for i in range(b):
-                        eng.abort(f"b{b}-{i}")
-                    while eng.has_work():
-                        eng.step()
-                result[name] = rows
-                eng.close()
-                del eng
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                result[name] = "skipped: budget" if self.left() < 30 else self._decode_engine(kw, batches, blocked)
         finally:
             transfer.DeviceResult.wait = real_wait
         return result
+
+    def _decode_engine(self, kw: dict, batches: list[int], blocked: list[float]) -> dict:
+        """One engine configuration's decode figures per batch size."""
+        import torch
+
+        per_seq = -(-(self.args.prompt_len + self.args.steps + 16) // 16) + 1
+        eng = engine(clone(self.model), num_pages=max(batches) * per_seq + 8, max_running=max(batches),
+                     prefill_budget=2048, **kw)
+        rows = {str(b): self._decode_batch(eng, b, blocked) for b in batches}
+        eng.close()
+        del eng
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return rows
+
+    def _decode_batch(self, eng, b: int, blocked: list[float]) -> dict:
+        """`b` sequences prefilled, then `--steps` decode steps timed (and the host's share of them)."""
+        from services.scheduler.engine.base import EngineRequest
+        from shared.messages import SamplingParams
+
+        steps, prompt_len = self.args.steps, self.args.prompt_len
+        params = SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts([prompt_len] * b, self.shape["vocab_size"], seed=b)):
+            eng.add(EngineRequest(f"b{b}-{i}", p, params))
+        while any(not s.is_decode for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(4):
+            eng.step()
+        sync(self.device)
+        blocked[0], t0, tokens = 0.0, time.perf_counter(), 0
+        for _ in range(steps):
+            tokens += sum(len(o.ids) for o in eng.step())
+        sync(self.device)
+        wall = (time.perf_counter() - t0) / steps
+        r = {"ms_per_step": 1e3 * wall, "tok_per_s": tokens / (wall * steps),
+             "host_ms_per_step": 1e3 * (wall - blocked[0] / steps)}
+        graphs = eng.runner.graphs
+        if graphs is not None:
+            r["gpu_ms_per_replay"] = self._replay_ms(graphs, b)
+            r["gpu_busy_share"] = r["gpu_ms_per_replay"] / r["ms_per_step"]
+            r["plans"] = graphs.plans
+        for i in range(b):
+            eng.abort(f"b{b}-{i}")
+        while eng.has_work():
+            eng.step()
+        return r
 
     def _replay_ms(self, graphs, batch: int, reps: int = 50) -> float:
         """GPU time of one decode forward: back-to-back replays of the graph of that size, timed by events."""
@@ -414,10 +418,7 @@ class Check:
     # ---- 4. host syncs per step by sampling mode
 
     def syncs(self) -> dict:
-        import torch
-
         from services.scheduler.engine import transfer
-        from services.scheduler.engine.base import EngineRequest
         from shared.messages import SamplingParams
 
         modes = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=1.0),
@@ -428,7 +429,7 @@ class Check:
                  "logprobs": dict(temperature=1.0, logprobs=True, top_logprobs=5)}
         kw = self.engines()["flashinfer+graphs" if self.flashinfer else "torch"]
         eng = engine(clone(self.model), num_pages=2048, max_running=64, prefill_budget=2048, **kw)
-        waits = [0]
+        waits = [0]  # waits for a step's result that had to block, since it was reset
         real_wait = transfer.DeviceResult.wait
 
         def wait(res):
@@ -441,34 +442,41 @@ class Check:
             for mode, extra in modes.items():
                 for batch in (1, 4 if self.args.cpu_smoke else 64):
                     params = SamplingParams(max_tokens=40, ignore_eos=True, **extra)
-                    for i, p in enumerate(prompts([32] * batch, self.shape["vocab_size"], seed=7)):
-                        eng.add(EngineRequest(f"{mode}{i}", p, params))
-                    for _ in range(3):
-                        eng.step()
-                    sync(self.device)
-                    waits[0], steps = 0, 5
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        if self.device.type == "cuda":
-                            torch.cuda.set_sync_debug_mode("warn")
-                        try:
-                            for _ in range(steps):
-                                eng.step()
-                        finally:
-                            if self.device.type == "cuda":
-                                torch.cuda.set_sync_debug_mode("default")
-                    flagged = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message).lower()]
-                    result[f"{mode}@{batch}"] = {"flagged_syncs_per_step": len(flagged) / steps,
-                                                 "result_waits_per_step": waits[0] / steps,
-                                                 "examples": sorted(set(flagged))[:3]}
-                    for i in range(batch):
-                        eng.abort(f"{mode}{i}")
-                    while eng.has_work():
-                        eng.step()
+                    result[f"{mode}@{batch}"] = self._syncs_per_step(eng, mode, params, batch, waits)
         finally:
             transfer.DeviceResult.wait = real_wait
             eng.close()
         return result
+
+    def _syncs_per_step(self, eng, mode: str, params, batch: int, waits: list[int]) -> dict:
+        """Host syncs torch flags (on CUDA) and result waits that blocked, per decode step of `batch` requests."""
+        import torch
+
+        from services.scheduler.engine.base import EngineRequest
+
+        for i, p in enumerate(prompts([32] * batch, self.shape["vocab_size"], seed=7)):
+            eng.add(EngineRequest(f"{mode}{i}", p, params))
+        for _ in range(3):
+            eng.step()
+        sync(self.device)
+        waits[0], steps = 0, 5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if self.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    eng.step()
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        flagged = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message).lower()]
+        for i in range(batch):
+            eng.abort(f"{mode}{i}")
+        while eng.has_work():
+            eng.step()
+        return {"flagged_syncs_per_step": len(flagged) / steps, "result_waits_per_step": waits[0] / steps,
+                "examples": sorted(set(flagged))[:3]}
 
     # ---- 5. sampling kernels against the filtered softmax
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import orjson
 
@@ -44,7 +44,7 @@ class BenchStack(Launcher):
     stopped in reverse order. `redis`: a server (or cluster) the caller owns and stops, instead of one of its own.
     `env`: per role, what its processes get over the stack's environment."""
 
-    def __init__(self, model_dir: str, name: str, apis: int = 1, env: dict[str, dict[str, str]] | None = None,
+    def __init__(self, model_dir: str, name: str, *, apis: int = 1, env: dict[str, dict[str, str]] | None = None,
                  schedulers: int = 1, redis: RedisLike | None = None):
         shared = {"RSINFER_MODEL": model_dir, "RSINFER_SERVED_MODEL_NAME": name, "RSINFER_LOG_LEVEL": "WARNING"}
         logs = Path(tempfile.mkdtemp(prefix="rsinfer-bench-"))
@@ -171,7 +171,7 @@ class LoadResult:
                 "error_counts": error_counts(o.problem for o in self.outcomes if not o.ok)}
 
 
-def run_load(urls: list[str], bodies: list[bytes], concurrency: int, stagger_s: float = 0.0,
+def run_load(urls: list[str], bodies: list[bytes], concurrency: int, *, stagger_s: float = 0.0,
              processes: int = 1, timeout: float = 600.0) -> LoadResult:
     """Send every body (a streamed /v1/completions request) at most `concurrency` at a time, request i
     starting no earlier than i * stagger_s, alternating over `urls`, from `processes` client processes
@@ -188,13 +188,21 @@ def completion_body(model: str, prompt: list[int] | str, max_tokens: int, **extr
 # ---- the official openai client (vs transformers serve)
 
 
-async def openai_load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int,
-                      extra_body: dict) -> dict:
-    """Streamed chat completions through openai.AsyncOpenAI, `concurrency` at a time."""
+class ChatLoad(NamedTuple):
+    """`requests` streamed chat completions of `max_tokens` tokens each, `concurrency` at a time."""
+
+    requests: int
+    concurrency: int
+    max_tokens: int
+
+
+async def openai_load(base_url: str, model: str, load: ChatLoad, extra_body: dict) -> dict:
+    """`load` through openai.AsyncOpenAI."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-    sem = asyncio.Semaphore(concurrency)
+    sem = asyncio.Semaphore(load.concurrency)
+    max_tokens = load.max_tokens
 
     async def one(i: int) -> Reply:
         async with sem:
@@ -218,7 +226,7 @@ async def openai_load(base_url: str, model: str, requests: int, concurrency: int
     try:
         before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        outcomes = await asyncio.gather(*(one(i) for i in range(requests)))
+        outcomes = await asyncio.gather(*(one(i) for i in range(load.requests)))
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_SELF)
     finally:

@@ -123,8 +123,9 @@ def fake_flashinfer(torch) -> types.ModuleType:
             return torch.zeros_like(q)
 
     class GraphDecode(Decode):
-        def __init__(self, workspace, indptr_buffer, indices_buffer, last_page_len_buffer, kv_layout="NHD",
-                     use_tensor_cores=False):
+        def __init__(  # noqa: PLR0917 - flashinfer 0.7's signature, kv_layout passed by position (cuda_graph.py)
+                self, workspace, indptr_buffer, indices_buffer, last_page_len_buffer, kv_layout="NHD",
+                use_tensor_cores=False):
             self.bufs = (indptr_buffer, indices_buffer, last_page_len_buffer)
 
         def plan(self, indptr, indices, last_page_len, *args, **kwargs):
@@ -152,29 +153,38 @@ def install(stream: Stream, step_s: list[float]):
     from services.scheduler.engine import cuda_graph
 
     if hasattr(cuda_graph, "GraphApi"):  # this checkout: graphs and events have seams
-        from services.scheduler.engine import transfer
-        from services.scheduler.engine.attention import flashinfer_backend
+        return install_through_seams(stream, step_s, cuda_graph)
+    return install_in_older_engine(stream, step_s, cuda_graph, torch)
 
-        class Api(cuda_graph.GraphApi):
-            def check(self, device):
-                pass
 
-            def capture(self, fn, pool):
-                return "graph", pool
+def install_through_seams(stream: Stream, step_s: list[float], cuda_graph) -> str:
+    """This checkout's engine: its graph API and its event recording replaced."""
+    from services.scheduler.engine import transfer
+    from services.scheduler.engine.attention import flashinfer_backend
 
-            def replay(self, graph):
-                stream.launch(step_s[0])
+    class Api(cuda_graph.GraphApi):
+        def check(self, device):
+            pass
 
-            def synchronize(self):
-                pass
+        def capture(self, fn, pool):
+            return "graph", pool
 
-        cuda_graph.DecodeGraphs.api = Api()
-        record = lambda device: Event(stream)  # noqa: E731
-        transfer.record_event = record
-        flashinfer_backend.record_event = record
-        return "overlap"
-    # The older engine: CUDA graphs without the device check (its __init__ otherwise unchanged), replays
-    # that queue work, and the sync of its `ids.tolist()` modelled as a drain after the sampler.
+        def replay(self, graph):
+            stream.launch(step_s[0])
+
+        def synchronize(self):
+            pass
+
+    cuda_graph.DecodeGraphs.api = Api()
+    record = lambda device: Event(stream)  # noqa: E731
+    transfer.record_event = record
+    flashinfer_backend.record_event = record
+    return "overlap"
+
+
+def install_in_older_engine(stream: Stream, step_s: list[float], cuda_graph, torch) -> str:
+    """The older engine: CUDA graphs without the device check (its __init__ otherwise unchanged), replays
+    that queue work, and the sync of its `ids.tolist()` modelled as a drain after the sampler."""
     class Graph:
         def replay(self):
             stream.launch(step_s[0])

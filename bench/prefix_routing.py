@@ -43,6 +43,8 @@ from rsinfer.sse_client import Request, open_stream  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "prefix-routing.json"
+TURN_TIMEOUT_S = 600.0  # one turn of a measured run: past it the turn fails and the run goes on
+WARM_UP_TIMEOUT_S = 60.0  # the warm-up conversation: past it the stack is not serving, and the run stops
 # Each scheduler one torch thread, and a KV pool that holds a few conversations beyond the system prompts: what
 # a replica caches is bounded, as on a GPU, so where a request lands decides what it can reuse.
 SCHEDULER_ENV = {"RSINFER_THREADS": "1", "OMP_NUM_THREADS": "1", "RSINFER_MAX_KV_TOKENS": "8192",
@@ -96,14 +98,14 @@ class Turn:
     error: str = ""
 
 
-async def generate(url: str, model: str, ids: list[int], w: Workload, timeout: float) -> Turn:
+async def generate(url: str, model: str, ids: list[int], w: Workload) -> Turn:
     """One streamed /generate request (rsinfer/sse_client.py); every event carries the whole answer so far."""
     turn, max_tokens = Turn(prompt_tokens=len(ids)), w.max_tokens
     body = {"model": model, "input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
     began = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout), open_stream(Request(url, body, "/generate")) as resp:
+        async with open_stream(Request(url, body, "/generate")) as resp:
             if resp.status != 200:
                 turn.error = f"{resp.status} {(await resp.read())[:200]!r}"
                 return turn
@@ -121,8 +123,9 @@ async def generate(url: str, model: str, ids: list[int], w: Workload, timeout: f
     return turn
 
 
-async def converse(url: str, model: str, w: Workload, concurrency: int, timeout: float) -> list[Turn]:
-    """Every conversation, `concurrency` at a time, each turn after the previous one's answer."""
+async def converse(url: str, model: str, w: Workload, concurrency: int) -> list[Turn]:
+    """Every conversation, `concurrency` at a time, each turn after the previous one's answer; a turn past
+    TURN_TIMEOUT_S fails (and ends its conversation), the others go on."""
     sem = asyncio.Semaphore(concurrency)
 
     async def conversation(c: int) -> list[Turn]:
@@ -130,7 +133,11 @@ async def converse(url: str, model: str, w: Workload, concurrency: int, timeout:
             history, turns = list(w.systems[w.system_of[c]]), []
             for user in w.users[c]:
                 history += user
-                turn = await generate(url, model, history, w, timeout)
+                try:
+                    async with asyncio.timeout(TURN_TIMEOUT_S):
+                        turn = await generate(url, model, history, w)
+                except TimeoutError as e:
+                    turn = Turn(prompt_tokens=len(history), error=repr(e)[:200])
                 turns.append(turn)
                 if not turn.ok:
                     break
@@ -194,11 +201,22 @@ def routed_share(redis_url: str) -> tuple[int, int]:
 # ---- one configuration
 
 
-def measure(model_dir: str, name: str, schedulers: int, routing: bool, w: Workload, concurrency: int,
-            load_tokens: float | None = None, say=print) -> dict:
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the matrix: how many schedulers, routing or the shared stream, how many
+    conversations at a time, and the tokenizer's --prefix-routing-load-tokens (None: its default)."""
+
+    schedulers: int
+    routing: bool
+    concurrency: int
+    load_tokens: float | None = None
+
+
+def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print) -> dict:
+    schedulers, routing = config.schedulers, config.routing
     tokenizer = {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"}
-    if load_tokens is not None:
-        tokenizer["RSINFER_PREFIX_ROUTING_LOAD_TOKENS"] = str(load_tokens)
+    if config.load_tokens is not None:
+        tokenizer["RSINFER_PREFIX_ROUTING_LOAD_TOKENS"] = str(config.load_tokens)
     env = {"scheduler": SCHEDULER_ENV, "tokenizer": tokenizer,
            "api": {"RSINFER_MAX_QUEUED": str(4 * w.requests)}}
     label = f"{schedulers} schedulers, {'prefix routing' if routing else 'shared stream'}"
@@ -206,11 +224,11 @@ def measure(model_dir: str, name: str, schedulers: int, routing: bool, w: Worklo
         url, redis_url = stack.urls[0], stack.redis_server.url  # type: ignore[union-attr]
         wait_for_beats(redis_url, schedulers, 0.0, routing)
         warm = Workload([list(range(60, 60 + 40))], [[list(range(200, 216))]], [0], 4)
-        asyncio.run(converse(url, name, warm, 1, 60))
+        asyncio.run(asyncio.wait_for(converse(url, name, warm, 1), WARM_UP_TIMEOUT_S))
         before = wait_for_beats(redis_url, schedulers, time.time(), routing)
         load_before = loadavg()
         began = time.perf_counter()
-        turns = asyncio.run(converse(url, name, w, concurrency, 600))
+        turns = asyncio.run(converse(url, name, w, config.concurrency))
         wall = time.perf_counter() - began
         after = wait_for_beats(redis_url, schedulers, time.time(), routing)
         routed, admitted = routed_share(redis_url)
@@ -246,8 +264,8 @@ def run(model_dir: str, name: str, args: argparse.Namespace, say=print) -> dict:
     for k in range(args.repeat):
         for n in args.schedulers:
             for routing in (False, True):
-                runs.append({**measure(model_dir, name, n, routing, w, args.concurrency, args.load_tokens, say),
-                             "repeat": k})
+                config = Config(n, routing, args.concurrency, args.load_tokens)
+                runs.append({**measure(model_dir, name, config, w, say=say), "repeat": k})
     return {"config": {k: v for k, v in vars(args).items() if k != "output"} | {"requests": w.requests,
                                                                               "scheduler_env": SCHEDULER_ENV},
             "meta": {"started_at": started, "cpus": os.cpu_count(), "commit": commit()},

@@ -148,20 +148,33 @@ def _get(d: dict, *path, default=None):
     return d
 
 
+CPU_GOALS_US = {"api": 30.0, "detokenizer": 20.0}  # CPU µs per generated token, issue 11
+
+
 def rows(r: dict) -> list[Row]:
     """One row per measured figure with its goal from issue 11 (where it sets one)."""
-    out: list[Row] = []
+    return [*pipeline_rows(r), *cpu_rows(r), *merged_rows(_get(r, "merged", default={})),
+            *synthetic_rows(_get(r, "synthetic", default={})), *streams_10k_rows(_get(r, "streams_10k", default={})),
+            *prefix_rows(_get(r, "prefix_routing", default={})),
+            *transformers_rows(_get(r, "vs_transformers", default={}))]
+
+
+def pipeline_rows(r: dict) -> list[Row]:
     eng, pipe = _get(r, "engine", "tok_per_s"), _get(r, "pipeline", "tok_per_s")
     ratio = pipeline_ratio(r)
-    out.append(Row("pipeline", "engine in-process, 64 req x 64 prompt x 64 out", _fmt(eng, unit=" tok/s"), "", ""))
-    out.append(Row("pipeline", "full pipeline, same workload", _fmt(pipe, unit=" tok/s"), "", ""))
-    out.append(Row("pipeline", "full pipeline / engine in-process (median of interleaved pairs)",
-                   _fmt(ratio, ".2f", "x"), ">= 0.85x here; >= 0.97x on the 0.6B shape", _check(ratio, 0.85, False)))
+    return [Row("pipeline", "engine in-process, 64 req x 64 prompt x 64 out", _fmt(eng, unit=" tok/s"), "", ""),
+            Row("pipeline", "full pipeline, same workload", _fmt(pipe, unit=" tok/s"), "", ""),
+            Row("pipeline", "full pipeline / engine in-process (median of interleaved pairs)",
+                _fmt(ratio, ".2f", "x"), ">= 0.85x here; >= 0.97x on the 0.6B shape", _check(ratio, 0.85, False))]
+
+
+def cpu_rows(r: dict) -> list[Row]:
+    """CPU per token per stage, the engine alone and the scheduler's plumbing over it, Redis commands per token."""
+    out: list[Row] = []
     cpu = _get(r, "cpu", "us_per_token", default={})
-    goals = {"api": 30.0, "detokenizer": 20.0}
     for stage in ("api", "tokenizer", "scheduler", "detokenizer", "redis", "client"):
         if stage in cpu:
-            goal = goals.get(stage)
+            goal = CPU_GOALS_US.get(stage)
             out.append(Row("cpu", f"CPU per generated token: {stage}", _fmt(cpu[stage], ",.1f", " µs"),
                            f"<= {goal:.0f} µs" if goal else "", _check(cpu[stage], goal, True)))
     eng_us, plumbing = _get(r, "cpu", "engine_alone_us_per_token"), _get(r, "cpu", "scheduler_plumbing")
@@ -174,21 +187,29 @@ def rows(r: dict) -> list[Row]:
     out.append(Row("redis", "Redis commands per generated token (paged engine, 1 token per step)",
                    _fmt(cmds, ".2f"), "<= 1.1 at one token per step; <= 0.5 when steps are merged",
                    _check(cmds, 1.1, True)))
-    merged = _get(r, "merged", default={})
-    if merged:
-        k = merged["stream_interval"]
-        out.append(Row("merged", f"--stream-interval {k}: full pipeline / engine in-process",
-                       _fmt(merged.get("ratio_vs_engine"), ".2f", "x") + f" ({merged['tok_per_s']:,.0f} tok/s)",
-                       ">= 0.85x here", _check(merged.get("ratio_vs_engine"), 0.85, False)))
-        mcpu = merged.get("us_per_token", {})
-        for stage in ("api", "detokenizer"):
-            out.append(Row("merged", f"--stream-interval {k}: CPU per generated token: {stage}",
-                           _fmt(mcpu.get(stage), ",.1f", " µs"), f"<= {goals[stage]:.0f} µs",
-                           _check(mcpu.get(stage), goals[stage], True)))
-        out.append(Row("merged", f"--stream-interval {k}: Redis commands per generated token",
-                       _fmt(merged.get("redis_cmds_per_token"), ".2f"), "<= 0.5 when steps are merged",
-                       _check(merged.get("redis_cmds_per_token"), 0.5, True)))
-    syn = _get(r, "synthetic", default={})
+    return out
+
+
+def merged_rows(merged: dict) -> list[Row]:
+    if not merged:
+        return []
+    k = merged["stream_interval"]
+    out = [Row("merged", f"--stream-interval {k}: full pipeline / engine in-process",
+               _fmt(merged.get("ratio_vs_engine"), ".2f", "x") + f" ({merged['tok_per_s']:,.0f} tok/s)",
+               ">= 0.85x here", _check(merged.get("ratio_vs_engine"), 0.85, False))]
+    mcpu = merged.get("us_per_token", {})
+    for stage in ("api", "detokenizer"):
+        out.append(Row("merged", f"--stream-interval {k}: CPU per generated token: {stage}",
+                       _fmt(mcpu.get(stage), ",.1f", " µs"), f"<= {CPU_GOALS_US[stage]:.0f} µs",
+                       _check(mcpu.get(stage), CPU_GOALS_US[stage], True)))
+    out.append(Row("merged", f"--stream-interval {k}: Redis commands per generated token",
+                   _fmt(merged.get("redis_cmds_per_token"), ".2f"), "<= 0.5 when steps are merged",
+                   _check(merged.get("redis_cmds_per_token"), 0.5, True)))
+    return out
+
+
+def synthetic_rows(syn: dict) -> list[Row]:
+    out = []
     for key, label in (("api1", "one API process"), ("api2", "two API processes")):
         run = syn.get(key)
         if run:
@@ -199,33 +220,37 @@ def rows(r: dict) -> list[Row]:
         out.append(Row("redis", "Redis commands per generated token (synthetic, 512 streams)",
                        _fmt(syn["api1"].get("redis_cmds_per_token"), ".2f"), "<= 1.1 at one token per step",
                        _check(syn["api1"].get("redis_cmds_per_token"), 1.1, True)))
-    big = _get(r, "streams_10k", default={})
-    if big and not big.get("skipped"):
-        delivered = big["ok"] == big["requests"]
-        failed = ", ".join(f"{n:,} {why}" for why, n in big.get("error_counts", {}).items())
-        out.append(Row("10k", f"{big['requests']:,} streams on one API process: delivered",
-                       f"{big['ok']:,} of {big['requests']:,}, peak {big['peak_open']:,} open"
-                       + (f" (failed: {failed})" if failed else ""),
-                       "all, all open at once", "met" if delivered and big["peak_open"] >= big["requests"]
-                       else "not met"))
-        rss_mb = big["api_rss_peak_kb"] / 1024
-        out.append(Row("10k", "API process RSS, peak", f"{rss_mb:,.0f} MB", "< 1 GB", _check(rss_mb, 1024, True)))
-        added = big["itl_p99_ms"] - big["step_ms"]
-        out.append(Row("10k", "ITL p99 added by the plumbing (ITL p99 - step)", _fmt(added, ",.1f", " ms"),
-                       "<= 5 ms", _check(added, 5.0, True)))
-    out += prefix_rows(_get(r, "prefix_routing", default={}))
-    tf = _get(r, "vs_transformers", default={})
-    if tf.get("skipped"):
-        out.append(Row("transformers", "vs transformers serve --continuous-batching", "skipped: " + tf["skipped"],
-                       ">= 2x (demo model)", ""))
-    elif tf:
-        ratio = tf["rsinfer"]["tok_per_s"] / tf["transformers"]["tok_per_s"]
-        out.append(Row("transformers", "rsinfer vs transformers serve --continuous-batching (openai client)",
-                       f"{tf['rsinfer']['tok_per_s']:,.0f} vs {tf['transformers']['tok_per_s']:,.0f} tok/s = "
-                       f"{ratio:.2f}x", ">= 2x (demo model); >= 1.5x (0.6B shape)", _check(ratio, 2.0, False)))
-        out.append(Row("transformers", "TTFT p50, rsinfer vs transformers",
-                       f"{tf['rsinfer']['ttft_p50_ms']:,.0f} vs {tf['transformers']['ttft_p50_ms']:,.0f} ms", "", ""))
     return out
+
+
+def streams_10k_rows(big: dict) -> list[Row]:
+    if not big or big.get("skipped"):
+        return []
+    delivered = big["ok"] == big["requests"]
+    failed = ", ".join(f"{n:,} {why}" for why, n in big.get("error_counts", {}).items())
+    rss_mb = big["api_rss_peak_kb"] / 1024
+    added = big["itl_p99_ms"] - big["step_ms"]
+    return [Row("10k", f"{big['requests']:,} streams on one API process: delivered",
+                f"{big['ok']:,} of {big['requests']:,}, peak {big['peak_open']:,} open"
+                + (f" (failed: {failed})" if failed else ""),
+                "all, all open at once", "met" if delivered and big["peak_open"] >= big["requests"] else "not met"),
+            Row("10k", "API process RSS, peak", f"{rss_mb:,.0f} MB", "< 1 GB", _check(rss_mb, 1024, True)),
+            Row("10k", "ITL p99 added by the plumbing (ITL p99 - step)", _fmt(added, ",.1f", " ms"), "<= 5 ms",
+                _check(added, 5.0, True))]
+
+
+def transformers_rows(tf: dict) -> list[Row]:
+    if tf.get("skipped"):
+        return [Row("transformers", "vs transformers serve --continuous-batching", "skipped: " + tf["skipped"],
+                    ">= 2x (demo model)", "")]
+    if not tf:
+        return []
+    ratio = tf["rsinfer"]["tok_per_s"] / tf["transformers"]["tok_per_s"]
+    return [Row("transformers", "rsinfer vs transformers serve --continuous-batching (openai client)",
+                f"{tf['rsinfer']['tok_per_s']:,.0f} vs {tf['transformers']['tok_per_s']:,.0f} tok/s = "
+                f"{ratio:.2f}x", ">= 2x (demo model); >= 1.5x (0.6B shape)", _check(ratio, 2.0, False)),
+            Row("transformers", "TTFT p50, rsinfer vs transformers",
+                f"{tf['rsinfer']['ttft_p50_ms']:,.0f} vs {tf['transformers']['ttft_p50_ms']:,.0f} ms", "", "")]
 
 
 def prefix_rows(pr: dict) -> list[Row]:

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench import prefix_routing, report  # noqa: E402
 from bench.harness import (  # noqa: E402
     BenchStack,
+    ChatLoad,
     completion_body,
     cpu_ticks,
     loadavg,
@@ -76,6 +78,15 @@ SIZES = {
 }
 
 T0 = time.monotonic()
+
+
+@dataclass(frozen=True)
+class Target:
+    """What every section runs: the checkpoint, the name it is served as, and the sizes of this run's mode."""
+
+    model_dir: str
+    name: str
+    size: dict
 
 
 def say(msg: str) -> None:
@@ -132,27 +143,29 @@ def id_prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
     return [[rng.randrange(16, 1000) for _ in range(length)] for _ in range(n)]
 
 
-def pipeline_sections(model_dir: str, name: str, size: dict, want: set[str], results: dict) -> None:
+def pipeline_sections(target: Target, want: set[str], results: dict) -> None:
     """(b), (c) and (f) on one stack of the paged engine."""
+    model_dir, name, size = target.model_dir, target.name, target.size
     with BenchStack(model_dir, name) as stack:
         say(f"  stack up (logs {stack.log_dir})")
         url = stack.urls[0]
         run_load([url], [completion_body(name, p, 16) for p in id_prompts(8, 1)], 8)  # warm-up
         if "pipeline" in want:
-            engine_and_pipeline(stack, model_dir, name, size, "engine" in want, results)
+            engine_and_pipeline(stack, target, "engine" in want, results)
         if "cpu" in want:
             results["cpu"] = {**results.get("cpu", {}), **cpu_run(stack, name, size)}
         if "transformers" in want:
-            load = tuple(int(x) for x in size["tf_load"].split(","))
+            load = ChatLoad(*(int(x) for x in size["tf_load"].split(",")))
             say("(f) vs transformers serve --continuous-batching (OMP_NUM_THREADS=1), the openai client for both: "
-                f"{load[0]} requests, {load[1]} concurrent, {load[2]} tokens, runs interleaved")
+                f"{load.requests} requests, {load.concurrency} concurrent, {load.max_tokens} tokens, runs "
+                "interleaved")
             results["vs_transformers"] = versus_transformers(url, name, model_dir, size["tf_runs"], load)
 
 
-def engine_and_pipeline(stack: BenchStack, model_dir: str, name: str, size: dict, engine: bool,
-                        results: dict) -> None:
+def engine_and_pipeline(stack: BenchStack, target: Target, engine: bool, results: dict) -> None:
     """(a) and (b) interleaved run by run (an engine run in its own process, then the same workload through the
     pipeline), so that load from other processes falls on both alike; the medians and their ratio."""
+    model_dir, name, size = target.model_dir, target.name, target.size
     url = stack.urls[0]
     engine_runs, runs = [], []
     for i in range(size["runs"]):
@@ -176,9 +189,10 @@ def engine_and_pipeline(stack: BenchStack, model_dir: str, name: str, size: dict
             f"pairs: {median(ratios):.2f}x")
 
 
-def merged_section(model_dir: str, name: str, size: dict, results: dict) -> None:
+def merged_section(target: Target, results: dict) -> None:
     """(g) the pipeline workload and the CPU one again with the scheduler merging MERGED_INTERVAL steps into one
     delta per choice (--stream-interval): what the plumbing costs per token when it pays per delta."""
+    model_dir, name, size = target.model_dir, target.name, target.size
     env = {"scheduler": {"RSINFER_STREAM_INTERVAL": str(MERGED_INTERVAL)}}
     with BenchStack(model_dir, name, env=env) as stack:
         url = stack.urls[0]
@@ -217,13 +231,13 @@ def cpu_run(stack: BenchStack, name: str, size: dict) -> dict:
     return out
 
 
-def measured_load(stack: BenchStack, urls: list[str], bodies: list[bytes], concurrency: int, stagger_s: float = 0.0,
-                  processes: int = 1) -> tuple[dict, list[report.Span]]:
+def measured_load(stack: BenchStack, urls: list[str], bodies: list[bytes], concurrency: int, *,
+                  stagger_s: float = 0.0, processes: int = 1) -> tuple[dict, list[report.Span]]:
     """A load run with each process's CPU and Redis's command counts measured around it; its request spans."""
     pids = stack.pids()
     clk = os.sysconf("SC_CLK_TCK")
     cmds0, ticks0 = redis_commands(stack.redis_server.url), cpu_ticks(pids)  # type: ignore[union-attr]
-    load = run_load(urls, bodies, concurrency, stagger_s, processes)
+    load = run_load(urls, bodies, concurrency, stagger_s=stagger_s, processes=processes)
     ticks1, cmds1 = cpu_ticks(pids), redis_commands(stack.redis_server.url)  # type: ignore[union-attr]
     summary = load.summary()
     tokens = summary["tokens"]
@@ -244,7 +258,7 @@ TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 
 
 def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int,
-                        load: tuple[int, int, int] = (64, 32, OUTPUT_LEN)) -> dict:
+                        load: ChatLoad = ChatLoad(64, 32, OUTPUT_LEN)) -> dict:
     """rsinfer (already up) and `transformers serve --continuous-batching`, each warmed up, then their runs
     interleaved so that load from other processes falls on both alike (each idles near 0% CPU)."""
     why = transformers_available()
@@ -254,16 +268,16 @@ def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int,
     with transformers_server(model_dir) as tf_url:
         systems = {"rsinfer": (rs_url, rs_model, RSINFER_BODY), "transformers": (tf_url, model_dir, TRANSFORMERS_BODY)}
         for url, model, body in systems.values():
-            asyncio.run(openai_load(url, model, 2, 2, 8, body))  # warm-up (transformers: initialises batching)
+            asyncio.run(openai_load(url, model, ChatLoad(2, 2, 8), body))  # warm-up (transformers: starts batching)
         out: dict[str, list[dict]] = {k: [] for k in systems}
         for i in range(runs):
             for key, (url, model, body) in systems.items():
-                s = asyncio.run(openai_load(url, model, *load, body))
+                s = asyncio.run(openai_load(url, model, load, body))
                 out[key].append(s)
                 say(f"    run {i + 1}/{runs} {key:>12}: {s['tok_per_s']:,.0f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} "
                     f"ms, {s['ok']}/{s['requests']} ok {s['error_counts'] or ''}")
     result = {k: {**sorted(v, key=lambda s: s["tok_per_s"])[len(v) // 2], "runs": v} for k, v in out.items()}
-    result["load"] = dict(zip(("requests", "concurrency", "max_tokens"), load, strict=True))
+    result["load"] = load._asdict()
     say(f"  rsinfer / transformers: {result['rsinfer']['tok_per_s'] / result['transformers']['tok_per_s']:.2f}x")
     return result
 
@@ -340,11 +354,22 @@ def ideal(streams: int) -> float:
     return streams * report.IDEAL_STREAM_RATE / STEP_MS
 
 
-def synthetic_point(stack: BenchStack, urls: list[str], name: str, streams: int, requests: int, tokens: int,
-                    processes: int) -> dict:
-    prompts = id_prompts(requests, 11, length=16)
+@dataclass(frozen=True)
+class Point:
+    """One load of the synthetic section: `requests` of `tokens` tokens, `streams` at a time, sent from
+    `processes` client processes."""
+
+    streams: int
+    requests: int
+    tokens: int
+    processes: int
+
+
+def synthetic_point(stack: BenchStack, urls: list[str], name: str, point: Point) -> dict:
+    streams, tokens = point.streams, point.tokens
+    prompts = id_prompts(point.requests, 11, length=16)
     bodies = [completion_body(name, p, tokens) for p in prompts]
-    m, spans = measured_load(stack, urls, bodies, streams, stagger_s=0.002, processes=processes)
+    m, spans = measured_load(stack, urls, bodies, streams, stagger_s=0.002, processes=point.processes)
     steady, window = report.steady_rate(spans, streams)
     s = m["load"]
     return {**s, "concurrency": streams, "api_processes": len(urls), "max_tokens": tokens, "ideal": ideal(streams),
@@ -353,21 +378,22 @@ def synthetic_point(stack: BenchStack, urls: list[str], name: str, streams: int,
             "redis_cmds_per_token": m["redis_cmds_per_token"]}
 
 
-def synthetic_section(model_dir: str, name: str, size: dict, results: dict) -> None:
+def synthetic_section(target: Target, results: dict) -> None:
+    model_dir, name, size = target.model_dir, target.name, target.size
     out = results.setdefault("synthetic", {})
     with BenchStack(model_dir, name, apis=2, env=synthetic_env(512)) as stack:
         say(f"  synthetic stack up, 2 API processes (logs {stack.log_dir})")
         run_load(stack.urls, [completion_body(name, p, 8) for p in id_prompts(16, 2, 16)], 16)  # warm-up
         for key, urls in (("api1", stack.urls[:1]), ("api2", stack.urls)):
-            p = synthetic_point(stack, urls, name, 512, 512 * size["syn_waves"], size["syn_tokens"], processes=2)
+            p = synthetic_point(stack, urls, name, Point(512, 512 * size["syn_waves"], size["syn_tokens"], 2))
             out[key] = p
             say(f"    512 streams, {len(urls)} API: {p['steady_tok_per_s']:,.0f} tok/s steady "
                 f"({p['steady_tok_per_s'] / p['ideal']:.0%} of {p['ideal']:,.0f}), {p['tok_per_s']:,.0f} overall, "
                 f"ITL p99 {p['itl_p99_ms']:.0f} ms, {p['ok']}/{p['requests']} ok")
         sweep = []
         for c in (1, 8, 64, 256, 512):
-            p = synthetic_point(stack, stack.urls[:1], name, c, max(2, 2 * c), size["sweep_tokens"],
-                                processes=1 if c < 256 else 2)
+            p = synthetic_point(stack, stack.urls[:1], name,
+                                Point(c, max(2, 2 * c), size["sweep_tokens"], 1 if c < 256 else 2))
             sweep.append(p)
             say(f"    sweep {c:>3} streams: {p['steady_tok_per_s'] or p['tok_per_s']:,.0f} tok/s of "
                 f"{p['ideal']:,.0f}, TTFT p50/p99 {p['ttft_p50_ms']:.0f}/{p['ttft_p99_ms']:.0f} ms, "
@@ -378,7 +404,8 @@ def synthetic_section(model_dir: str, name: str, size: dict, results: dict) -> N
 # ---- (e) 10,000 streams
 
 
-def streams_10k_section(model_dir: str, name: str, size: dict, results: dict, args: argparse.Namespace) -> None:
+def streams_10k_section(target: Target, results: dict, args: argparse.Namespace) -> None:
+    model_dir, name, size = target.model_dir, target.name, target.size
     streams, arrival = args.big_streams, args.big_arrival_s
     max_running = args.big_max_running or streams
     limit = raise_fd_limit()
@@ -410,10 +437,11 @@ def streams_10k_section(model_dir: str, name: str, size: dict, results: dict, ar
 # ---- (g) prefix-aware routing
 
 
-def prefix_routing_section(model_dir: str, name: str, size: dict, results: dict) -> None:
+def prefix_routing_section(target: Target, results: dict) -> None:
+    size = target.size
     args = prefix_routing.parser().parse_args(["--conversations", str(size["conversations"]),
                                                "--repeat", str(size["prefix_repeat"])])
-    out = prefix_routing.run(model_dir, name, args, say=lambda m: say(f"  {m.strip()}"))
+    out = prefix_routing.run(target.model_dir, target.name, args, say=lambda m: say(f"  {m.strip()}"))
     results["prefix_routing"] = out
     prefix_routing.RESULTS.write_text(json.dumps(out, indent=1) + "\n")
 
@@ -453,42 +481,71 @@ def main() -> int:
     args = parse_args()
     out = Path(args.out)
     if args.report_only:
-        results = report.load(out)
-        newest_prefix_routing(results)
-        report.write_docs(results, DOCS, PLOTS, report.read_history(HISTORY))
-        print(f"wrote {DOCS.relative_to(ROOT)} and plots from {_shown(out)}")
-        return 0
+        return report_only(out)
+    want = wanted_sections(args)
+    size = {**SIZES["full" if args.full else "quick"], "tf_load": args.tf_load}
+    raise_fd_limit()
+    target = Target(*model_of(args), size)
+    results = report.load(out) if args.only and out.exists() else {}
+    results["meta"] = {**results.get("meta", {}), **meta(args, target.model_dir)}
+    say(f"rsinfer benchmarks, {results['meta']['mode']} mode, sections {', '.join(s for s in SECTIONS if s in want)}; "
+        f"{os.cpu_count()} CPUs, load average {results['meta']['loadavg_before']}")
+    engine_sections(target, want, results)
+    stack_sections(target, want, results, args)
+    results["meta"]["loadavg_after"] = loadavg()
+    results["meta"]["duration_s"] = round(time.monotonic() - T0, 1)
+    write_results(out, results)
+    for row in report.rows(results):
+        print(f"  {row.figure:70} {row.measured:40} {row.goal:45} {row.verdict}")
+    return 0
+
+
+def report_only(out: Path) -> int:
+    results = report.load(out)
+    newest_prefix_routing(results)
+    report.write_docs(results, DOCS, PLOTS, report.read_history(HISTORY))
+    print(f"wrote {DOCS.relative_to(ROOT)} and plots from {_shown(out)}")
+    return 0
+
+
+def wanted_sections(args: argparse.Namespace) -> set[str]:
     want = set(args.only.split(",")) if args.only else set(SECTIONS)
     unknown = want - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    size = {**SIZES["full" if args.full else "quick"], "tf_load": args.tf_load}
-    raise_fd_limit()
-    if args.model:
-        model_dir, name = args.model, Path(args.model).name
-    else:
-        from shared.demo_model import ensure_demo_model
-        from shared.settings import DEMO_MODEL_NAME
+    return want
 
-        model_dir, name = str(ensure_demo_model()), DEMO_MODEL_NAME
-    results = report.load(out) if args.only and out.exists() else {}
-    results["meta"] = {**results.get("meta", {}), **meta(args, model_dir)}
-    say(f"rsinfer benchmarks, {results['meta']['mode']} mode, sections {', '.join(s for s in SECTIONS if s in want)}; "
-        f"{os.cpu_count()} CPUs, load average {results['meta']['loadavg_before']}")
+
+def model_of(args: argparse.Namespace) -> tuple[str, str]:
+    """The checkpoint folder and the name it is served as: --model's, or the demo model's."""
+    if args.model:
+        return args.model, Path(args.model).name
+    from shared.demo_model import ensure_demo_model
+    from shared.settings import DEMO_MODEL_NAME
+
+    return str(ensure_demo_model()), DEMO_MODEL_NAME
+
+
+def engine_sections(target: Target, want: set[str], results: dict) -> None:
+    """(a) alone when the pipeline does not interleave it, and (c)'s engine alone."""
     if "engine" in want and "pipeline" not in want:  # else interleaved with the pipeline's runs
         say("(a) engine in-process: 64 requests x 64 prompt x 64 out")
-        results["engine"] = engine_bench(model_dir, 64, 64, size["runs"])
+        results["engine"] = engine_bench(target.model_dir, 64, 64, target.size["runs"])
         say(f"  engine: {results['engine']['tok_per_s']:,.0f} tok/s")
     if "cpu" in want:
-        n = size["cpu_requests"]
+        n = target.size["cpu_requests"]
         say(f"(c) the engine alone on the CPU workload: {n} requests, 64 running")
-        alone = engine_bench(model_dir, n, 64, 1)
+        alone = engine_bench(target.model_dir, n, 64, 1)
         results["cpu"] = {**results.get("cpu", {}), "engine_alone": alone,
                           "engine_alone_us_per_token": alone["cpu_us_per_token"]}
+
+
+def stack_sections(target: Target, want: set[str], results: dict, args: argparse.Namespace) -> None:
+    """The sections that start stacks of processes, in order."""
     if want & {"pipeline", "cpu", "transformers"}:
         say("(a, b, c, f) the pipeline (paged engine): redis-server, tokenizer, scheduler, detokenizer, API; (a) the "
             "engine in-process between its runs: 64 requests x 64 prompt x 64 out")
-        pipeline_sections(model_dir, name, size, want, results)
+        pipeline_sections(target, want, results)
     if "cpu" in want:
         cpu = results["cpu"]
         cpu["scheduler_plumbing"] = round(cpu["us_per_token"]["scheduler"] / cpu["engine_alone_us_per_token"] - 1, 3)
@@ -496,20 +553,22 @@ def main() -> int:
     if "merged" in want:
         say(f"(g) the pipeline with merged steps (--stream-interval {MERGED_INTERVAL}): 64 requests x 64 prompt x 64 "
             f"out, then the CPU workload")
-        merged_section(model_dir, name, size, results)
+        merged_section(target, results)
     if "synthetic" in want:
         say(f"(d) synthetic engine, {STEP_MS:.0f} ms step")
-        synthetic_section(model_dir, name, size, results)
+        synthetic_section(target, results)
     if "10k" in want:
         say("(e) 10,000 streams on one API process (synthetic engine)")
-        streams_10k_section(model_dir, name, size, results, args)
+        streams_10k_section(target, results, args)
     if "prefix" in want:
         say("(g) prefix-aware routing vs the shared stream, 2 and 4 schedulers (bench/prefix_routing.py)")
-        prefix_routing_section(model_dir, name, size, results)
+        prefix_routing_section(target, results)
     else:
         newest_prefix_routing(results)
-    results["meta"]["loadavg_after"] = loadavg()
-    results["meta"]["duration_s"] = round(time.monotonic() - T0, 1)
+
+
+def write_results(out: Path, results: dict) -> None:
+    """The results file; for the committed one, its history line, docs/benchmarks.md and the plots too."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     if out.resolve() == RESULTS.resolve():  # the committed page follows the committed results only
@@ -519,9 +578,6 @@ def main() -> int:
         say(f"wrote {_shown(out)}, {DOCS.relative_to(ROOT)} and plots in {PLOTS.relative_to(ROOT)}")
     else:
         say(f"wrote {_shown(out)} (docs/benchmarks.md follows {_shown(RESULTS)} only)")
-    for row in report.rows(results):
-        print(f"  {row.figure:70} {row.measured:40} {row.goal:45} {row.verdict}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def main() -> int:
         try:
             ports = start_replicas(stack, dict.fromkeys(STAGES, 2), apis=2, timeout=300, **env)
             print(f"soak: {args.streams} streams x {args.max_tokens} tokens; logs in {stack.log_dir}", flush=True)
-            result = asyncio.run(soak(stack, ports, env, args, jobs, rng))
+            result = asyncio.run(soak(Chaos(stack, env, ports), args, jobs, rng))
         finally:
             stack.stop()
     result["config"] = {**vars(args), "env": env}
@@ -172,9 +172,9 @@ def main() -> int:
     return 0
 
 
-async def soak(stack: Stack, ports: list[int], env: dict[str, str], args, jobs, rng: random.Random) -> dict:
-    clients = Clients([f"http://127.0.0.1:{p}" for p in ports])
-    chaos = Chaos(stack, env, ports)
+async def soak(chaos: Chaos, args, jobs, rng: random.Random) -> dict:
+    """The runs, undisturbed then under `chaos` (which this closes), through its stack's API processes."""
+    clients = Clients([f"http://127.0.0.1:{p}" for p in chaos.api_ports])
     try:
         out: dict = {}
         if not args.skip_undisturbed:
@@ -184,7 +184,7 @@ async def soak(stack: Stack, ports: list[int], env: dict[str, str], args, jobs, 
         wall, outcomes = await load(clients, jobs(10_000), lambda: kill_every(chaos, args.kill_every, rng))
         await chaos.settle()
         out["disturbed"] = run_figures(wall, outcomes, args.max_tokens)
-        out["breakdown"] = breakdown(chaos, stack.log_dir, outcomes)
+        out["breakdown"] = breakdown(chaos, chaos.stack.log_dir, outcomes)
         if "undisturbed" in out:
             out["throughput_ratio"] = round(out["disturbed"]["tok_s"] / out["undisturbed"]["tok_s"], 3)
             out["goal_met"] = out["throughput_ratio"] >= 0.5 and out["disturbed"]["missed_deadline"] == 0

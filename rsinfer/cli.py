@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from shared.settings import (
     ApiSettings,
@@ -74,48 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cmd = args.command
-    for secret in ("api_key", "redis_password"):
-        if getattr(args, secret, None):
-            flag, env = "--" + secret.replace("_", "-"), f"RSINFER_{secret.upper()}"
-            print(f"rsinfer: warning: {flag} on the command line shows in `ps`; use {env} or {flag}-file",
-                  file=sys.stderr)
-    if cmd == "demo-model":
-        from shared.demo_model import make_model
-
-        print(make_model(args.dir, shape=args.shape, seed=args.seed, dtype=args.dtype))
-        return 0
-    if cmd == "bench":
-        from rsinfer.bench import run_bench
-
-        return run_bench(args)
-    if cmd == "asyncapi":
-        from shared.contract import asyncapi_yaml
-
-        text = asyncapi_yaml()
-        if args.output == "-":
-            sys.stdout.write(text)
-        else:
-            with open(args.output, "w") as f:
-                f.write(text)
-        return 0
-    if cmd == "drain":
-        from rsinfer import tools
-
-        return tools.drain(settings_from_args(ApiSettings, args), args.wait)
-    if cmd == "healthcheck":
-        from rsinfer import tools
-
-        return tools.healthcheck(settings_from_args(ProbeSettings, args), args)
-    if cmd == "inspect":
-        from rsinfer import tools
-
-        return asyncio.run(tools.inspect(settings_from_args(CommonSettings, args), args))
-    settings = settings_from_args(SERVICES[cmd][0], args)
-    if cmd == "up":
+    _warn_of_secret_flags(args)
+    tool = TOOLS.get(args.command)
+    if tool is not None:
+        return tool(args)
+    settings = settings_from_args(SERVICES[args.command][0], args)
+    if args.command == "up":
         from rsinfer.up import run_up
 
         return run_up(settings)
+    return serve(args.command, settings)
+
+
+def serve(cmd: str, settings: CommonSettings) -> int:
+    """Run one stage's process (api, tokenizer, scheduler or detokenizer) until it stops."""
     from shared.logs import setup_logging
 
     setup_logging(settings.log_level, cmd, settings.identity())
@@ -123,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         from shared.liveness import Liveness, liveness_path
 
         Liveness(liveness_path(settings.liveness_file, settings.namespace, cmd, settings.name()), cmd, "").clear()
+    return _stage_main(cmd)(settings) or 0
+
+
+def _stage_main(cmd: str) -> Callable[[Any], int | None]:
+    """The stage's `run`, imported only for the stage this process runs."""
     if cmd == "api":
         from services.api.main import run
     elif cmd == "tokenizer":
@@ -131,7 +110,67 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler.main import run
     else:
         from services.detokenizer.main import run
-    return run(settings) or 0
+    return run
+
+
+def _warn_of_secret_flags(args: argparse.Namespace) -> None:
+    for secret in ("api_key", "redis_password"):
+        if getattr(args, secret, None):
+            flag, env = "--" + secret.replace("_", "-"), f"RSINFER_{secret.upper()}"
+            print(f"rsinfer: warning: {flag} on the command line shows in `ps`; use {env} or {flag}-file",
+                  file=sys.stderr)
+
+
+# ---- the subcommands that are not a process of the deployment
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from shared.demo_model import make_model
+
+    print(make_model(args.dir, shape=args.shape, seed=args.seed, dtype=args.dtype))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rsinfer.bench import run_bench
+
+    return run_bench(args)
+
+
+def _asyncapi(args: argparse.Namespace) -> int:
+    from shared.contract import asyncapi_yaml
+
+    text = asyncapi_yaml()
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from rsinfer import tools
+
+    return tools.drain(settings_from_args(ApiSettings, args), args.wait)
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    from rsinfer import tools
+
+    return tools.healthcheck(settings_from_args(ProbeSettings, args), args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rsinfer import tools
+
+    return asyncio.run(tools.inspect(settings_from_args(CommonSettings, args), args))
+
+
+TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo-model": _demo_model, "bench": _bench, "asyncapi": _asyncapi, "drain": _drain,
+    "healthcheck": _healthcheck, "inspect": _inspect,
+}
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ class GroupConsumer(Generic[M]):
     def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str,
                  lane_key: Callable[[str], str] | None = None):
         self.redis, self.key, self.group, self.consumer = redis, key, group, consumer
+        self.member = streams.Member(group, consumer)
         self.typ, self.dead_key = typ, dead_key
         self.lane_key = lane_key
         self.lanes: dict[str, bool] = {}  # lane -> create its stream if missing; in reading order
@@ -118,7 +119,7 @@ class GroupConsumer(Generic[M]):
         try:
             if self.lanes:
                 return await self._read_lanes(count, block_ms)
-            rows = await streams.read_group(self.redis, (self.key,), self.group, self.consumer, count, block_ms)
+            rows = await streams.read_group(self.redis, (self.key,), self.member, count, block_ms)
         except ResponseError as e:
             # UNBLOCKED: a stream a blocked read waited on was deleted (a peer ended a lane we drained too)
             if "NOGROUP" not in str(e) and "UNBLOCKED" not in str(e):
@@ -132,13 +133,12 @@ class GroupConsumer(Generic[M]):
         """Up to `count` entries, lanes first (one script); if none and `block_ms`, one XREADGROUP BLOCK over all
         streams, at most count / streams from each, so that it never takes more than `count` either."""
         keys = self.streams()
-        rows, missing = await streams.read_group_in_order(self.redis, keys, self.group, self.consumer, count)
+        rows, missing = await streams.read_group_in_order(self.redis, keys, self.member, count)
         if missing:
             log.warning("group %s missing on %s; recreating", self.group, ", ".join(missing))
             await self.ensure_group()
         if not rows and block_ms is not None and not missing:
-            rows = await streams.read_group(self.redis, keys, self.group, self.consumer,
-                                            max(1, count // len(keys)), block_ms)
+            rows = await streams.read_group(self.redis, keys, self.member, max(1, count // len(keys)), block_ms)
         return await self.decode_all([(self.ref(key, eid), f) for key, eid, f in rows])
 
     async def claim(self, min_idle_ms: int, count: int) -> list[Delivery[M]]:
@@ -149,7 +149,7 @@ class GroupConsumer(Generic[M]):
         next call goes on: starting every call at 0-0 would never get past live peers' many entries to a dead
         one's behind them. It comes back to 0-0 when the scan has gone round."""
         cursors = {key: self.cursors.get(key, "0-0") for key in self.streams()}
-        results = await streams.autoclaim(self.redis, cursors, self.group, self.consumer, min_idle_ms, count)
+        results = await streams.autoclaim(self.redis, cursors, self.member, min_idle_ms, count)
         live: Rows = []
         for key, result in results.items():
             if isinstance(result, ResponseError):
@@ -169,7 +169,7 @@ class GroupConsumer(Generic[M]):
         owners would take it from each other for ever."""
         if not ids:
             return []
-        lost = await streams.touch_own(self.redis, self.by_stream(ids), self.group, self.consumer)
+        lost = await streams.touch_own(self.redis, self.by_stream(ids), self.member)
         return [self.ref(key, i) for key, gone in lost.items() for i in gone]
 
     async def hand_back(self, ids: Sequence[str], to_consumer: str) -> None:
@@ -217,8 +217,7 @@ class GroupConsumer(Generic[M]):
                 break
         if not ids:
             return []
-        return await self.decode_all(await streams.claim(self.redis, self.key, self.group, self.consumer,
-                                                         min_idle_ms, ids))
+        return await self.decode_all(await streams.claim(self.redis, self.key, self.member, min_idle_ms, ids))
 
     async def pending_ids(self, count: int = 1000) -> list[str]:
         """References of the entries this consumer holds, on every stream it reads."""

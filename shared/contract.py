@@ -28,6 +28,7 @@ from shared.messages import (
     ScheduleJob,
     TokenizeJob,
 )
+from shared.streams import Member
 
 REF = "#/components/schemas/{name}"
 ENTRY = ("Each entry has one field, `data`, whose value is this message as UTF-8 JSON (`kind` names it, `v` is "
@@ -73,7 +74,9 @@ def build_broker(keys: Keys) -> Any:
     for s in stream_catalogue(keys):
         about = f"{ENTRY} Published by {s.publishers}; consumed by {s.consumer}."
         if s.by_faststream:
-            faststream_glue.subscribe(broker, s.address, s.group, "{worker}", 64, 10_000, nothing, s.channel, about)
+            assert s.group, f"{s.address} is read by FastStream, so in a group"
+            what = faststream_glue.Subscription(s.address, Member(s.group, "{worker}"), 64, 10_000)
+            faststream_glue.subscribe(broker, what, nothing, title=s.channel, description=about)
         else:
             sub = StreamSub(s.address, group=s.group, consumer="{worker}") if s.group else StreamSub(s.address)
             broker.subscriber(stream=sub, title=s.channel, description=about)(nothing)

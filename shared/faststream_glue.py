@@ -12,9 +12,10 @@ docs/design.md, "Measured facts behind the design".
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared.streams import as_str
+from shared.streams import Member, as_str
 
 if TYPE_CHECKING:
     from faststream.redis import RedisBroker
@@ -37,10 +38,21 @@ def _retry_failed_reads_sooner() -> None:
             module.CONSUME_ERROR_BACKOFF_SECONDS = READ_RETRY_S
 
 
-def subscribe(broker: RedisBroker, key: str, group: str, consumer: str, batch_size: int, claim_idle_ms: int,
-              handler: Handler, title: str, description: str) -> list[Any]:
-    """Two FastStream subscribers of one stream in one group: new entries in batches of up to `batch_size`,
-    and entries idle past `claim_idle_ms` in other consumers' hands, one at a time. Both call
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """What a stage's two subscribers read: one stream, as one member of its group; new entries in batches of up
+    to `batch_size`, and entries idle past `claim_idle_ms` in other consumers' hands."""
+
+    key: str
+    member: Member
+    batch_size: int
+    claim_idle_ms: int
+
+
+def subscribe(broker: RedisBroker, what: Subscription, handler: Handler, *, title: str, description: str
+              ) -> list[Any]:
+    """Two FastStream subscribers of `what`: new entries in batches, and entries idle in other consumers'
+    hands, one at a time; `title` and `description` are their channel's in the AsyncAPI document. Both call
     `handler(entries, claimed)` with the raw entries [(entry_id, fields)]; nothing is acknowledged for it.
     The broker should have `apply_types=False`: the handlers take the entries as they come (our parser puts
     them in the message body), with no dependency injection or JSON work per read."""
@@ -60,9 +72,11 @@ def subscribe(broker: RedisBroker, key: str, group: str, consumer: str, batch_si
             # FastStream asks for the prefixed stream on every read, and builds it by deepcopy (~50 µs).
             return super().add_prefix(prefix) if prefix else self
 
-    reader = Sub(key, group=group, consumer=consumer, batch=True, max_records=batch_size,
+    group, consumer = what.member.group, what.member.consumer
+    reader = Sub(what.key, group=group, consumer=consumer, batch=True, max_records=what.batch_size,
                  polling_interval=READ_BLOCK_MS)
-    claimer = Sub(key, group=group, consumer=consumer, min_idle_time=claim_idle_ms, polling_interval=CLAIM_POLL_MS)
+    claimer = Sub(what.key, group=group, consumer=consumer, min_idle_time=what.claim_idle_ms,
+                  polling_interval=CLAIM_POLL_MS)
     subscribers = [broker.subscriber(stream=reader, parser=_entries, decoder=_body, ack_policy=AckPolicy.MANUAL,
                                      title=title, description=description),
                    broker.subscriber(stream=claimer, parser=_entries, decoder=_body, ack_policy=AckPolicy.MANUAL,

@@ -72,7 +72,7 @@ def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -
 class Router:
     """The tokenizer's side: which stream each schedule job goes to."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, heartbeat_ttl_s: float, load_tokens: float,
+    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, load_tokens: float,
                  tokenizer_id: str = "tokenizer"):
         self.redis, self.keys, self.model, self.id = redis, keys, model, tokenizer_id
         self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
@@ -280,7 +280,8 @@ class SchedulerLanes:
 
     def end_if_drained(self, target: Any, lane: str) -> Any:
         return streams.end_if_drained(target, self.keys.scheduler_stream(self.model, lane), self.consumer.group,
-                                      self.keys.cached_pages(self.model, lane), self.routed_key, lane)
+                                      companion=self.keys.cached_pages(self.model, lane), registry=self.routed_key,
+                                      member=lane)
 
     async def release(self) -> None:
         """On close: the cache dies with the process, so its set goes; the own stream ends if nothing is left in

@@ -333,11 +333,7 @@ class ObjectStore(abc.ABC):
             total = 0
             for rel, _ in objects:
                 total += await self._download_file(folder + rel, tmp / rel, limit - total, folder, limit)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
+            if not await self._io(_move_into_place, tmp, final):
                 log.info("folder %s: another process fetched it first", folder)
             log.info("fetched folder %s%s (%d files, %d bytes) into %s", self.url, folder, len(objects), total, final)
             return final
@@ -473,25 +469,35 @@ class LocalStore(ObjectStore):
         return sorted(found, key=lambda i: i.key.encode())
 
 
+@dataclass(frozen=True)
+class S3Options:
+    """How an S3Store talks to its server (the `storage_*` settings): which server (None: AWS), in which region,
+    how it names the bucket in a request ("auto", "path" or "virtual"), and the part size of multipart uploads."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing_style: str = "auto"
+    part_bytes: int = 8 * MiB
+
+
 class S3Store(ObjectStore):
-    """Objects in an S3 bucket (AWS, or any S3-compatible server through `endpoint_url`) under `prefix`.
+    """Objects in an S3 bucket (AWS, or any S3-compatible server through `S3Options.endpoint_url`) under `prefix`.
     Credentials come from boto3's standard chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and
     AWS_SESSION_TOKEN), AWS_PROFILE and the shared config files, web identity (EKS service accounts), instance
     roles. Objects over `part_bytes` go up as multipart uploads of that part size, aborted on failure;
     one upload holds one part in memory."""
 
     def __init__(self, bucket: str, prefix: str = "", *, max_bytes: int, cache_dir: Path,
-                 endpoint_url: str | None = None, region: str | None = None, addressing_style: str = "auto",
-                 part_bytes: int = 8 * MiB, threads: int = 8) -> None:
+                 s3: S3Options = S3Options(), threads: int = 8) -> None:
         prefix = check_prefix(prefix.strip("/")) if prefix.strip("/") else ""
         self.bucket = bucket
         self.prefix = prefix + "/" if prefix else ""
         super().__init__(f"s3://{bucket}/{self.prefix}", max_bytes=max_bytes, cache_dir=cache_dir, threads=threads)
         # At most 10,000 parts per upload: larger parts when the cap demands them.
-        self.part_bytes = max(part_bytes, S3_MIN_PART_BYTES, -(-max_bytes // S3_MAX_PARTS))
-        self.endpoint_url = endpoint_url
+        self.part_bytes = max(s3.part_bytes, S3_MIN_PART_BYTES, -(-max_bytes // S3_MAX_PARTS))
+        self.s3, self.endpoint_url = s3, s3.endpoint_url
         self.list_page = 1000  # keys per LIST call (S3's most)
-        self._client = _s3_client(endpoint_url, region, addressing_style, threads)
+        self._client = _s3_client(s3, threads)
 
     def _full(self, key: str) -> str:
         return self.prefix + key
@@ -596,18 +602,29 @@ class S3Store(ObjectStore):
             token = page["NextContinuationToken"]
 
 
-def _s3_client(endpoint_url: str | None, region: str | None, addressing_style: str, threads: int) -> Any:
+def _move_into_place(tmp: Path, final: Path) -> bool:
+    """Rename a fetched folder to its cache name; False if another process's copy is there already."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        return False
+    return True
+
+
+def _s3_client(s3: S3Options, threads: int) -> Any:
     import boto3
     from botocore.config import Config
 
     options: dict[str, Any] = {}
-    if endpoint_url:
+    if s3.endpoint_url:
         # botocore adds CRC checksums to every upload by default since 1.36, which several S3-compatible
         # servers reject; AWS needs them only where an operation requires them.
         options = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
-    config = Config(s3={"addressing_style": addressing_style}, retries={"mode": "standard", "max_attempts": 5},
+    config = Config(s3={"addressing_style": s3.addressing_style}, retries={"mode": "standard", "max_attempts": 5},
                     connect_timeout=10, read_timeout=60, max_pool_connections=threads, **options)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, region_name=region or None,
+    return boto3.session.Session().client("s3", endpoint_url=s3.endpoint_url or None, region_name=s3.region or None,
                                           config=config)
 
 
@@ -685,7 +702,7 @@ def open_store(settings: StorageSettings) -> ObjectStore:
     cache_dir = Path(settings.storage_cache_dir).expanduser() if settings.storage_cache_dir else (
         cache_root() / "storage-cache")
     if where.scheme == "s3":
-        return S3Store(where.bucket, where.path, max_bytes=settings.max_file_bytes, cache_dir=cache_dir,
-                       endpoint_url=settings.storage_endpoint_url, region=settings.storage_region,
-                       addressing_style=settings.storage_addressing_style, part_bytes=settings.storage_part_bytes)
+        s3 = S3Options(settings.storage_endpoint_url, settings.storage_region, settings.storage_addressing_style,
+                       settings.storage_part_bytes)
+        return S3Store(where.bucket, where.path, max_bytes=settings.max_file_bytes, cache_dir=cache_dir, s3=s3)
     return LocalStore(where.path, max_bytes=settings.max_file_bytes, cache_dir=cache_dir)

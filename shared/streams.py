@@ -13,6 +13,7 @@ An entry is acknowledged in the pipeline that writes its output (`ack`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -27,6 +28,15 @@ FIELD = b"data"
 Target = Redis | Pipeline
 Rows = list[tuple[str, dict[bytes, bytes]]]  # (entry id, fields), in stream order
 KeyedRows = list[tuple[str, str, dict[bytes, bytes]]]  # (stream key, entry id, fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One consumer of one consumer group: the two names every group command that reads, claims or touches takes
+    together."""
+
+    group: str
+    consumer: str
 
 
 def as_str(x: bytes | str) -> str:
@@ -284,29 +294,31 @@ async def groups(redis: Redis, key: str) -> list[dict]:
     return await redis.xinfo_groups(key)
 
 
-async def read_group(redis: Redis, keys: Sequence[str], group: str, consumer: str, count: int,
-                     block_ms: int | None) -> KeyedRows:
+async def read_group(redis: Redis, keys: Sequence[str], member: Member, count: int, block_ms: int | None
+                     ) -> KeyedRows:
     """XREADGROUP of new entries (`>`) over `keys`, up to `count` from each; [(key, entry_id, fields)]."""
-    resp = await redis.xreadgroup(group, consumer, dict.fromkeys(keys, ">"), count=count, block=block_ms)
+    resp = await redis.xreadgroup(member.group, member.consumer, dict.fromkeys(keys, ">"), count=count,
+                                  block=block_ms)
     return [(as_str(key), as_str(eid), fields) for key, entries in resp or [] for eid, fields in entries]
 
 
-async def read_group_in_order(redis: Redis, keys: Sequence[str], group: str, consumer: str, count: int
+async def read_group_in_order(redis: Redis, keys: Sequence[str], member: Member, count: int
                               ) -> tuple[KeyedRows, list[str]]:
     """New entries of `keys` read in that order, up to `count` in all (one script, never blocking), and the keys
     whose group is missing."""
-    got, missing = await redis.eval(_READ_IN_ORDER, len(keys), *keys, group, consumer, count)
+    got, missing = await redis.eval(_READ_IN_ORDER, len(keys), *keys, member.group, member.consumer, count)
     rows = [(as_str(key), as_str(eid), fields_of(f)) for key, entries in got for eid, f in entries]
     return rows, [as_str(k) for k in missing]
 
 
-async def autoclaim(redis: Redis, cursors: dict[str, str], group: str, consumer: str, min_idle_ms: int,
-                    count: int) -> dict[str, tuple[str, Rows] | ResponseError]:
+async def autoclaim(redis: Redis, cursors: dict[str, str], member: Member, min_idle_ms: int, count: int
+                    ) -> dict[str, tuple[str, Rows] | ResponseError]:
     """XAUTOCLAIM on each stream from its cursor, in one round trip: per key, the next cursor and the entries
     claimed (those deleted meanwhile left out), or the error (NOGROUP: the group is gone)."""
     async with redis.pipeline(transaction=False) as pipe:
         for key, cursor in cursors.items():
-            pipe.xautoclaim(key, group, consumer, min_idle_time=min_idle_ms, start_id=cursor, count=count)
+            pipe.xautoclaim(key, member.group, member.consumer, min_idle_time=min_idle_ms, start_id=cursor,
+                            count=count)
         results = await pipe.execute(raise_on_error=False)
     out: dict[str, tuple[str, Rows] | ResponseError] = {}
     for key, result in zip(cursors, results, strict=True):
@@ -315,14 +327,13 @@ async def autoclaim(redis: Redis, cursors: dict[str, str], group: str, consumer:
     return out
 
 
-async def touch_own(redis: Redis, ids_by_key: dict[str, list[str]], group: str, consumer: str
-                    ) -> dict[str, list[str]]:
-    """Reset the idle time of those of the entries that `consumer` still holds (one script per stream, pipelined);
+async def touch_own(redis: Redis, ids_by_key: dict[str, list[str]], member: Member) -> dict[str, list[str]]:
+    """Reset the idle time of those of the entries that `member` still holds (one script per stream, pipelined);
     per key, the ids it no longer holds."""
     # EVAL, not EVALSHA, as in Appender.queue
     async with redis.pipeline(transaction=False) as pipe:
         for key, entry_ids in ids_by_key.items():
-            pipe.eval(_TOUCH, 1, key, group, consumer, *entry_ids)
+            pipe.eval(_TOUCH, 1, key, member.group, member.consumer, *entry_ids)
         lost = await pipe.execute()
     return {key: [as_str(i) for i in gone] for key, gone in zip(ids_by_key, lost, strict=True)}
 
@@ -332,13 +343,13 @@ async def hand_over(redis: Redis, key: str, group: str, to_consumer: str, ids: S
     await redis.xclaim(key, group, to_consumer, min_idle_time=0, message_ids=list(ids), idle=10**9, justid=True)
 
 
-async def claim(redis: Redis, key: str, group: str, consumer: str, min_idle_ms: int, ids: Sequence[str]) -> Rows:
+async def claim(redis: Redis, key: str, member: Member, min_idle_ms: int, ids: Sequence[str]) -> Rows:
     """XCLAIM the entries among `ids` idle at least `min_idle_ms`; those deleted meanwhile left out."""
-    entries = await redis.xclaim(key, group, consumer, min_idle_ms, list(ids))
+    entries = await redis.xclaim(key, member.group, member.consumer, min_idle_ms, list(ids))
     return [(as_str(eid), f) for eid, f in entries if f]
 
 
-async def pending(redis: Redis, key: str, group: str, count: int, consumer: str | None = None,
+async def pending(redis: Redis, key: str, group: str, count: int, *, consumer: str | None = None,
                   idle_ms: int | None = None) -> list[str]:
     """XPENDING (extended form): ids of up to `count` pending entries, of `consumer` if given, idle at least
     `idle_ms` if given."""
@@ -382,7 +393,7 @@ async def trim_acknowledged(redis: Redis, key: str) -> None:
             await redis.xtrim(key, minid=floor, approximate=True)
 
 
-def end_if_drained(target: Target, key: str, group: str, companion: str, registry: str, member: str) -> Any:
+def end_if_drained(target: Target, key: str, group: str, *, companion: str, registry: str, member: str) -> Any:
     """Delete a stream no one should write to any more once nothing in it is left to run (no entry pending in
     `group`, none undelivered), with its `companion` key, and remove `member` from the `registry` set; all in one
     script (the three keys share a slot), so an entry XADDed meanwhile is never deleted with it. Its reply is 1

@@ -297,9 +297,10 @@ class PushWorker(StageWorker[M]):
         self.broker = broker(settings.redis_url, graceful_timeout=max(0.1, settings.grace_period_s),
                              logger=FASTSTREAM_LOG, log_level=logging.DEBUG, apply_types=False,
                              middlewares=self.metrics.faststream_middlewares(), **settings.redis_options())
-        self.subscribers = faststream_glue.subscribe(
-            self.broker, self.source.key, self.group, self.id, settings.batch_size, settings.claim_idle_ms,
-            self._deliver, title=f"{self.role}:{model_name}", description=self.__doc__ or "")
+        what = faststream_glue.Subscription(self.source.key, self.source.member, settings.batch_size,
+                                            settings.claim_idle_ms)
+        self.subscribers = faststream_glue.subscribe(self.broker, what, self._deliver,
+                                                     title=f"{self.role}:{model_name}", description=self.__doc__ or "")
         self.busy_since: float | None = None
         self.held_while_full: list[str] = []  # a batch whose output a full Redis refuses, retried in place
         self.handling: set[str] = set()  # entries being handled now (kept alive: `held_entries`)

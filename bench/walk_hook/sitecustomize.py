@@ -13,48 +13,57 @@ _ROOT = os.environ.get("RSINFER_WALK_ROOT", "")
 _PACKAGES = ("services", "shared", "rsinfer")
 
 
-def _install() -> None:
-    window = os.path.join(_DIR, "window")
-    roots = tuple(os.path.join(_ROOT, p) + os.sep for p in _PACKAGES)
-    state = {"open": False, "checked": 0.0, "seen": set(), "walk": []}
-    lock = threading.Lock()
+class _Recorder:
+    """The first entry of each project function, while the window file exists; written out when it goes."""
 
+    def __init__(self) -> None:
+        self.window = os.path.join(_DIR, "window")
+        self.roots = tuple(os.path.join(_ROOT, p) + os.sep for p in _PACKAGES)
+        self.open, self.checked = False, 0.0
+        self.seen: set = set()
+        self.walk: list = []
+        self.lock = threading.Lock()
+
+    @staticmethod
     def role() -> str:
         with open("/proc/self/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
         return argv[argv.index(b"rsinfer.cli") + 1].decode() if b"rsinfer.cli" in argv else "python"
 
-    def dump() -> None:
-        path = os.path.join(_DIR, f"{role()}-{os.getpid()}.json")
+    def dump(self) -> None:
+        path = os.path.join(_DIR, f"{self.role()}-{os.getpid()}.json")
         with open(path, "w") as f:
-            json.dump(state["walk"], f)
+            json.dump(self.walk, f)
 
-    def check(now: float) -> None:
-        state["checked"] = now
-        opened = os.path.exists(window)
-        if opened and not state["open"]:
-            state["seen"], state["walk"] = set(), []
-        elif state["open"] and not opened:
-            dump()
-        state["open"] = opened
+    def check(self, now: float) -> None:
+        self.checked = now
+        opened = os.path.exists(self.window)
+        if opened and not self.open:
+            self.seen, self.walk = set(), []
+        elif self.open and not opened:
+            self.dump()
+        self.open = opened
 
-    def profile(frame, event, _arg):
+    def profile(self, frame, event, _arg) -> None:
         if event != "call":
             return
         code = frame.f_code
-        if not code.co_filename.startswith(roots):
+        if not code.co_filename.startswith(self.roots):
             return
         now = time.time()
-        with lock:
-            if now - state["checked"] > 0.01:
-                check(now)
-            if state["open"] and code not in state["seen"]:
-                state["seen"].add(code)
+        with self.lock:
+            if now - self.checked > 0.01:
+                self.check(now)
+            if self.open and code not in self.seen:
+                self.seen.add(code)
                 module = os.path.relpath(code.co_filename, _ROOT)[:-3].replace(os.sep, ".")
-                state["walk"].append([now, module, code.co_qualname])
+                self.walk.append([now, module, code.co_qualname])
 
-    sys.setprofile(profile)
-    threading.setprofile(profile)
+
+def _install() -> None:
+    recorder = _Recorder()
+    sys.setprofile(recorder.profile)
+    threading.setprofile(recorder.profile)
 
 
 if _DIR:

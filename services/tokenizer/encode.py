@@ -83,45 +83,45 @@ class PromptEncoder:
     def encode(self, jobs: list[TokenizeJob]) -> list[ScheduleJob | ReplyError]:
         """One result per job, in order. Texts are encoded in two batched calls (chat and plain)."""
         results: list[ScheduleJob | ReplyError | None] = [None] * len(jobs)
-        chat: dict[int, str] = {}
-        plain: dict[int, str] = {}
+        texts: dict[bool, dict[int, str]] = {False: {}, True: {}}  # add special tokens? -> job's index -> text
         jobs = list(jobs)
         for i, job in enumerate(jobs):
-            refusal = self._check_tools(job)
-            if refusal is None:
-                jobs[i] = job = tools.with_tool_grammar(job, self.tool_parser, self.call_tokens)
-                refusal = self._check_constraint(job)
-            if refusal is not None:
-                results[i] = refusal
-            elif job.input_ids is not None:
-                results[i] = self._from_ids(job, job.input_ids)
-            elif job.messages is not None:
-                rendered = self._render_chat(job)
-                if not isinstance(rendered, ReplyError):
-                    rendered = self.too_long(rendered, "messages") or rendered
-                if isinstance(rendered, ReplyError):
-                    results[i] = rendered
-                else:
-                    chat[i] = rendered
-                    jobs[i] = self._answer_after_thinking(job, rendered)
-            elif job.suffix is not None:
-                fim = self._fill_in_the_middle(job)
-                if not isinstance(fim, ReplyError):
-                    fim = self.too_long(fim, "prompt") or fim
-                if isinstance(fim, ReplyError):
-                    results[i] = fim
-                else:
-                    plain[i] = fim
-            elif (refused := self.too_long(job.prompt or "", "prompt")) is not None:
-                results[i] = refused
+            jobs[i], ready = self._prepare(job)
+            if isinstance(ready, tuple):
+                text, special = ready
+                texts[special][i] = text
             else:
-                plain[i] = job.prompt or ""
-        for texts, special in ((chat, False), (plain, True)):
-            if texts:
-                encoded = self.tokenizer(list(texts.values()), add_special_tokens=special)["input_ids"]
-                for i, ids in zip(texts, encoded, strict=True):
+                results[i] = ready
+        for special, batch in texts.items():  # chat (no special tokens: the template has them), then plain
+            if batch:
+                encoded = self.tokenizer(list(batch.values()), add_special_tokens=special)["input_ids"]
+                for i, ids in zip(batch, encoded, strict=True):
                     results[i] = self.fit(jobs[i], list(ids))
         return results  # type: ignore[return-value]
+
+    def _prepare(self, job: TokenizeJob) -> tuple[TokenizeJob, ScheduleJob | ReplyError | tuple[str, bool]]:
+        """The job as it is scheduled (with its tool grammar, and its answer's window after thinking), and its
+        result already (a refusal, or the job of given token ids) or the text to encode and whether with the
+        tokenizer's special tokens."""
+        refusal = self._check_tools(job)
+        if refusal is None:
+            job = tools.with_tool_grammar(job, self.tool_parser, self.call_tokens)
+            refusal = self._check_constraint(job)
+        if refusal is not None:
+            return job, refusal
+        if job.input_ids is not None:
+            return job, self._from_ids(job, job.input_ids)
+        if job.messages is not None:
+            rendered = self._render_chat(job)
+            if isinstance(rendered, ReplyError):
+                return job, rendered
+            if (refused := self.too_long(rendered, "messages")) is not None:
+                return job, refused
+            return self._answer_after_thinking(job, rendered), (rendered, False)
+        prompt = (job.prompt or "") if job.suffix is None else self._fill_in_the_middle(job)
+        if isinstance(prompt, ReplyError):
+            return job, prompt
+        return job, self.too_long(prompt, "prompt") or (prompt, True)
 
     def _fill_in_the_middle(self, job: TokenizeJob) -> str | ReplyError:
         """`suffix`: the prompt in the model's fill-in-the-middle layout, if its vocabulary has one."""

@@ -51,8 +51,9 @@ class TokenizerWorker(PushWorker[TokenizeJob]):
                                      settings.tool_call_parser, settings.reasoning_parser)
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
-        self.router = Router(self.redis, self.keys, model_name, settings.heartbeat_ttl_s,
-                             settings.prefix_routing_load_tokens, self.id) if settings.prefix_routing else None
+        self.router = Router(self.redis, self.keys, model_name, heartbeat_ttl_s=settings.heartbeat_ttl_s,
+                             load_tokens=settings.prefix_routing_load_tokens,
+                             tokenizer_id=self.id) if settings.prefix_routing else None
         if self.router is not None:  # its flag, with every beat, is what makes the model's schedulers join
             self.heartbeat.extra = self.router.on_beat
         self._heavy_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize-heavy")

@@ -90,7 +90,7 @@ def template_args(values: list[str | Path] = (), sets: list[str] = (),
     return args
 
 
-def render(values: list[str | Path] = (), sets: list[str] = (), set_json: list[str] = (),
+def render(values: list[str | Path] = (), sets: list[str] = (), set_json: list[str] = (), *,
            release: str = "rs", namespace: str = "llm", chart: Path = CHART) -> list[dict]:
     """`helm template` of the chart, parsed into its manifests; raises with helm's message on failure."""
     proc = helm("template", release, str(chart), "--namespace", namespace,

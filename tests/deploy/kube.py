@@ -83,8 +83,6 @@ def resolve_env(container: dict, docs: list[dict], pod_name: str) -> dict[str, s
 
     Unresolvable optional references are left out, as Kubernetes does; a missing required one raises.
     """
-    import base64
-
     configmaps = by_kind(docs, "ConfigMap")
     secrets = by_kind(docs, "Secret")
     env: dict[str, str] = {}
@@ -92,27 +90,35 @@ def resolve_env(container: dict, docs: list[dict], pod_name: str) -> dict[str, s
         name = item["name"]
         if "value" in item:
             env[name] = item["value"]
-            continue
-        src = item["valueFrom"]
-        if "fieldRef" in src:
-            assert src["fieldRef"]["fieldPath"] == "metadata.name", src
-            env[name] = pod_name
-        elif "configMapKeyRef" in src:
-            ref = src["configMapKeyRef"]
-            data = configmaps.get(ref["name"], {}).get("data", {})
-            if ref["key"] in data:
-                env[name] = data[ref["key"]]
-            elif not ref.get("optional"):
-                raise KeyError(f"{name}: ConfigMap {ref['name']} has no key {ref['key']}")
-        elif "secretKeyRef" in src:
-            ref = src["secretKeyRef"]
-            if ref["name"] in secrets:
-                data = secrets[ref["name"]].get("data") or {}
-                if ref["key"] in data:
-                    env[name] = base64.b64decode(data[ref["key"]]).decode()
-                    continue
-            if not ref.get("optional"):
-                raise KeyError(f"{name}: Secret {ref['name']} (key {ref['key']}) is not in the chart")
-        else:
-            raise AssertionError(f"unsupported env source for {name}: {src}")
+        elif (value := _value_from(name, item["valueFrom"], configmaps, secrets, pod_name)) is not None:
+            env[name] = value
     return env
+
+
+def _value_from(name: str, src: dict, configmaps: dict, secrets: dict, pod_name: str) -> str | None:
+    """An env var's `valueFrom`; None for an optional reference that does not resolve."""
+    if "fieldRef" in src:
+        assert src["fieldRef"]["fieldPath"] == "metadata.name", src
+        return pod_name
+    if "configMapKeyRef" in src:
+        ref = src["configMapKeyRef"]
+        data = configmaps.get(ref["name"], {}).get("data", {})
+        if ref["key"] in data:
+            return data[ref["key"]]
+        if not ref.get("optional"):
+            raise KeyError(f"{name}: ConfigMap {ref['name']} has no key {ref['key']}")
+        return None
+    if "secretKeyRef" in src:
+        return _secret_value(name, src["secretKeyRef"], secrets)
+    raise AssertionError(f"unsupported env source for {name}: {src}")
+
+
+def _secret_value(name: str, ref: dict, secrets: dict) -> str | None:
+    import base64
+
+    data = (secrets[ref["name"]].get("data") or {}) if ref["name"] in secrets else {}
+    if ref["key"] in data:
+        return base64.b64decode(data[ref["key"]]).decode()
+    if not ref.get("optional"):
+        raise KeyError(f"{name}: Secret {ref['name']} (key {ref['key']}) is not in the chart")
+    return None

@@ -31,6 +31,7 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -124,14 +125,15 @@ class Run:
             return [o.uid for o in self.clients.outcomes if o.job.api == 1 and o.uid and not o.done]
 
         deadline = time.monotonic() + 20
-        while len(victims()) < 8 and time.monotonic() < deadline and self.in_flight():
+        # polled: the streams get there in the clients' own tasks, which announce nothing
+        while len(victims()) < 8 and time.monotonic() < deadline and self.in_flight():  # noqa: ASYNC110
             await asyncio.sleep(0.1)
         self.clients.unready.add(1)
         event = await self.chaos.restart_api(1, victims())
 
         async def back_when_ready() -> None:
-            while event.restart_s is None and time.monotonic() < deadline + 300:
-                await asyncio.sleep(0.1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.up.wait(), deadline + 300 - time.monotonic())
             self.clients.unready.discard(1)
 
         self.background.append(asyncio.create_task(back_when_ready()))
@@ -233,19 +235,28 @@ def check_outcomes(run: Run, reference: dict[int, list[str]]) -> tuple[dict[str,
         if o.uid is None:
             continue
         followed.add(o.uid)
-        got = check_stream(run, o.uid, o.job.n, o.job.max_tokens, tag, failures, figures)
+        got = check_stream(run, Expected(o.uid, o.job.n, o.job.max_tokens, tag), failures, figures)
         if got and o.complete and o.texts != got.texts:
             failures.setdefault("client_text_is_not_the_delivered_sequence", []).append(tag)
     for uid in run.recorder.entries.keys() - followed:  # resubmitted requests' orphans, run to their end
         record = run.s.redis().hgetall(run.s.keys.request(uid))
-        check_stream(run, uid, int(record.get("n", 1)), int(record.get("max_tokens", 0)), f"orphan uid={uid}",
-                     failures, figures)
+        expected = Expected(uid, int(record.get("n", 1)), int(record.get("max_tokens", 0)), f"orphan uid={uid}")
+        check_stream(run, expected, failures, figures)
     return failures, dict(figures)
 
 
-def check_stream(run: Run, uid: str, n: int, max_tokens: int, tag: str, failures: dict[str, list],
-                 figures: Counter) -> Delivered | None:
+class Expected(NamedTuple):
+    """What one request's reply stream must deliver: `n` choices of `max_tokens` tokens; `tag` names it."""
+
+    uid: str
+    n: int
+    max_tokens: int
+    tag: str
+
+
+def check_stream(run: Run, expected: Expected, failures: dict[str, list], figures: Counter) -> Delivered | None:
     """The checks of one recorded reply stream; what it delivers."""
+    uid, n, max_tokens, tag = expected
     if uid not in run.recorder.entries:
         failures.setdefault("not_recorded", []).append(tag)
         return None

@@ -176,57 +176,74 @@ def _get(url: str, timeout: float = 5) -> int:
         return exc.code
 
 
+class Pods:
+    """The chart's Deployments as local processes: the API and the demo pool's workers."""
+
+    def __init__(self, manifests: list[dict], tmp_path: Path, common: dict[str, str], model: dict[str, str]):
+        deployments = kube.by_kind(manifests, "Deployment")
+        api_dep = deployments.pop("rs-rsinfer-api")
+        assert sorted(deployments) == ["rs-rsinfer-demo-detokenizer", "rs-rsinfer-demo-scheduler",
+                                       "rs-rsinfer-demo-tokenizer"]
+        self.port = _free_port()
+        self.api = Pod(api_dep, manifests, tmp_path, {**common, "RSINFER_PORT": str(self.port)})
+        assert str(self.api.container["ports"][0]["containerPort"]) == kube.resolve_env(
+            self.api.container, manifests, "p")["RSINFER_PORT"], "the chart's containerPort is the port the API uses"
+        self.workers = [Pod(dep, manifests, tmp_path, {**model, "RSINFER_METRICS_PORT": str(_free_port())})
+                        for dep in deployments.values()]
+        for w in self.workers:
+            assert w.env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"  # as rendered: only the path moves
+            (metrics_port,) = [p["containerPort"] for p in w.container["ports"] if p["name"] == "metrics"]
+            assert str(metrics_port) == kube.resolve_env(w.container, manifests, "p")["RSINFER_METRICS_PORT"], \
+                f"{w.name}: the `metrics` containerPort is the port the worker serves on"
+        self.all = [*self.workers, self.api]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} (exit {p.proc.poll() if p.proc else None}):\n{p.log_tail()}"
+                         for p in self.all)
+
+    def wait(self, what: str, check) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not check():
+            dead = [p.name for p in self.all if p.proc and p.proc.poll() is not None]
+            assert not dead, f"processes exited: {dead}\n{self.logs()}"
+            assert time.monotonic() < deadline, f"{what} not within {READY_TIMEOUT_S}s\n{self.logs()}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for pod in self.all:
+            if pod.proc and pod.proc.poll() is None:
+                pod.proc.terminate()
+        for pod in self.all:
+            if pod.proc:
+                try:
+                    pod.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pod.proc.kill()
+                    pod.proc.wait()
+
+
 def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, demo_model_dir, tmp_path, collector,
                                                       monkeypatch):
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the SDK's export delay: spans within the test
-    deployments = kube.by_kind(manifests, "Deployment")
-    api_dep = deployments.pop("rs-rsinfer-api")
-    assert sorted(deployments) == ["rs-rsinfer-demo-detokenizer", "rs-rsinfer-demo-scheduler",
-                                   "rs-rsinfer-demo-tokenizer"]
-    port = _free_port()
     common = {"RSINFER_REDIS_URL": local_redis, "RSINFER_OTLP_ENDPOINT": collector.url}
     model = {**common, "RSINFER_MODEL": str(demo_model_dir), "RSINFER_SERVED_MODEL_NAME": "rsinfer-demo"}
-    api = Pod(api_dep, manifests, tmp_path, {**common, "RSINFER_PORT": str(port)})
-    assert str(api.container["ports"][0]["containerPort"]) == kube.resolve_env(
-        api.container, manifests, "p")["RSINFER_PORT"], "the chart's containerPort is the port the API uses"
-    workers = [Pod(dep, manifests, tmp_path, {**model, "RSINFER_METRICS_PORT": str(_free_port())})
-               for dep in deployments.values()]
-    for w in workers:
-        assert w.env["RSINFER_SERVED_MODEL_NAME"] == "rsinfer-demo"  # as rendered: only the path moves
-        (metrics_port,) = [p["containerPort"] for p in w.container["ports"] if p["name"] == "metrics"]
-        assert str(metrics_port) == kube.resolve_env(w.container, manifests, "p")["RSINFER_METRICS_PORT"], \
-            f"{w.name}: the `metrics` containerPort is the port the worker serves on"
-    pods = [*workers, api]
-
-    def logs() -> str:
-        return "\n".join(f"--- {p.name} (exit {p.proc.poll() if p.proc else None}):\n{p.log_tail()}"
-                         for p in pods)
-
-    base = f"http://127.0.0.1:{port}"
+    pods = Pods(manifests, tmp_path, common, model)
+    base = f"http://127.0.0.1:{pods.port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-    def wait(what: str, check) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not check():
-            dead = [p.name for p in pods if p.proc and p.proc.poll() is not None]
-            assert not dead, f"processes exited: {dead}\n{logs()}"
-            assert time.monotonic() < deadline, f"{what} not within {READY_TIMEOUT_S}s\n{logs()}"
-            time.sleep(0.5)
-
     try:
         # the API alone is ready (its readinessProbe needs no worker) and knows the pool's model (RSINFER_MODELS)
-        api.start()
-        wait("/ready 200", lambda: _get_ready(base) == 200)
+        pods.api.start()
+        pods.wait("/ready 200", lambda: _get_ready(base) == 200)
         assert client.models.retrieve("rsinfer-demo").state == "scaled_to_zero"
-        for w in workers:
+        for w in pods.workers:
             w.start()
-        wait("every stage of rsinfer-demo live", lambda: client.models.retrieve("rsinfer-demo").state == "ready")
-        assert _get(f"{base}{api.container['livenessProbe']['httpGet']['path']}") == 200
+        pods.wait("every stage of rsinfer-demo live", lambda: client.models.retrieve("rsinfer-demo").state == "ready")
+        assert _get(f"{base}{pods.api.container['livenessProbe']['httpGet']['path']}") == 200
 
         reply = client.chat.completions.create(
             model="rsinfer-demo", messages=[{"role": "user", "content": "Hello from Kubernetes"}],
             max_tokens=8, temperature=0)
-        assert reply.choices[0].message.content, f"empty answer: {reply}\n{logs()}"
+        assert reply.choices[0].message.content, f"empty answer: {reply}\n{pods.logs()}"
         assert reply.usage.completion_tokens > 0
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
@@ -236,35 +253,33 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
         wait_for(lambda: {s["service"] for s in collector.of_request(uid)} >= SERVICES, timeout=20, every=0.1)
         assert len({s["trace"] for s in collector.of_request(uid)}) == 1
 
-        # metrics.workers: each worker serves its own /metrics, counting the entry it took and passed on
-        for w in workers:
-            text = _scrape(w.env["RSINFER_METRICS_PORT"])
-            expected = {"tokenizer": 'faststream_received_messages_total{app_name="rsinfer-tokenizer"',
-                        "scheduler": 'rsinfer_stage_consumed_entries_total{role="scheduler",stream="schedule"} 1.0',
-                        "detokenizer": 'rsinfer_stage_published_entries_total{role="detokenizer",stream="reply"}'}
-            assert expected[w.role] in text, f"{w.name} /metrics:\n{text[-2000:]}"
-
-        # the workers' rendered probes (rsinfer healthcheck; --ready for readiness) pass against the live workers
-        for w in workers:
-            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-                probe = w.exec_probe(kind)
-                assert probe.returncode == 0, f"{w.name} {kind}: {probe.stdout}{probe.stderr}"
+        _check_worker_metrics(pods.workers)
+        _check_worker_probes(pods.workers)
 
         # the preStop hook: the API stops being ready before SIGTERM
-        hook = api.exec_hook("preStop")
+        hook = pods.api.exec_hook("preStop")
         assert hook.returncode == 0, f"preStop: {hook.stdout}{hook.stderr}"
         assert _get_ready(base) == 503
     finally:
-        for pod in pods:
-            if pod.proc and pod.proc.poll() is None:
-                pod.proc.terminate()
-        for pod in pods:
-            if pod.proc:
-                try:
-                    pod.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    pod.proc.kill()
-                    pod.proc.wait()
+        pods.stop()
+
+
+def _check_worker_metrics(workers: list[Pod]) -> None:
+    """metrics.workers: each worker serves its own /metrics, counting the entry it took and passed on."""
+    expected = {"tokenizer": 'faststream_received_messages_total{app_name="rsinfer-tokenizer"',
+                "scheduler": 'rsinfer_stage_consumed_entries_total{role="scheduler",stream="schedule"} 1.0',
+                "detokenizer": 'rsinfer_stage_published_entries_total{role="detokenizer",stream="reply"}'}
+    for w in workers:
+        text = _scrape(w.env["RSINFER_METRICS_PORT"])
+        assert expected[w.role] in text, f"{w.name} /metrics:\n{text[-2000:]}"
+
+
+def _check_worker_probes(workers: list[Pod]) -> None:
+    """The workers' rendered probes (rsinfer healthcheck; --ready for readiness) pass against the live workers."""
+    for w in workers:
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = w.exec_probe(kind)
+            assert probe.returncode == 0, f"{w.name} {kind}: {probe.stdout}{probe.stderr}"
 
 
 def _scrape(port: str) -> str:

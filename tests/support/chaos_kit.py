@@ -42,6 +42,7 @@ from tests.support.stack import MODEL, Stack
 
 GROUPS = {"tokenizer": TOKENIZER_GROUP, "scheduler": SCHEDULER_GROUP, "detokenizer": DETOKENIZER_GROUP}
 HANDOFF = "handoff"  # shared/worker.py HANDOFF_CONSUMER: not a process; entries handed back wait there
+FREEZE_WITHIN_S = 8.0  # Chaos.kill_holding: how long a worker may take to hold an entry before it is killed anyway
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -283,42 +284,56 @@ class ReplyRecorder:
 
 def _record(url: str, namespace: str, out: str, stopping, ready) -> None:
     """The recorder process: new requests' reply streams, every entry as written, to `out` (JSON) at the end."""
-    keys = Keys(namespace)
-    r = redis.Redis.from_url(url, decode_responses=True)
-    known = set(r.scan_iter(match=keys.request("*"), count=1000))  # made before the run: not followed
+    follower = _ReplyFollower(redis.Redis.from_url(url, decode_responses=True), Keys(namespace))
     ready.set()
-    positions: dict[str, str] = {}
-    entries: dict[str, list[tuple[str, str]]] = {}
-    uid_of: dict[str, str] = {}  # reply stream key -> uid
-
-    def discover() -> None:
-        for key in r.scan_iter(match=keys.request("*"), count=1000):
-            if key not in known:
-                known.add(key)
-                uid = keys.uid_of_request_key(key)
-                positions[keys.reply(uid)] = "0-0"
-                uid_of[keys.reply(uid)] = uid
-                entries[uid] = []
-
-    def keep(key: str, items: list) -> None:
-        entries[uid_of[key]].extend((eid, fields["data"]) for eid, fields in items)
-        if items:
-            positions[key] = items[-1][0]
-
     discovered = 0.0
     while not stopping.is_set():
         try:
             if time.monotonic() - discovered > 0.1:
-                discover()
+                follower.discover()
                 discovered = time.monotonic()
-            for key, items in (r.xread(dict(positions), count=1000, block=50) if positions else []) or []:
-                keep(key, items)
+            follower.read()
         except (redis.RedisError, OSError):
             time.sleep(0.2)  # Redis restarting
-    discover()
-    for key, last in positions.items():
-        keep(key, r.xrange(key, f"({last}" if last != "0-0" else "-", "+"))
-    Path(out).write_text(json.dumps(entries))
+    follower.discover()
+    follower.read_rest()
+    Path(out).write_text(json.dumps(follower.entries))
+
+
+class _ReplyFollower:
+    """The reply streams of the requests made after it was created, and every entry read from them."""
+
+    def __init__(self, r: redis.Redis, keys: Keys):
+        self.r, self.keys = r, keys
+        self.known = set(r.scan_iter(match=keys.request("*"), count=1000))  # made before the run: not followed
+        self.positions: dict[str, str] = {}
+        self.entries: dict[str, list[tuple[str, str]]] = {}
+        self.uid_of: dict[str, str] = {}  # reply stream key -> uid
+
+    def discover(self) -> None:
+        for key in self.r.scan_iter(match=self.keys.request("*"), count=1000):
+            if key not in self.known:
+                self.known.add(key)
+                uid = self.keys.uid_of_request_key(key)
+                self.positions[self.keys.reply(uid)] = "0-0"
+                self.uid_of[self.keys.reply(uid)] = uid
+                self.entries[uid] = []
+
+    def read(self) -> None:
+        """New entries of every stream followed (one XREAD, blocking 50 ms)."""
+        if not self.positions:
+            return
+        for key, items in self.r.xread(dict(self.positions), count=1000, block=50) or []:
+            self.keep(key, items)
+
+    def read_rest(self) -> None:
+        for key, last in self.positions.items():
+            self.keep(key, self.r.xrange(key, f"({last}" if last != "0-0" else "-", "+"))
+
+    def keep(self, key: str, items: list) -> None:
+        self.entries[self.uid_of[key]].extend((eid, fields["data"]) for eid, fields in items)
+        if items:
+            self.positions[key] = items[-1][0]
 
 
 @dataclass
@@ -438,6 +453,7 @@ class Disruption:
     victims: list[str]  # uids the process held
     replacement: str | None = None
     restart_s: float | None = None  # spawn of the replacement to its heartbeat (API: to /ready)
+    up: asyncio.Event = field(default_factory=asyncio.Event)  # set with restart_s
 
 
 class Chaos:
@@ -502,9 +518,10 @@ class Chaos:
             time.sleep(0.01)
         return held
 
-    async def kill_holding(self, role: str, name: str, timeout: float = 8.0) -> Disruption:
-        """Freeze a stage worker the moment it holds entries (it will never finish them), then kill it."""
-        await asyncio.to_thread(self.freeze_once_holding, role, name, timeout)
+    async def kill_holding(self, role: str, name: str) -> Disruption:
+        """Freeze a stage worker the moment it holds entries (it will never finish them; within FREEZE_WITHIN_S),
+        then kill it."""
+        await asyncio.to_thread(self.freeze_once_holding, role, name, FREEZE_WITHIN_S)
         return await self.kill(role, name)
 
     async def kill(self, role: str, name: str) -> Disruption:
@@ -545,6 +562,7 @@ class Chaos:
                 up = any(m == member or m.startswith(f"{member}@") for m in members)
             if up:
                 event.restart_s = time.monotonic() - spawned
+                event.up.set()
                 return
             await asyncio.sleep(0.1)
 

@@ -166,7 +166,8 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
     if settings.max_kv_tokens or memory is None:
         pages = kv_num_pages(settings, bytes_per_token, max_context(model))
     else:
-        pages = profiled_kv_pages(model, eos, config, bytes_per_token, settings.kv_memory_fraction, memory)
+        profile = probe_memory(model, eos, config, memory)
+        pages = kv_pages_from_profile(profile, settings.kv_memory_fraction, bytes_per_token, config.page_size)
     engine = PagedEngine(model, eos, replace(config, num_pages=pages))
     engine.warm_up()
     return engine
@@ -238,10 +239,9 @@ class CudaMemory:
         torch.cuda.empty_cache()
 
 
-def profiled_kv_pages(model, eos: set[int], config, bytes_per_token: int, fraction: float,
-                      memory: DeviceMemory) -> int:
+def probe_memory(model, eos: set[int], config, memory: DeviceMemory) -> MemoryProfile:
     """Build a probe engine with a tiny pool, warm it up (workspace, CUDA graphs, peak activations, kernels),
-    measure what is left, drop it, and return the pages of the real pool (the scratch page included)."""
+    measure what is left, and drop it."""
     from services.scheduler.engine.paged import PagedEngine
 
     probe = PagedEngine(model, eos, replace(config, num_pages=PROBE_PAGES))
@@ -252,8 +252,13 @@ def profiled_kv_pages(model, eos: set[int], config, bytes_per_token: int, fracti
     probe.close()
     del probe
     memory.release()
+    return profile
+
+
+def kv_pages_from_profile(profile: MemoryProfile, fraction: float, bytes_per_token: int, page_size: int) -> int:
+    """The pages of the real pool (the scratch page included) that `fraction` of what the probe left holds."""
     tokens = kv_tokens_from_profile(profile, fraction, bytes_per_token)
     log.info("KV cache: %d tokens (%.2f GiB) = %.2f of the %.2f GiB left after warm-up (peak activations "
              "%.2f GiB kept free)", tokens, tokens * bytes_per_token / 2**30, fraction,
-             profile.left_for_kv / 2**30, transient / 2**30)
-    return -(-tokens // config.page_size) + 1
+             profile.left_for_kv / 2**30, profile.transient_peak / 2**30)
+    return -(-tokens // page_size) + 1

@@ -85,8 +85,7 @@ def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dt
             else:
                 name = "flashinfer"
     if name == "flashinfer":
-        return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype,
-                                        flashinfer=module)
+        return FlashInferPagedAttention(kv, g, dtype, flashinfer=module)
     from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 
     return TorchPagedAttention(kv)
@@ -437,42 +436,53 @@ class PagedEngine:
         result = flight.out.result()
         outputs, refused = [], []
         with_logprobs = bool(flight.out.want)
-        eos, context = self.eos_ids, self.max_context
         for k, (seq, at, epoch, tok) in enumerate(zip(flight.seqs, flight.token_index, flight.epochs, result.ids,
                                                       strict=True)):
             if seq.ended or seq.epoch != epoch:
                 continue  # aborted, stopped or preempted since the step was launched: its token is dropped
-            seq.tokens[at] = tok
-            seq.unresolved -= 1
-            produced = at + 1 - seq.prompt_len
-            grammar = seq.grammar
-            if grammar is not None and not grammar.accept(seq.tokens[seq.prompt_len:at + 1]):
+            out = self._accept(seq, at, tok)
+            if out is None:
                 refused.append(seq)  # nothing admissible was left (e.g. min_tokens banned the only end)
                 continue
-            p = seq.req.params
-            finish = None
-            if tok in eos or p.stop_token_ids or grammar is not None or produced >= seq.max_tokens or at + 1 >= context:
-                finish = self._finish_reason(seq, tok, produced, at + 1)
-            out = StepOutput(seq.uid, produced - 1, [tok], seq.index, finish)
             if with_logprobs and result.logprobs[k] is not None:
                 out.logprobs = [result.logprobs[k]]
                 if result.top_logprobs[k] is not None:
                     out.top_logprobs = [result.top_logprobs[k]]
-            if produced == 1:
-                out.cached_tokens = max(seq.cached_tokens, 0)
-                if seq.scores_prompt:
-                    out.prompt_logprobs = seq.prompt_logprobs = [seq.scores[p] for p in sorted(seq.scores)]
-                    seq.scores = {}
             outputs.append(out)
-            if finish:
+            if out.finish_reason:
                 del seq.tokens[at + 1:]  # a token launched after this one is not the request's
                 self.scheduler.finish(seq)
-        if refused:  # the client's grammar (or its params) at fault: a 400
-            gone = {s.uid for s in refused}
-            outputs = [o for o in outputs if o.uid not in gone]
-            for seq in refused:
-                assert seq.grammar is not None
-                outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
+        return self._refuse(outputs, refused) if refused else outputs
+
+    def _accept(self, seq: Seq, at: int, tok: int) -> StepOutput | None:
+        """Put a sampled token at its place in the sequence: its output (with the first one's extras), or None
+        when the sequence's grammar refuses it."""
+        seq.tokens[at] = tok
+        seq.unresolved -= 1
+        produced = at + 1 - seq.prompt_len
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept(seq.tokens[seq.prompt_len:at + 1]):
+            return None
+        finish = None
+        if (tok in self.eos_ids or seq.req.params.stop_token_ids or grammar is not None
+                or produced >= seq.max_tokens or at + 1 >= self.max_context):
+            finish = self._finish_reason(seq, tok, produced, at + 1)
+        out = StepOutput(seq.uid, produced - 1, [tok], seq.index, finish)
+        if produced == 1:
+            out.cached_tokens = max(seq.cached_tokens, 0)
+            if seq.scores_prompt:
+                out.prompt_logprobs = seq.prompt_logprobs = [seq.scores[p] for p in sorted(seq.scores)]
+                seq.scores = {}
+        return out
+
+    def _refuse(self, outputs: list[StepOutput], refused: list[Seq]) -> list[StepOutput]:
+        """The step's outputs with those of the refused sequences replaced by their failure: the client's grammar
+        (or its params) at fault, a 400."""
+        gone = {s.uid for s in refused}
+        outputs = [o for o in outputs if o.uid not in gone]
+        for seq in refused:
+            assert seq.grammar is not None
+            outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
         return outputs
 
     def _finish_reason(self, seq: Seq, tok: int, produced: int, length: int) -> str | None:

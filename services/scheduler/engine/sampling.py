@@ -158,7 +158,6 @@ class Sampler:
 
     def _plan(self, rows: list[SampleRow], vocab: int) -> _Plan:
         plan = _Plan()
-        ints, floats = plan.ints, plan.floats
         for i, r in enumerate(rows):  # one pass over the rows: this runs for every row of every step
             p = r.params
             if p.temperature > 0.0 and p.top_k != 1 and p.top_p > 0.0:  # not greedy (SamplingParams.greedy)
@@ -168,37 +167,46 @@ class Sampler:
             if r.grammar is not None:
                 plan.grammar = True
                 plan.modified = plan.modified or r.grammar.active
-            if not (p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
+            if (p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty):
-                continue
-            plan.modified = plan.modified or _modified(r)
-            if p.logit_bias:
-                ids = [t for t in p.logit_bias if 0 <= t < vocab]
-                plan.add(ints, "bias_row", [i] * len(ids))
-                plan.add(ints, "bias_tok", ids)
-                plan.add(floats, "bias_val", [p.logit_bias[t] for t in ids])
-            if _penalized(p):
-                self._plan_penalties(plan, i, r)
-            if r.step < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
-                banned = [t for t in banned if 0 <= t < vocab]
-                plan.add(ints, "ban_row", [i] * len(banned))
-                plan.add(ints, "ban_tok", banned)
-        sampled = [(i, rows[i].params) for i in plan.sampled]
-        if sampled and len(sampled) < len(rows):
-            ints["sampled"] = [i for i, _ in sampled]
-        if sampled:
-            floats["temp"] = [p.temperature for _, p in sampled]
-            if any(p.min_p > 0 for _, p in sampled):
-                floats["min_p"] = [p.min_p for _, p in sampled]
-            if any(0 < p.top_k < vocab for _, p in sampled) or any(p.top_p < 1.0 for _, p in sampled):
-                ints["top_k"] = [p.top_k if 0 < p.top_k < vocab else vocab for _, p in sampled]
-                floats["top_p"] = [p.top_p for _, p in sampled]
-                top_p_alone = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for _, p in sampled)
-                plan.top_k_max = vocab if top_p_alone else max(k for k in ints["top_k"] if k < vocab)
+                self._plan_edits(plan, i, r, vocab)
+        if plan.sampled:
+            self._plan_sampling(plan, [rows[i].params for i in plan.sampled], len(rows), vocab)
         if plan.want and len(plan.want) < len(rows):
-            ints["want"] = plan.want
+            plan.ints["want"] = plan.want
         return plan
+
+    def _plan_edits(self, plan: _Plan, i: int, r: SampleRow, vocab: int) -> None:
+        """Row i's logit_bias, penalties and min_tokens bans (`_edit` applies them)."""
+        p, ints = r.params, plan.ints
+        plan.modified = plan.modified or _modified(r)
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if 0 <= t < vocab]
+            plan.add(ints, "bias_row", [i] * len(ids))
+            plan.add(ints, "bias_tok", ids)
+            plan.add(plan.floats, "bias_val", [p.logit_bias[t] for t in ids])
+        if _penalized(p):
+            self._plan_penalties(plan, i, r)
+        if r.step < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+            banned = [t for t in banned if 0 <= t < vocab]
+            plan.add(ints, "ban_row", [i] * len(banned))
+            plan.add(ints, "ban_tok", banned)
+
+    @staticmethod
+    def _plan_sampling(plan: _Plan, sampled: list[SamplingParams], rows: int, vocab: int) -> None:
+        """Temperature, min_p, top_k and top_p of the rows sampled (`plan.sampled`, their `sampled` params)."""
+        ints, floats = plan.ints, plan.floats
+        if len(sampled) < rows:
+            ints["sampled"] = list(plan.sampled)
+        floats["temp"] = [p.temperature for p in sampled]
+        if any(p.min_p > 0 for p in sampled):
+            floats["min_p"] = [p.min_p for p in sampled]
+        if any(0 < p.top_k < vocab for p in sampled) or any(p.top_p < 1.0 for p in sampled):
+            ints["top_k"] = [p.top_k if 0 < p.top_k < vocab else vocab for p in sampled]
+            floats["top_p"] = [p.top_p for p in sampled]
+            top_p_alone = any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in sampled)
+            plan.top_k_max = vocab if top_p_alone else max(k for k in ints["top_k"] if k < vocab)
 
     @staticmethod
     def _plan_penalties(plan: _Plan, i: int, r: SampleRow) -> None:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 
@@ -58,24 +58,35 @@ class _Seq:
         return self.req.uid
 
 
-class SyntheticEngine:
-    def __init__(self, vocab: Sequence[int], max_context: int, vocab_size: int | None = None,
-                 max_running: int = 64, step_s: float = 0.02, eos_ids: set[int] | frozenset[int] = frozenset(),
-                 eos_every: int = 0, sleep: Callable[[float], None] = time.sleep):
-        """`vocab`: the ids tokens are drawn from (the tokenizer's, less special ones); `vocab_size`: bound
-        of valid input ids; `eos_every`: 0 never emits EOS, k emits one at about 1 in k positions."""
-        if not vocab:
+@dataclass(frozen=True)
+class SyntheticVocab:
+    """The tokens a synthetic engine emits and takes: `ids`, those it draws from (the tokenizer's, less special
+    ones); `size`, the bound of valid input ids (default: past the largest of `ids`); `eos_every`: 0 never
+    emits EOS, k emits one of `eos_ids` at about 1 in k positions."""
+
+    ids: Sequence[int]
+    size: int | None = None
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+    eos_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.ids:
             raise ValueError("the synthetic engine needs a non-empty vocabulary")
-        if eos_every and not eos_ids:
+        if self.eos_every and not self.eos_ids:
             raise ValueError("eos_every needs eos_ids")
-        self.vocab = list(vocab)
-        self.vocab_size = vocab_size or max(self.vocab) + 1
+
+
+class SyntheticEngine:
+    def __init__(self, vocab: SyntheticVocab, max_context: int, max_running: int = 64, step_s: float = 0.02,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.vocab = list(vocab.ids)
+        self.vocab_size = vocab.size or max(self.vocab) + 1
         self.max_context = max_context
         self.max_running = max_running
         self.step_s = step_s
-        self.eos_ids = set(eos_ids)
+        self.eos_ids = set(vocab.eos_ids)
         self.eos_id = min(self.eos_ids) if self.eos_ids else None
-        self.eos_every = eos_every
+        self.eos_every = vocab.eos_every
         self.sleep = sleep
         self.running: list[_Seq] = []
         self.waiting: deque[_Seq] = deque()
@@ -266,9 +277,9 @@ def build_synthetic_engine(settings, model_path: str) -> SyntheticEngine:
     tokenizer = load_tokenizer(model_path, settings.trust_remote_code)
     eos = eos_token_ids(model_path, config)
     vocab = synthetic_vocab(tokenizer, text_config.vocab_size, eos)
-    engine = SyntheticEngine(vocab, context_length(model_path, settings.trust_remote_code),
-                             vocab_size=text_config.vocab_size, max_running=settings.max_running,
-                             step_s=settings.step_ms / 1000, eos_ids=eos)
+    engine = SyntheticEngine(SyntheticVocab(vocab, text_config.vocab_size, frozenset(eos)),
+                             context_length(model_path, settings.trust_remote_code), max_running=settings.max_running,
+                             step_s=settings.step_ms / 1000)
     log.info("engine=synthetic step=%.1fms max_running=%d vocab=%d ids context=%d model=%s", settings.step_ms,
              settings.max_running, len(vocab), engine.max_context, model_path)
     return engine

@@ -108,13 +108,14 @@ async def _chunks(n: int, size: int, delay: float = 0.0):
         yield {"type": "http.request", "body": b"x" * size, "more_body": i < n - 1}
 
 
-async def _reader(n: int, size: int, limit: int, timeout: float = 5.0, delay: float = 0.0) -> int:
+async def _reader(n: int, size: int, limit: int, *, piece_timeout: float = 5.0, delay: float = 0.0) -> int:
+    """The bytes a BodyReader (its `limit`, its wait for each piece) lets through of `n` pieces of `size`."""
     source = _chunks(n, size, delay)
 
     async def receive():
         return await anext(source)
 
-    reader, seen = BodyReader(receive, limit, timeout), 0
+    reader, seen = BodyReader(receive, limit, piece_timeout), 0
     while not reader.whole:
         seen += len((await reader())["body"])
     return seen
@@ -126,7 +127,7 @@ async def test_the_body_reader_counts_bytes_as_they_arrive():
         await _reader(1000, 1024, 16 * 1024)  # no Content-Length: refused at the 17th piece, not at the end
     assert info.value.status == 413 and info.value.close
     with pytest.raises(ApiError) as info:
-        await _reader(3, 10, 1024, timeout=0.05, delay=0.2)
+        await _reader(3, 10, 1024, piece_timeout=0.05, delay=0.2)
     assert info.value.status == 408 and info.value.close
 
 

@@ -82,8 +82,7 @@ def test_flashinfer_workspace_starts_zeroed(demo_model, monkeypatch):
         return real_empty(*args, **kw).fill_(0xA5 if kw.get("dtype") == torch.uint8 else 7)
 
     monkeypatch.setattr(torch, "empty", uninitialised)
-    backend = flashinfer_backend.FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim,
-                                                          g.scaling, torch.float32)
+    backend = flashinfer_backend.FlashInferPagedAttention(kv, g, torch.float32)
     monkeypatch.undo()
     ws = backend.workspace
     assert ws.dtype == torch.uint8 and ws.numel() == 1 << 16

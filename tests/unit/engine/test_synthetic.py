@@ -8,7 +8,7 @@ import pytest
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected
 from services.scheduler.engine.factory import build_engine
-from services.scheduler.engine.synthetic import SyntheticEngine
+from services.scheduler.engine.synthetic import SyntheticEngine, SyntheticVocab
 from shared.messages import SamplingParams
 from shared.settings import SchedulerSettings
 
@@ -26,9 +26,10 @@ class Clock:
         self.sleeps.append(s)
 
 
-def make(**kw) -> SyntheticEngine:
+def make(eos_ids: frozenset[int] = frozenset(), eos_every: int = 0, **kw) -> SyntheticEngine:
     kw.setdefault("sleep", Clock())
-    return SyntheticEngine(VOCAB, kw.pop("max_context", 256), vocab_size=512, **kw)
+    return SyntheticEngine(SyntheticVocab(VOCAB, 512, frozenset(eos_ids), eos_every), kw.pop("max_context", 256),
+                           **kw)
 
 
 def req(uid: str, max_tokens: int | None = 8, prompt: int = 5, **kw) -> EngineRequest:
@@ -153,7 +154,7 @@ def test_room_is_the_free_running_slots_and_steps_take_step_ms():
 def test_real_sleep_paces_the_steps():
     import time
 
-    eng = SyntheticEngine(VOCAB, 256, step_s=0.01)
+    eng = SyntheticEngine(SyntheticVocab(VOCAB), 256, step_s=0.01)
     eng.add(req("a", 5))
     t0 = time.perf_counter()
     run(eng)

@@ -19,7 +19,7 @@ from services.scheduler.effects import (
     RecordAbort,
     RecordRunning,
 )
-from services.scheduler.engine.synthetic import SyntheticEngine
+from services.scheduler.engine.synthetic import SyntheticEngine, SyntheticVocab
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
@@ -43,7 +43,7 @@ def delivery(uid: str, entry: str = "1-0", **kw) -> Delivery[ScheduleJob]:
 
 
 def book_of(stream_interval: int = 1, checkpoint_every: int = 1000) -> tuple[RequestBook, Admission]:
-    engine = SyntheticEngine(range(20, 60), max_context=64, step_s=0.0, sleep=lambda _s: None)
+    engine = SyntheticEngine(SyntheticVocab(range(20, 60)), max_context=64, step_s=0.0, sleep=lambda _s: None)
     book = RequestBook(engine, "s1", checkpoint_every, stream_interval)
     return book, Admission(book, Tracer("scheduler", None))
 

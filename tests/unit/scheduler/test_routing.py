@@ -20,6 +20,7 @@ from shared.settings import SchedulerSettings
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "demo"
+UNTIL_S = 20.0
 
 
 @pytest.fixture
@@ -58,8 +59,9 @@ async def ran(w, uid: str) -> bool:
     return owner == w.id.encode() and uid not in w.book.running
 
 
-async def until(check, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
+async def until(check) -> None:
+    """Poll `check` (state in Redis and in the worker, which no event announces) for up to UNTIL_S."""
+    deadline = time.monotonic() + UNTIL_S
     while not await check():
         assert time.monotonic() < deadline, "condition not met"
         await asyncio.sleep(0.01)

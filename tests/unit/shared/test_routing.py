@@ -276,7 +276,7 @@ async def test_a_departed_schedulers_stream_ends_only_when_nothing_in_it_is_left
     c = consumer(redis, keys, "peer")
 
     async def end() -> int:
-        return await streams.end_if_drained(redis, key, "scheduler", pages, routed, "d")
+        return await streams.end_if_drained(redis, key, "scheduler", companion=pages, registry=routed, member="d")
 
     await redis.sadd(routed, "d", "other")
     await redis.sadd(pages, "ab")
@@ -314,7 +314,8 @@ async def test_on_a_redis_cluster_lanes_routing_and_ending_name_keys_of_one_slot
         await redis.sadd(keys.routed(MODEL), "s1")
         await c.ack(await c.pending_ids())
         assert await streams.end_if_drained(redis, keys.scheduler_stream(MODEL, "s1"), "scheduler",
-                                            keys.cached_pages(MODEL, "s1"), keys.routed(MODEL), "s1") == 1
+                                            companion=keys.cached_pages(MODEL, "s1"), registry=keys.routed(MODEL),
+                                            member="s1") == 1
         assert not await redis.exists(keys.scheduler_stream(MODEL, "s1"))
     finally:
         await redis.aclose()

@@ -21,6 +21,7 @@ from shared.storage import (
     MiB,
     NotFound,
     ObjectStore,
+    S3Options,
     S3Store,
     StorageError,
     TooLarge,
@@ -59,7 +60,7 @@ def new_s3_store(server, tmp_path: Path, monkeypatch) -> S3Store:
     for k, v in CLIENT_ENV.items():  # credentials and region only through the standard AWS variables
         monkeypatch.setenv(k, v)
     return S3Store(server.bucket, f"t{uuid.uuid4().hex[:10]}/", max_bytes=CAP, cache_dir=tmp_path / "cache",
-                   endpoint_url=server.url, part_bytes=PART)
+                   s3=S3Options(server.url, part_bytes=PART))
 
 
 def in_progress(store: ObjectStore) -> list[str]:
@@ -295,8 +296,7 @@ async def test_two_processes_fetching_one_folder_both_get_it_whole(store, tmp_pa
     if isinstance(store, LocalStore):
         other: ObjectStore = LocalStore(store.root, max_bytes=CAP, cache_dir=store.cache_dir)
     else:
-        other = S3Store(store.bucket, store.prefix, max_bytes=CAP, cache_dir=store.cache_dir,
-                        endpoint_url=store.endpoint_url, part_bytes=PART)
+        other = S3Store(store.bucket, store.prefix, max_bytes=CAP, cache_dir=store.cache_dir, s3=store.s3)
     both_started = asyncio.Barrier(2)
     for s in (store, other):
         s.get_stream = racing(s.get_stream, both_started)
@@ -476,7 +476,7 @@ async def test_s3_many_objects_list_across_pages(s3_store):
 async def test_s3_missing_bucket_fails_the_check(s3_server, tmp_path, monkeypatch):
     for k, v in CLIENT_ENV.items():
         monkeypatch.setenv(k, v)
-    store = S3Store("no-such-bucket-here", max_bytes=CAP, cache_dir=tmp_path, endpoint_url=s3_server.url)
+    store = S3Store("no-such-bucket-here", max_bytes=CAP, cache_dir=tmp_path, s3=S3Options(s3_server.url))
     with pytest.raises(StorageError, match="does not exist"):
         await store.check()
     with pytest.raises(StorageError):

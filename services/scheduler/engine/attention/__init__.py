@@ -27,7 +27,7 @@ class AttentionBackend(Protocol):
 
     def prepare(self, meta: AttnMetadata) -> None: ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, *, scaling: float,
                 meta: AttnMetadata) -> torch.Tensor: ...
 
 
@@ -41,10 +41,10 @@ class UnsupportedAttention(RuntimeError):
     pass
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                    sliding_window: int | None = None, rsinfer_ctx: ForwardContext | None = None,
-                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention(  # noqa: PLR0913 - the signature transformers' AttentionInterface calls
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        *, scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+        rsinfer_ctx: ForwardContext | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] of the packed batch -> ([1, T, Hq, D], None)."""
     if rsinfer_ctx is None:
         raise UnsupportedAttention("rsinfer_paged attention called without the engine's context")
@@ -54,8 +54,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise UnsupportedAttention("attention logit soft-capping / sinks are not supported by the paged engine")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = rsinfer_ctx.backend.forward(query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                      value[0].transpose(0, 1), module.layer_idx, scaling, rsinfer_ctx.meta)
+    out = rsinfer_ctx.backend.forward(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      module.layer_idx, scaling=scaling, meta=rsinfer_ctx.meta)
     return out.unsqueeze(0), None
 
 

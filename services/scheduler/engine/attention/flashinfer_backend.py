@@ -29,12 +29,16 @@ import importlib.util
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.scheduler.engine.attention.metadata import AttnMetadata
 from services.scheduler.engine.kv_cache import KVCache
 from services.scheduler.engine.transfer import event_done, record_event, wait_event
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.model_runner import AttnGeometry
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +90,7 @@ def device_sms(device: torch.device) -> int:
 class FlashInferPagedAttention:
     name = "flashinfer"
 
-    def __init__(self, kv: KVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 dtype: torch.dtype, flashinfer=None):
+    def __init__(self, kv: KVCache, geometry: AttnGeometry, dtype: torch.dtype, flashinfer=None):
         if flashinfer is None:
             flashinfer, why = load_flashinfer()
             if flashinfer is None:
@@ -99,8 +102,9 @@ class FlashInferPagedAttention:
                  os.environ.get("FLASHINFER_WORKSPACE_BASE", "~") + "/.cache/flashinfer")
         self.kv = kv
         self.device = kv.k[0].device
+        num_qo_heads, num_kv_heads, head_dim = geometry.num_qo_heads, geometry.num_kv_heads, geometry.head_dim
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.scaling = scaling
+        self.scaling = geometry.scaling
         self.dtype = dtype
         # Zeroed, not torch.empty: flashinfer's decode wrappers document that their float workspace must be
         # zero-initialised (kernels read parts of it before writing them); the graph wrappers share it.
@@ -143,7 +147,7 @@ class FlashInferPagedAttention:
                       q_data_type=self.dtype, kv_data_type=self.dtype)
         meta.extra["decode_wrapper"] = decode_wrapper or self.decode_wrapper
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, *, scaling: float,
                 meta: AttnMetadata) -> torch.Tensor:
         kc, vc = self.kv.k[layer], self.kv.v[layer]
         _, hkv, dim = self.heads

@@ -89,7 +89,7 @@ class TorchPagedAttention:
         mask = (ki <= kl - ql + qi) & (ki < kl)
         return _Part(table, max_kv, mask[:, None], self._gather_index(table, max_kv), max_q, batch_idx, pos_in_q)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, *, scaling: float,
                 meta: AttnMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, after RoPE) -> attention output [T, Hq, D]."""
         kp, vp = self.kv.k[layer], self.kv.v[layer]
