@@ -51,10 +51,10 @@ class GroupConsumer(Generic[M]):
     holds those of one.
     """
 
-    def __init__(self, redis: Redis, key: str, group: str, consumer: str, typ: type[M], dead_key: str,
+    def __init__(self, redis: Redis, key: str, member: streams.Member, typ: type[M], dead_key: str, *,
                  lane_key: Callable[[str], str] | None = None):
-        self.redis, self.key, self.group, self.consumer = redis, key, group, consumer
-        self.member = streams.Member(group, consumer)
+        self.redis, self.key, self.member = redis, key, member
+        self.group, self.consumer = member.group, member.consumer
         self.typ, self.dead_key = typ, dead_key
         self.lane_key = lane_key
         self.lanes: dict[str, bool] = {}  # lane -> create its stream if missing; in reading order

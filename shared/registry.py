@@ -39,13 +39,25 @@ class WorkerInfo:
         return self.id.split("@", 1)[0]
 
 
+@dataclass(frozen=True)
+class Beating:
+    """Who a heartbeat is of (a stage's role, its worker id, the model it serves: "" for an API process) and
+    how often it beats (`interval_s`) for how long each beat lives (`ttl_s`)."""
+
+    role: str
+    worker_id: str
+    model: str
+    interval_s: float
+    ttl_s: float
+
+
 class Heartbeat:
     """Refreshes this process's heartbeat every `interval` seconds until stopped; deletes it on close."""
 
-    def __init__(self, redis: Redis, keys: Keys, role: str, worker_id: str, model: str,
-                 interval: float, ttl: float, load: Callable[[], dict], card: Callable[[], dict] | None = None):
-        self.redis, self.keys, self.role, self.id, self.model = redis, keys, role, worker_id, model
-        self.interval, self.ttl, self.load = interval, ttl, load
+    def __init__(self, redis: Redis, keys: Keys, who: Beating, load: Callable[[], dict], *,
+                 card: Callable[[], dict] | None = None):
+        self.redis, self.keys, self.role, self.id, self.model = redis, keys, who.role, who.worker_id, who.model
+        self.interval, self.ttl, self.load = who.interval_s, who.ttl_s, load
         self.card = card  # what this stage knows of its model (`root`, `max_model_len`, ...): declares it
         # Queues more commands on each beat's pipeline (keys whose life follows the heartbeat) and returns what to
         # do with their replies, if anything.

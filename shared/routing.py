@@ -169,12 +169,13 @@ class SchedulerLanes:
     is deleted on close; an own stream is ended (deleted, and its id removed from `Keys.routed`) by its owner on
     close once nothing is left in it, else by a live peer once its owner is gone and the peer has drained it."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, scheduler_id: str, consumer: GroupConsumer,
-                 page_size: int, heartbeat_ttl_s: float):
-        self.redis, self.keys, self.model, self.id = redis, keys, model, scheduler_id
+    def __init__(self, redis: Redis, keys: Keys, model: str, consumer: GroupConsumer, *, page_size: int,
+                 heartbeat_ttl_s: float):
+        """`consumer`: the scheduler's own reader of the shared stream; its consumer name is the scheduler's id."""
+        self.redis, self.keys, self.model, self.id = redis, keys, model, consumer.consumer
         self.consumer, self.page_size = consumer, page_size
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
-        self.pages_key = keys.cached_pages(model, scheduler_id)
+        self.pages_key = keys.cached_pages(model, self.id)
         self.routed_key = keys.routed(model)
         self.flag_key = keys.prefix_routing(model)
         self.joined = False  # own stream open, pages published

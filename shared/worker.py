@@ -29,8 +29,9 @@ from shared.keys import Keys
 from shared.liveness import Liveness, liveness_path
 from shared.metrics import WorkerMetrics
 from shared.redis_conn import broker, connect, is_cluster_client
-from shared.registry import Heartbeat, live_workers
+from shared.registry import Beating, Heartbeat, live_workers
 from shared.settings import StageSettings
+from shared.streams import Member
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,10 @@ class StageWorker(Generic[M]):
         # Named after this worker on every connection: CLIENT LIST shows who is connected, and a process gone
         # has no connection left (PullWorker.claim_disconnected).
         self.redis = connect(settings.redis_url, client_name=self.id, **settings.redis_options())
-        self.source = GroupConsumer[M](self.redis, self.keys.stage_stream(self.role, model_name), self.group,
-                                       self.id, self.message_type, self.keys.dead())
-        self.heartbeat = Heartbeat(self.redis, self.keys, self.role, self.id, model_name,
-                                   settings.heartbeat_interval_s, settings.heartbeat_ttl_s, self.load,
-                                   card=lambda: self.model_info)
+        self.source = GroupConsumer[M](self.redis, self.keys.stage_stream(self.role, model_name),
+                                       Member(self.group, self.id), self.message_type, self.keys.dead())
+        beating = Beating(self.role, self.id, model_name, settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
+        self.heartbeat = Heartbeat(self.redis, self.keys, beating, self.load, card=lambda: self.model_info)
         self.tracer = Tracer(self.role, settings.otlp_endpoint)
         self.metrics = WorkerMetrics(self.role, settings.metrics_port)
         self.ttl, self.maxlen = settings.request_ttl_s, settings.reply_maxlen

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from shared.consumer_group import GroupConsumer
+from shared import streams
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
 from shared.registry import WorkerInfo, complete, declared_models, live_workers, model_state, servable_models
@@ -108,7 +108,7 @@ class StageRegistry:
         for stage in STAGES:
             key = self.keys.stage_stream(stage, model)
             try:
-                groups = await self.redis.xinfo_groups(key)
+                groups = await streams.groups(self.redis, key)
             except ResponseError:  # no such key: no request and no worker yet
                 groups = []
             for g in groups:
@@ -126,8 +126,8 @@ class StageRegistry:
         """A model with no worker in a stage yet: create the stage's group at 0, as its first worker would,
         so that its lag counts the requests waiting for that worker (the 429 limit, KEDA's activation) and
         its pending list exists (KEDA's in-flight trigger). Before the group, lag is the stream's length."""
-        await GroupConsumer(self.redis, key, stage, "api", STAGE_MESSAGES[stage], self.keys.dead()).ensure_group()
-        return StageBacklog(int(await self.redis.xlen(key)), 0)
+        await streams.create_group(self.redis, key, stage, mkstream=True)
+        return StageBacklog(await streams.length(self.redis, key), 0)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stage-registry")

@@ -124,8 +124,7 @@ class _Shard:
             self._dispatch(resp)
 
     async def _control_tip(self) -> str:
-        entries = await self.redis.xrevrange(self.control, count=1)
-        return entries[0][0].decode() if entries else "0-0"
+        return await streams.last_id(self.redis, self.control) or "0-0"
 
     def _dispatch(self, resp) -> None:
         for key, entries in resp:
@@ -155,7 +154,8 @@ class _Shard:
 
 
 class ReplyHub:
-    def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, limits: HubLimits = HubLimits()):
+    def __init__(self, url: str, redis_options: dict, redis, keys: Keys, pod: str, *,
+                 limits: HubLimits = HubLimits()):
         """`url` and `redis_options`: how each shard opens its own connection; `redis`: the process's client."""
         self.url, self.redis_options, self.redis = url, redis_options, redis
         self.keys, self.pod = keys, pod

@@ -141,7 +141,7 @@ class Requests:
     """What the requests of this process share (Redis, the reply hub, metrics, traces), and the ones it submitted
     that are still open (`inflight`: a drain waits for them)."""
 
-    def __init__(self, settings: ApiSettings, store: RequestStore, hub: ReplyHub, pod: str, tracer: Tracer,
+    def __init__(self, settings: ApiSettings, store: RequestStore, hub: ReplyHub, pod: str, *, tracer: Tracer,
                  metrics: Metrics):
         self.settings, self.store, self.hub, self.pod = settings, store, hub, pod
         self.redis: Redis = store.redis

@@ -149,7 +149,7 @@ class Submission:
     label: str  # how it is answered, in the metrics: stream, full, generate
 
 
-def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | None, label: str | None = None,
+def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | None, *, label: str | None = None,
                annotations: dict[str, str] | None = None) -> Submission:
     """`kind`: the record's (chat, completion, generate); `annotations`: what the client tells about itself, and
     what a reattach needs besides the format's fields; `label` by default says stream or full."""
@@ -587,7 +587,7 @@ class GenerateRequest(BaseModel):
         job = stamp.job(None, False, params=params, prompt=self.text, input_ids=self.input_ids,
                         priority=self.priority)
         fmt = GenerateFormat(job.uid, stamp.model, int(job.created_at))
-        return submission([job], fmt, "generate", self.stream, "generate")
+        return submission([job], fmt, "generate", self.stream, label="generate")
 
     def budget(self, params: SamplingParams) -> Budget:
         return Budget(1, 1, params.max_tokens, tokens_param="sampling_params")

@@ -36,7 +36,7 @@ from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
 from shared.keys import Keys
 from shared.redis_conn import connect
-from shared.registry import Heartbeat
+from shared.registry import Beating, Heartbeat
 from shared.request_states import EndReason
 from shared.request_store import RequestStore
 from shared.settings import ApiSettings
@@ -73,14 +73,14 @@ class ApiService:
         self.keys = Keys(settings.namespace)
         self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
         self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
+                            limits=HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
         self.tracer = Tracer("api", settings.otlp_endpoint)
         self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
-        self.requests = Requests(settings, self.store, self.hub, self.pod, self.tracer, self.metrics)
-        self.heartbeat = Heartbeat(self.redis, self.keys, "api", self.pod, "", settings.heartbeat_interval_s,
-                                   settings.heartbeat_ttl_s, self.heartbeat_load)
+        self.requests = Requests(settings, self.store, self.hub, self.pod, tracer=self.tracer, metrics=self.metrics)
+        beating = Beating("api", self.pod, "", settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
+        self.heartbeat = Heartbeat(self.redis, self.keys, beating, self.heartbeat_load)
         self._shutting_down = False  # SIGTERM (services/api/main.py): out of service for good
         self._drained_until = 0.0  # a drain over the control socket (services/api/admin.py), until then
         self.closing = asyncio.Event()  # set once open streams must end (shutdown after the grace period)

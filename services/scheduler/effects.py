@@ -93,7 +93,7 @@ class EffectWriter:
     for a takeover's fence (services/scheduler/recovery.py), the heartbeat and the lanes' upkeep."""
 
     def __init__(self, requests: RequestStore, source: GroupConsumer, lanes: SchedulerLanes, scheduler_id: str,
-                 detokenize_key: str, detokenize_budget_mb: float):
+                 detokenize_key: str, *, detokenize_budget_mb: float):
         self.requests, self.source, self.lanes, self.id = requests, source, lanes, scheduler_id
         self.detokenize_key = detokenize_key
         self.budget_bytes = detokenize_budget_mb * 2**20

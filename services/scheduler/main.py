@@ -56,12 +56,12 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, settings.stream_interval)
         self.admission = Admission(self.book, self.tracer)
         self.source.lane_key = functools.partial(self.keys.scheduler_stream, model_name)
-        self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.id, self.source, engine.prefix_page_size,
-                                    settings.heartbeat_ttl_s)
+        self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.source, page_size=engine.prefix_page_size,
+                                    heartbeat_ttl_s=settings.heartbeat_ttl_s)
         self.heartbeat.extra = self.lanes.on_beat
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.writer = EffectWriter(self.requests, self.source, self.lanes, self.id, self.keys.detokenize(model_name),
-                                   settings.detokenize_budget_mb)
+                                   detokenize_budget_mb=settings.detokenize_budget_mb)
         self.recovery = Recovery(self.requests, self.source, self.book, self.writer, settings.max_deliveries)
         # Effects not sent yet: with the next exchange. A Redis outage keeps them here, so no step is lost.
         self.outbox: list[Effect] = []

@@ -41,11 +41,10 @@ class AbortNotes:
         self.key, self.cursor = key, "0-0"
 
     async def start(self, redis: Redis) -> None:
-        tip = await redis.xrevrange(self.key, count=1)
-        self.cursor = tip[0][0].decode() if tip else "0-0"  # older notifications: the sweep's job
+        self.cursor = await streams.last_id(redis, self.key) or "0-0"  # older notifications: the sweep's job
 
     def queue(self, pipe: Any) -> None:
-        pipe.xread({self.key: self.cursor}, count=ABORTS_PER_READ)
+        streams.queue_read(pipe, {self.key: self.cursor}, ABORTS_PER_READ)
 
     def ends(self, reply: list | None, running: dict) -> Ends:
         """What the XREAD `queue` put on the pipeline tells of the requests in `running`."""

@@ -27,20 +27,9 @@ RAW_COMMAND_METHODS = frozenset({"execute_command"})
 STREAM_COMMAND = re.compile(r"^\s*X[A-Z]+\b", re.IGNORECASE)
 LUA_STREAM_CALL = re.compile(r"redis\.p?call\(\s*['\"]X[A-Z]+['\"]", re.IGNORECASE)
 
-# Offenders in code another branch is rewriting, as (file, command): count. Each must still be there (so the
-# list shrinks as they move into shared/streams.py) and none may grow.
-# TODO(i19-port): services/api/ and services/scheduler/recovery.py are being ported there; move these calls
-# into shared/streams.py functions (streams.last_id, streams.length, streams.groups, streams.queue_read,
-# streams.queue_info and streams.queue_range exist already) and empty this.
-ALLOWED = Counter({
-    ("services/api/reply_hub.py", "xrevrange"): 1,
-    ("services/api/registry.py", "xinfo_groups"): 1,
-    ("services/api/registry.py", "xlen"): 1,
-    ("services/scheduler/recovery.py", "xrevrange"): 1,
-    ("services/scheduler/recovery.py", "xread"): 1,
-    ("services/scheduler/recovery.py", "xinfo_stream"): 1,
-    ("services/scheduler/recovery.py", "xrange"): 1,
-})
+# Offenders allowed outside the streams layer, as (file, command): count. Empty: every stream command is in
+# shared/streams.py; keep it so.
+ALLOWED: Counter[tuple[str, str]] = Counter()
 
 
 def _literal(node: ast.expr | None) -> str | None:

@@ -10,7 +10,7 @@ from services.api.registry import StageRegistry
 from shared import streams
 from shared.keys import STAGES, Keys
 from shared.redis_conn import connect
-from shared.registry import Heartbeat
+from shared.registry import Beating, Heartbeat
 
 NONE = dict.fromkeys(STAGES, 0)
 
@@ -18,7 +18,7 @@ NONE = dict.fromkeys(STAGES, 0)
 async def test_a_declared_model_outlives_its_workers(redis_server):
     redis, keys = connect(redis_server.url), Keys(f"reg{uuid.uuid4().hex[:6]}")
     card = {"root": "/models/m", "max_model_len": 4096, "reasoning_parser": "qwen3", "tool_call_parser": "hermes"}
-    beat = Heartbeat(redis, keys, "tokenizer", "tok@1", "m", 1.0, 5.0, lambda: {}, card=lambda: card)
+    beat = Heartbeat(redis, keys, Beating("tokenizer", "tok@1", "m", 1.0, 5.0), lambda: {}, card=lambda: card)
     try:
         await beat.beat()
         registry = StageRegistry(redis, keys, heartbeat_ttl=5.0)

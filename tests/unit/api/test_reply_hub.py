@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(30)
 async def hub_env(redis_server):
     redis = connect(redis_server.url)
     keys = Keys(f"h{uuid.uuid4().hex[:8]}")
-    hub = ReplyHub(redis_server.url, {}, redis, keys, "pod-1", HubLimits(shard_keys=8, high_water=16))
+    hub = ReplyHub(redis_server.url, {}, redis, keys, "pod-1", limits=HubLimits(shard_keys=8, high_water=16))
     yield hub, redis, keys
     await hub.close()
     await redis.aclose()
@@ -82,7 +82,7 @@ async def cluster_hub(redis_cluster):
     redis = connect(redis_cluster.url)
     await redis.ping()  # loads the topology the hub places its shards by
     keys = Keys(f"h{uuid.uuid4().hex[:8]}")
-    hub = ReplyHub(redis_cluster.url, {}, redis, keys, "pod-1", HubLimits(shard_keys=8, high_water=16))
+    hub = ReplyHub(redis_cluster.url, {}, redis, keys, "pod-1", limits=HubLimits(shard_keys=8, high_water=16))
     yield hub, redis, keys
     await hub.close()
     await redis.aclose()

@@ -185,8 +185,8 @@ async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a
 
 
 async def test_a_drain_waits_until_the_last_open_request_ends():
-    ctx = Requests(ApiSettings(), types.SimpleNamespace(redis=None, keys=None), None, "pod", None,  # type: ignore[arg-type]
-                   Metrics(None))
+    ctx = Requests(ApiSettings(), types.SimpleNamespace(redis=None, keys=None), None, "pod",  # type: ignore[arg-type]
+                   tracer=None, metrics=Metrics(None))
     await asyncio.wait_for(ctx.drained(), 1)  # none open
     for uid in ("a", "b"):
         ctx.opened(types.SimpleNamespace(uid=uid))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, 
 from shared.reply_order import ProducedTokens
 from shared.request_store import RequestStore
 from shared.routing import PageChanges, SchedulerLanes
+from shared.streams import Member
 from shared.tracing import Tracer
 
 pytestmark = pytest.mark.timeout(30)
@@ -202,8 +203,8 @@ def test_a_refused_admission_is_rolled_back():
 def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline():
     keys = Keys("t")
     redis = Redis()  # never connected: the pipeline only queues
-    source = GroupConsumer(redis, keys.schedule("m"), "scheduler", "s1", ScheduleJob, keys.dead())
-    lanes = SchedulerLanes(redis, keys, "m", "s1", source, page_size=16, heartbeat_ttl_s=5)
+    source = GroupConsumer(redis, keys.schedule("m"), Member("scheduler", "s1"), ScheduleJob, keys.dead())
+    lanes = SchedulerLanes(redis, keys, "m", source, page_size=16, heartbeat_ttl_s=5)
     writer = EffectWriter(RequestStore(redis, keys, ttl=60, maxlen=100), source, lanes, "s1", keys.detokenize("m"),
                           detokenize_budget_mb=1)
     book, adm = book_of()

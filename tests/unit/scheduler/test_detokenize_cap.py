@@ -15,13 +15,14 @@ from shared.messages import ScheduleJob, TokenDelta
 from shared.redis_conn import connect
 from shared.request_store import RequestStore
 from shared.routing import SchedulerLanes
+from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def writer_for(redis, keys: Keys, budget_mb: float) -> EffectWriter:
-    source = GroupConsumer(redis, keys.schedule("m"), "scheduler", "s1", ScheduleJob, keys.dead())
-    lanes = SchedulerLanes(redis, keys, "m", "s1", source, page_size=16, heartbeat_ttl_s=5)
+    source = GroupConsumer(redis, keys.schedule("m"), Member("scheduler", "s1"), ScheduleJob, keys.dead())
+    lanes = SchedulerLanes(redis, keys, "m", source, page_size=16, heartbeat_ttl_s=5)
     return EffectWriter(RequestStore(redis, keys, ttl=60, maxlen=100), source, lanes, "s1", keys.detokenize("m"),
                         detokenize_budget_mb=budget_mb)
 

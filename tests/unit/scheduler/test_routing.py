@@ -17,6 +17,7 @@ from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
 from shared.routing import Router, prompt_pages
 from shared.settings import SchedulerSettings
+from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "demo"
@@ -142,8 +143,8 @@ async def test_a_departed_schedulers_stream_is_drained_by_a_peer_then_ended(make
     await peer.start()
     r, keys = peer.redis, peer.keys
     # "dead@1" read u1 (pending to it), never read u2, and died; "alive@1" is alive and has u3 waiting
-    dead = GroupConsumer(r, keys.schedule(MODEL), "scheduler", "dead@1", ScheduleJob, keys.dead(),
-                         lambda lane: keys.scheduler_stream(MODEL, lane))
+    dead = GroupConsumer(r, keys.schedule(MODEL), Member("scheduler", "dead@1"), ScheduleJob, keys.dead(),
+                         lane_key=lambda lane: keys.scheduler_stream(MODEL, lane))
     await dead.add_lane("dead@1", create=True)
     await streams.add(r, keys.scheduler_stream(MODEL, "dead@1"), job("u1", 20))
     assert [d.msg.uid for d in await dead.read(1, None)] == ["u1"]

@@ -10,6 +10,7 @@ import pytest
 from shared import streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
+from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,7 +21,7 @@ def job(uid: str) -> ScheduleJob:
 
 
 def consumer(redis, keys, name):
-    return GroupConsumer(redis, keys.schedule("m"), "scheduler", name, ScheduleJob, keys.dead())
+    return GroupConsumer(redis, keys.schedule("m"), Member("scheduler", name), ScheduleJob, keys.dead())
 
 
 async def test_backlog_written_before_the_group_is_read(env):

@@ -18,6 +18,7 @@ from shared.pages import chain_digest
 from shared.redis_conn import connect
 from shared.routing import MAX_SCORED_PAGES, Candidate, Router, SchedulerLanes, choose, leading, prompt_pages
 from shared.slots import key_slot
+from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
@@ -29,7 +30,7 @@ def job(uid: str, ids: list[int] | None = None) -> ScheduleJob:
 
 
 def consumer(redis, keys: Keys, name: str) -> GroupConsumer:
-    c = GroupConsumer(redis, keys.schedule(MODEL), "scheduler", name, ScheduleJob, keys.dead())
+    c = GroupConsumer(redis, keys.schedule(MODEL), Member("scheduler", name), ScheduleJob, keys.dead())
     c.lane_key = lambda lane: keys.scheduler_stream(MODEL, lane)
     return c
 
@@ -145,7 +146,7 @@ async def test_a_scheduler_joins_routing_only_once_a_tokenizer_routes(env):
     no page size and publishes nothing; it joins at its first adopt after a beat that sees the flag, or at start."""
     redis, keys = env
     c = consumer(redis, keys, "s1")
-    lanes = SchedulerLanes(redis, keys, MODEL, "s1", c, page_size=16, heartbeat_ttl_s=5)
+    lanes = SchedulerLanes(redis, keys, MODEL, c, page_size=16, heartbeat_ttl_s=5)
     await lanes.start()
     await lanes.adopt()
     asked: list[bool] = []
@@ -160,10 +161,10 @@ async def test_a_scheduler_joins_routing_only_once_a_tokenizer_routes(env):
     await lanes.adopt()
     assert lanes.joined and lanes.advertised_page_size == 16 and c.lanes == {"s1": True}
     assert await redis.smembers(keys.routed(MODEL)) == {b"s1"}
-    later = SchedulerLanes(redis, keys, MODEL, "s2", consumer(redis, keys, "s2"), page_size=16, heartbeat_ttl_s=5)
+    later = SchedulerLanes(redis, keys, MODEL, consumer(redis, keys, "s2"), page_size=16, heartbeat_ttl_s=5)
     await later.start()  # a scheduler that starts while a tokenizer routes joins before its first heartbeat
     assert later.joined and await redis.smembers(keys.routed(MODEL)) == {b"s1", b"s2"}
-    cacheless = SchedulerLanes(redis, keys, MODEL, "s3", consumer(redis, keys, "s3"), page_size=0,
+    cacheless = SchedulerLanes(redis, keys, MODEL, consumer(redis, keys, "s3"), page_size=0,
                                heartbeat_ttl_s=5)
     await cacheless.start()  # no prefix cache: nothing to route to it, but it drains departed peers' streams
     assert not cacheless.joined and cacheless.others
@@ -173,7 +174,7 @@ async def test_a_scheduler_publishes_its_cache_changes_with_a_ttl_and_again_afte
     redis, keys = env
     c = consumer(redis, keys, "s1")
     await redis.set(keys.prefix_routing(MODEL), "t1")
-    lanes = SchedulerLanes(redis, keys, MODEL, "s1", c, page_size=16, heartbeat_ttl_s=5)
+    lanes = SchedulerLanes(redis, keys, MODEL, c, page_size=16, heartbeat_ttl_s=5)
     await lanes.start()
     assert await redis.smembers(keys.routed(MODEL)) == {b"s1"}
     a, b, d = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16

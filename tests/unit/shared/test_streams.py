@@ -8,6 +8,7 @@ import pytest
 from shared import streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
+from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -18,7 +19,7 @@ def job(uid: str) -> ScheduleJob:
 
 
 def consumer(redis, keys, name):
-    return GroupConsumer(redis, keys.schedule("m"), "scheduler", name, ScheduleJob, keys.dead())
+    return GroupConsumer(redis, keys.schedule("m"), Member("scheduler", name), ScheduleJob, keys.dead())
 
 
 async def test_trimmed_head_is_the_first_entry_kept_once_maxlen_cut_the_stream(env):
