@@ -12,16 +12,39 @@ import os
 import secrets
 import socket
 import typing
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
 PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
-class CommonSettings(BaseSettings):
+# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
+class SecretFiles(BaseSettings):
+    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
+    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    redis_password_file: str = Field("", description="file holding the Redis password (instead of --redis-password, "
+                                     "which `ps` shows)")
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> SecretFiles:
+        for name in ("redis_password", "api_key"):
+            path = getattr(self, f"{name}_file", "")
+            if not path:
+                continue
+            if getattr(self, name, None):
+                raise ValueError(f"give {name} or {name}_file, not both")
+            object.__setattr__(self, name, Path(path).read_text().rstrip("\r\n"))  # frozen: set once, here
+        return self
+
+
+class CommonSettings(SecretFiles):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
@@ -58,7 +81,54 @@ class CommonSettings(BaseSettings):
         return f"{self.name()}@{PROCESS_START}"
 
 
-class StageSettings(CommonSettings):
+class StorageSettings(BaseSettings):
+    """Where file contents (Batch API input, output and error files) and LoRA adapter folders live
+    (shared/storage.py): mixed into the settings of the API, which stores files, and of the scheduler, which
+    fetches adapters. Every process that shares files must name the same store."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    storage_url: str = Field("", description="object storage: file:///dir (a directory every process that "
+                             "shares files can read and write) or s3://bucket/prefix; empty = "
+                             "$RSINFER_CACHE/storage, else ~/.cache/rsinfer/storage (one machine only)")
+    storage_endpoint_url: str | None = Field(None, description="S3-compatible server (MinIO, Ceph, ...) for s3:// "
+                                             "URLs, e.g. http://minio:9000; none = AWS (or $AWS_ENDPOINT_URL_S3). "
+                                             "Credentials: the standard AWS variables, profiles or roles")
+    storage_region: str | None = Field(None, description="S3 region; none = $AWS_REGION / $AWS_DEFAULT_REGION")
+    storage_addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="S3 bucket addressing: path (http://host/bucket/key, what most S3-compatible "
+        "servers want), virtual (http://bucket.host/key) or auto")
+    storage_part_bytes: int = Field(8 << 20, ge=5 << 20, description="S3 multipart part size: uploads larger "
+                                    "go up in parts of this size, each upload holding one in memory")
+    storage_cache_dir: str = Field("", description="local directory adapter folders are fetched into from "
+                                   "the store; empty = $RSINFER_CACHE/storage-cache, else "
+                                   "~/.cache/rsinfer/storage-cache")
+    max_file_bytes: int = Field(512 << 20, ge=1, description="most bytes of one stored file: an upload "
+                                "past it is refused with a 413 and leaves nothing; also the cap of one "
+                                "adapter folder fetched from the store")
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url_parses(cls, url: str) -> str:
+        from shared.storage import parse_storage_url
+
+        parse_storage_url(url)
+        return url
+
+
+# -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
+class LivenessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    liveness_file: str = Field("", description="file a stage worker touches while its loop moves, which `rsinfer "
+                               "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
+
+
+class ProbeSettings(CommonSettings, LivenessSettings):
+    """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
+
+
+class StageSettings(CommonSettings, LivenessSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
     model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")
@@ -72,6 +142,9 @@ class StageSettings(CommonSettings):
                                   "before the rest is handed to a peer")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve this worker's Prometheus metrics on this "
                               "port; 0 = off")
+    max_deliveries: int = Field(5, ge=1, description="an entry claimed after this many deliveries is poison: "
+                                "it goes to the dead-letter stream and its client gets an error (each delivery "
+                                "ended with its worker failing or gone)")
 
 
 class TokenizerSettings(StageSettings):
@@ -93,7 +166,7 @@ class DetokenizerSettings(StageSettings):
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
 
 
-class SchedulerSettings(StageSettings):
+class SchedulerSettings(StageSettings, StorageSettings):
     batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
     # Its keep-alive touches held entries every third of this (StageWorker.keep_alive); a claim costs a resume,
     # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
@@ -117,10 +190,39 @@ class SchedulerSettings(StageSettings):
     page_size: int = Field(16, ge=1, description="tokens per KV page")
     chunk_size: int = Field(512, ge=16, description="most prompt tokens prefilled in one step")
     prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes")
-    cuda_graphs: bool = Field(False, description="capture decode steps in CUDA graphs")
+    cuda_graphs: bool | None = Field(None, description="replay decode steps from CUDA graphs; unset: on wherever "
+                                     "the engine runs on CUDA with flashinfer attention")
+    overlap: bool | None = Field(None, description="launch each engine step on the device before the previous "
+                                 "one's tokens are read back, so the host's work hides behind the GPU's; "
+                                 "unset: on CUDA")
+    # -- bounds on what one request may cost the pipeline (issue 18)
+    detokenize_budget_mb: float = Field(256.0, gt=0, description="approximate bytes (MiB) the model's detokenize "
+                                        "stream may hold: MAXLEN ~ this over the mean entry size (at least 1,000 "
+                                        "steps); reached only if no detokenizer reads for minutes")
+    grammar_mask_budget_ms: float = Field(20.0, gt=0, description="CPU time one constrained choice's token mask "
+                                          "may take in an engine step (a mask costs ~25 µs at 1k tokens, ~200 µs at "
+                                          "152k); a request whose grammar takes longer fails with a 400, checked "
+                                          "on its first masks before it joins the batch and at every step")
 
 
-class ApiSettings(CommonSettings):
+# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+class DrainSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
+                              "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
+    drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
+                                   "seconds is undone: the process goes back in service")
+
+
+class ApiKeyFile(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
+                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
+
+
+class ApiSettings(CommonSettings, StorageSettings, DrainSettings, ApiKeyFile):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -138,6 +240,48 @@ class ApiSettings(CommonSettings):
                                    "if no client reattaches within this many seconds; 0 = at once")
     models: str = Field("", description="served names of models to accept requests for even while they have "
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
+    # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
+    # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
+    # is queued (services/api/limits.py; the HTTP server's in services/api/http.py).
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body, counted as it arrives "
+                                "whatever the framing (chunked too): 413 past it")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="largest request head (request line and "
+                                  "headers): 431 past it")
+    header_timeout_s: float = Field(15.0, gt=0, description="a connection must send a request's whole head "
+                                    "within this many seconds of opening (or of its first byte, when kept "
+                                    "alive), else it is closed (408)")
+    body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next bytes of a request body: "
+                                  "408 past it")
+    keep_alive_s: int = Field(120, ge=1, description="an idle kept-alive connection is closed after this many "
+                              "seconds")
+    max_connections: int = Field(4096, ge=1, description="open connections (streams included) past which new "
+                                 "requests get 503 with Retry-After")
+    max_json_depth: int = Field(64, ge=2, description="deepest nesting of objects and lists in a request body")
+    max_user_chars: int = Field(256, ge=1, description="longest `user` and `safety_identifier` (OpenAI's limit)")
+    max_metadata_pairs: int = Field(16, ge=0, description="most `metadata` pairs (OpenAI's limit)")
+    max_metadata_key_chars: int = Field(64, ge=1, description="longest `metadata` key (OpenAI's limit)")
+    max_metadata_value_chars: int = Field(512, ge=1, description="longest `metadata` value (OpenAI's limit)")
+    max_stop_bytes: int = Field(256, ge=1, description="longest stop string, in UTF-8 bytes")
+    max_stop_total_bytes: int = Field(4096, ge=1, description="most UTF-8 bytes of a request's stop strings "
+                                      "together (at most 16 strings)")
+    max_stop_token_ids: int = Field(256, ge=0, description="most `stop_token_ids` of a request")
+    max_logit_bias: int = Field(1024, ge=0, description="most `logit_bias` entries of a request")
+    max_constraint_bytes: int = Field(256 << 10, ge=1, description="largest structured-output constraint: a "
+                                      "regex, a grammar, a JSON schema (as compact JSON) or guided_choice's list")
+    max_tools: int = Field(128, ge=0, description="most `tools` of a chat request (OpenAI's limit)")
+    max_tools_bytes: int = Field(1 << 20, ge=1, description="largest `tools` list, as compact JSON")
+    max_template_kwargs_bytes: int = Field(64 << 10, ge=1, description="largest `chat_template_kwargs`, as "
+                                           "compact JSON")
+    max_request_sequences: int = Field(128, ge=1, description="most sequences one request runs: prompts x "
+                                       "choices per prompt (best_of or n)")
+    max_request_tokens: int = Field(1 << 18, ge=1, description="most completion tokens one request may ask "
+                                    "for: sequences x max_tokens, an omitted max_tokens counting as the "
+                                    "model's context")
+    max_request_logprobs: int = Field(1 << 18, ge=1, description="most logprob entries one request may ask "
+                                      "for: sequences x max_tokens x (1 + top_logprobs), when logprobs are asked")
+    max_response_bytes: int = Field(16 << 20, ge=1024, description="largest non-stream answer (its text and "
+                                    "logprobs as they arrive): past it the request is aborted with a 400 "
+                                    "(stream it instead)")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
@@ -148,10 +292,17 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
 
     redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
     redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
+    # -- `rsinfer up`'s local defaults: loopback only, a bounded and password-protected embedded Redis --
+    host: str = Field("127.0.0.1", description="address the API listens on (0.0.0.0: every interface; give an "
+                      "API key then)")
+    redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
+                                 description="embedded redis-server's maxmemory (noeviction: past it writes are "
+                                 "refused and the API answers 503 broker_full); 0 = unbounded")
 
 
 def _is_bool(annotation: object) -> bool:
-    return annotation is bool
+    """bool, or an optional bool (unset: a default that depends on the machine)."""
+    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
 
 
 def flag_parser(settings_cls: type[BaseSettings], parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shared.demo_model import ensure_demo_model
-from shared.redis_server import LocalCluster, RedisServer
+from shared.redis_server import RedisServer
+from tests.support.redis_cluster import LocalCluster
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,13 @@ def redis_cluster():
     nodes start a LocalCluster of their own."""
     with LocalCluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto in server mode) on a free port for the whole session; tests use
+    buckets of their own (`s3_server.new_bucket()`), clients the credentials in tests/s3_server.py."""
+    from tests.s3_server import MotoServer
+
+    with MotoServer() as server:
+        yield server

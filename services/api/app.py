@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API"."""
+"""The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API". The routes, and the edge
+every request passes first: the key, the body's size and pace (`Guard`), JSON and its nesting (`parse_body`); a
+body then checks its own fields (services/api/schemas.py) and services/api/service.py answers it."""
 
 from __future__ import annotations
 
@@ -16,112 +18,129 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors
+from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
-from services.api.formats import ChatFormat, CompletionFormat, GenerateFormat
-from services.api.gateway import bare_uid
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.limits import Limits
+from services.api.request import bare_uid
+from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, Submission
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-MAX_BODY_BYTES = 16 << 20
 M = TypeVar("M", bound=BaseModel)
 
 
-class Guard:
-    """Pure ASGI middleware (it does not buffer streams): bearer-key check and body size limit."""
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over {limit} bytes (--max-body-bytes)", code="body_too_large",
+                    close=True)
 
-    def __init__(self, app: FastAPI, api_key: str | None):
-        self.app, self.api_key = app, api_key
+
+class BodyReader:
+    """The app's `receive`: counts a body's bytes as they arrive, whatever the framing (a chunked body has no
+    Content-Length), and waits at most `timeout` for each piece; past either the request is answered (413,
+    408) and its connection closed. Once the body is whole it is the server's receive (disconnects)."""
+
+    def __init__(self, receive, limit: int, timeout: float):
+        self.receive, self.limit, self.timeout = receive, limit, timeout
+        self.seen, self.whole = 0, False
+
+    async def __call__(self):
+        if self.whole:
+            return await self.receive()
+        try:
+            async with asyncio.timeout(self.timeout):
+                message = await self.receive()
+        except TimeoutError:
+            raise ApiError(408, f"no bytes of the request body came for {self.timeout:g} s (--body-timeout-s)",
+                           code="body_timeout", close=True) from None
+        if message["type"] != "http.request":
+            self.whole = True
+            return message
+        self.seen += len(message.get("body", b""))
+        if self.seen > self.limit:
+            raise body_too_large(self.limit)
+        self.whole = not message.get("more_body", False)
+        return message
+
+
+class Guard:
+    """Pure ASGI middleware (it does not buffer streams): bearer-key check, the body's size and pace, and the
+    last word on unexpected errors."""
+
+    def __init__(self, app: FastAPI, settings: ApiSettings):
+        self.app, self.api_key = app, settings.api_key
+        self.max_body, self.body_timeout = settings.max_body_bytes, settings.body_timeout_s
         self.service: ApiService = app.state.service
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
-            headers = dict(scope["headers"])
-            error = None
-            auth = headers.get(b"authorization", b"")
-            expected = f"Bearer {self.api_key}".encode()
-            keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
-            if scope["path"] == "/drain":
-                error = self._drain_refusal(scope, keyed)
-            elif self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
-                error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
-            length = headers.get(b"content-length")
-            if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-                error = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-            if error:
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _drain_refusal(self, scope, keyed: bool) -> ApiError | None:
-        """Draining takes the process out of service for good: only the pod itself (its preStop hook runs
-        `rsinfer drain` inside the pod) or a caller with the API key may do it."""
-        client = scope.get("client") or ("", 0)
-        if keyed or client[0] in LOOPBACK:
-            return None
-        if self.api_key:
-            return ApiError(401, "draining needs the API key", code="invalid_api_key")
-        return ApiError(403, "only the pod itself may drain it (no API key is configured)", code="forbidden")
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
+        headers = dict(scope["headers"])
+        error = None
+        auth = headers.get(b"authorization", b"")
+        expected = f"Bearer {self.api_key}".encode()
+        keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
+        if self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
+            error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length and length.isdigit() and int(length) > self.max_body:
+            error = body_too_large(self.max_body)
+        if error:
+            await error.response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, BodyReader(receive, self.max_body, self.body_timeout), send)
+        except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
+            errors.log_unexpected(scope, e)
 
 
 def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
 
+    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await svc.start()
         try:
+            await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
+            await control.close()
             await svc.close()
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
     app.state.service = svc
+    limits = svc.limits
     errors.install(app)
+
+    async def answer(request: Request, submission: Submission):
+        request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
+        return await svc.answer(request, submission)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, ChatCompletionRequest)
-        await svc.admit(body.model)
-        job = svc.new_job(body.model, body.timeout, body.background, params=body.params(),
-                          messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message, tools=body.tool_dicts(),
-                          tool_choice=body.tool_choice_struct(), chat_template_kwargs=body.chat_template_kwargs or {},
-                          priority=body.priority)
-        parse = answer_parsing(svc.stages.snapshot.model_info(body.model), body.parses_tool_calls)
-        fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
-                         job.params.logprobs, body.include_usage, parse)
-        fmt.continuous_usage = body.continuous_usage
-        annotations = {**body.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
-        return await svc.answer(request, [job], fmt, bool(body.stream), "chat", annotations)
+        body = await parse_body(request, ChatCompletionRequest, limits)
+        params = body.checked(limits)
+        await svc.admit(body.model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(body.model)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest)
-        await svc.admit(body.model)
-        params = body.params()
-        jobs = [svc.new_job(body.model, body.timeout, body.background, params=params, prompt=prompt, input_ids=ids,
-                            suffix=body.suffix, priority=body.priority) for prompt, ids in body.prompts()]
-        fmt = CompletionFormat(f"cmpl-{jobs[0].uid}", body.model, int(jobs[0].created_at), len(jobs) * params.n,
-                               body.logprobs is not None, body.include_usage, echo=bool(body.echo),
-                               best_of=params.n, keep=body.n or 1)
-        fmt.continuous_usage = body.continuous_usage
-        annotations = {**body.annotations(), **({"echo": "1"} if body.echo else {})}
-        return await svc.answer(request, jobs, fmt, bool(body.stream), "completion", annotations)
+        body = await parse_body(request, CompletionRequest, limits)
+        params = body.checked(limits)
+        await svc.admit(body.model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(body.model)))
 
     @app.post("/generate")
     async def generate(request: Request):
-        body = await parse_body(request, GenerateRequest)
+        body = await parse_body(request, GenerateRequest, limits)
+        params = body.checked(limits)
         model = body.model or _only_model(svc)
-        await svc.admit(model)
-        job = svc.new_job(model, None, False, params=body.params(), prompt=body.text, input_ids=body.input_ids,
-                          priority=body.priority)
-        fmt = GenerateFormat(job.uid, model, int(job.created_at))
-        return await svc.answer(request, [job], fmt, body.stream, "generate", endpoint="generate")
+        await svc.admit(model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(model)))
 
     @app.get("/v1/models")
     async def models():
@@ -155,6 +174,7 @@ def create_app(settings: ApiSettings) -> Guard:
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid)
+        request.scope[errors.UID] = bare_uid(uid)
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
 
     @app.get("/health")
@@ -175,40 +195,23 @@ def create_app(settings: ApiSettings) -> Guard:
     async def metrics():
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/drain")
-    async def drain(wait: float = 0.0):
-        """preStop hook: stop taking new requests (and go unready), then give endpoints time to update."""
-        svc.draining = True
-        await asyncio.sleep(max(0.0, min(wait, 120.0)))
-        return {"draining": True, "inflight": len(svc.gateway.inflight)}
-
-    return Guard(app, settings.api_key)
+    return Guard(app, settings)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], limits: Limits) -> M:
     """JSON whatever the Content-Type says (`curl -d` sends form-urlencoded); errors become 400s."""
     raw = await request.body()
     try:
         data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise ApiError(400, "the request body is not valid JSON") from None
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    limits.nesting(raw, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-
-
-def answer_parsing(model_info: dict, tools: bool) -> dict:
-    """How chat answers of this model are split (what its tokenizer detected): reasoning, and tool calls
-    when the request offers tools and lets the model call them."""
-    out: dict = {}
-    if model_info.get("reasoning_parser", "none") != "none":
-        out["reasoning"] = model_info["reasoning_parser"]
-    if tools and model_info.get("tool_call_parser", "none") != "none":
-        out["tools"] = model_info["tool_call_parser"]
-    return out
 
 
 def _only_model(svc: ApiService) -> str:

@@ -1,14 +1,19 @@
 """Every HTTP error in OpenAI's shape {"error": {"message", "type", "param", "code"}} with the right
-status: 400 for any bad input (never FastAPI's 422), 401, 404, 413, 429/503 with Retry-After, 504."""
+status: 400 for any bad input (never FastAPI's 422), 401, 404, 408, 413, 431, 429/503 with Retry-After, 504.
+
+An unexpected error is a 500 and one log line with the request's uid (`log_unexpected`); its traceback is
+logged at DEBUG only."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
@@ -16,29 +21,46 @@ from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
 log = logging.getLogger(__name__)
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 405: "invalid_request_error", 410: "invalid_request_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+         404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         410: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/app.py), for logs
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after: float | None = None):
+                 type: str | None = None, retry_after: float | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "server_error")
         self.retry_after = retry_after
+        self.close = close  # end the connection after the answer (a body not read to its end)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else {}
+        if self.close:
+            headers["Connection"] = "close"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def redis_down() -> ApiError:
     return ApiError(503, "the request broker (Redis) is unreachable; retry shortly", code="broker_unavailable",
                     retry_after=1)
+
+
+# Redis at its maxmemory (noeviction) refuses writes until the requests in it end and their keys expire: that
+# takes longer than a blip of the connection.
+BROKER_FULL_RETRY_S = 2
+
+
+def broker_full() -> ApiError:
+    """Redis refused a write for memory (OOM, `maxmemory` with `noeviction`): backpressure. Nothing of the
+    request was queued (services/api/request.py writes it in one transaction)."""
+    return ApiError(503, "the request broker (Redis) is full; retry shortly", code="broker_full",
+                    retry_after=BROKER_FULL_RETRY_S)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -83,9 +105,23 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _redis(_: Request, exc: RedisError) -> JSONResponse:
         log.warning("redis error: %s", exc)
-        return redis_down().response()
+        return (broker_full() if isinstance(exc, OutOfMemoryError) else redis_down()).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log_unexpected(request.scope, exc)
         return ApiError(500, "internal error", type="server_error").response()
+
+
+def log_unexpected(scope: dict, exc: BaseException) -> None:
+    """One line per unexpected error, with the request's uid and where it was raised, however many layers see
+    it (the 500 handler, then services/api/app.py `Guard`, as Starlette raises it again for the server)."""
+    if getattr(exc, "_rsinfer_logged", False):
+        return
+    with contextlib.suppress(AttributeError):
+        exc._rsinfer_logged = True  # type: ignore[attr-defined]
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" at {frame[0].filename}:{frame[0].lineno}" if frame else ""
+    log.error("uid=%s unexpected error on %s %s: %s: %s%s", scope.get(UID, "-"), scope.get("method", ""),
+              scope.get("path", ""), type(exc).__name__, str(exc)[:500], where)
+    log.debug("uid=%s traceback", scope.get(UID, "-"), exc_info=exc)

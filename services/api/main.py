@@ -10,6 +10,7 @@ import time
 import uvicorn
 
 from services.api.app import create_app
+from services.api.http import edge_protocol
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ class DrainingServer(uvicorn.Server):
         svc = self.service
         svc.draining = True
         deadline = time.monotonic() + self.settings.grace_period_s
-        log.info("draining: %d requests in flight, up to %.0fs", len(svc.gateway.inflight),
+        log.info("draining: %d requests in flight, up to %.0fs", len(svc.requests.inflight),
                  self.settings.grace_period_s)
-        while svc.gateway.inflight and time.monotonic() < deadline:
+        while svc.requests.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._end_streams()  # streams still open end (their requests are aborted unless in the background)
         self.should_exit = True
@@ -48,10 +49,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(settings: ApiSettings) -> int:
-    # Long keep-alive: load generators and proxies reuse connections; 5 s broke reused ones
-    # (docs/design.md, "Measured facts behind the design").
+    # Long keep-alive by default (--keep-alive-s 120): load generators and proxies reuse connections; 5 s broke
+    # reused ones (docs/design.md, "Measured facts behind the design"). The head's deadline and size and the
+    # connection limit are the protocol's (services/api/http.py).
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            timeout_keep_alive=120, timeout_graceful_shutdown=5)
+                            http=edge_protocol(settings), timeout_keep_alive=settings.keep_alive_s,
+                            timeout_graceful_shutdown=5)
     DrainingServer(config, settings, app.service).run()
     return 0

@@ -134,3 +134,16 @@ def test_prefix_routing_figures_have_rows_and_a_section():
     assert "## Prefix-aware routing (issue 14)" in text and "commit `abc1234`" in text
     assert "| 2 | prefix routing | 84% | 170/192 | 45 ms | 300 ms | 1,000 | 9,000 | 9.5 s | 192/192 |" in text
     assert "## Prefix-aware routing" not in report.markdown(RESULTS, [])
+
+
+def test_host_bench_section_compares_before_and_after():
+    run = {"when": "2026-12-01T12:00:00", "machine": {"cpus": 2}, "config": {"steps": 60, "repeat": 5}}
+    host = {"before/greedy": {**run, "results": [{"batch": 1, "gpu_ms": 0.25, "host_cpu_ms_per_step": 0.5,
+                                                  "gpu_busy_share": 0.3, "plans_per_step": 1.0}]},
+            "after/greedy": {**run, "results": [{"batch": 1, "gpu_ms": 0.25, "host_cpu_ms_per_step": 0.2,
+                                                 "gpu_busy_share": 0.9, "plans_per_step": 0.07}]}}
+    text = "\n".join(report.host_section(host))
+    assert "## Engine host time per decode step (issue 20)" in text
+    # synchronous before: 0.25 / (0.25 + 0.5); overlapped after: 0.25 / max(0.25, 0.2)
+    assert "| greedy | 1 | 0.25 ms | 0.500 ms -> 0.200 ms | 30% -> 90% | 33% -> 100% | 1.00 -> 0.07 | met |" in text
+    assert report.host_section({}) == []

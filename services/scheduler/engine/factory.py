@@ -145,7 +145,8 @@ def grammar_cache(settings: SchedulerSettings, model_path: str, model, eos: set[
     """Structured outputs: grammars over the model's (padded) vocabulary, compiled off the step thread."""
     from services.scheduler.engine.grammar import GrammarCache
 
-    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code)
+    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code,
+                        settings.grammar_mask_budget_ms)
 
 
 def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
@@ -159,7 +160,7 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
     bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
     config = EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
                           prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
-                          cuda_graphs=settings.cuda_graphs)
+                          cuda_graphs=settings.cuda_graphs, overlap=settings.overlap)
     if memory is None and param.device.type == "cuda":
         memory = CudaMemory(param.device)
     if settings.max_kv_tokens or memory is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.engine.prefix_cache import PrefixCache
+from services.scheduler.engine.transfer import to_device
 
 SCRATCH_PAGE = 0
 
@@ -56,7 +57,7 @@ class KVCache:
     def zero_pages(self, pages: list[int]) -> None:
         """Clear pages before use by a backend that reads whole pages (torch): a masked key still
         multiplies its value by 0, and never-written memory may hold NaN."""
-        idx = torch.tensor(pages, dtype=torch.long, device=self._k.device)
+        (idx,) = to_device([pages], torch.int64, self._k.device)
         self._k.index_fill_(1, idx, 0)
         self._v.index_fill_(1, idx, 0)
 

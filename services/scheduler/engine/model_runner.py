@@ -15,7 +15,9 @@ import torch
 
 from services.scheduler.engine import attention
 from services.scheduler.engine.attention import AttentionBackend, ForwardContext, RowSpec, build_metadata
+from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.kv_cache import KVShape
+from services.scheduler.engine.transfer import to_device
 
 
 class UnsupportedModel(RuntimeError):
@@ -76,14 +78,50 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
 
     @torch.inference_mode()
-    def forward(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int]) -> torch.Tensor:
-        """Run the packed batch; return fp32 logits [len(sample_idx), vocab] of the given token indices."""
-        if self.graphs is not None and len(sample_idx) == len(rows) and self.graphs.fits(rows):
-            return self.graphs.run(rows, input_ids)
+    def forward(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int],
+                device_tokens: DeviceTokens | None = None) -> torch.Tensor:
+        """Run the packed batch; return fp32 logits [len(sample_idx), vocab] of the given token indices.
+        `device_tokens`: inputs that are still on the device (an overlapped step's sampled ids).
+
+        With CUDA graphs, the leading one-token rows replay a graph and the prompt chunks after them run as
+        an eager forward of their own."""
+        nd = 0
+        while nd < len(rows) and rows[nd].num_new == 1:
+            nd += 1
+        if self.graphs is None or nd == 0 or not self.graphs.fits(nd):
+            return self._eager(rows, input_ids, sample_idx, device_tokens)
+        patches = device_tokens.shifted(0, nd) if device_tokens is not None else None
+        decode = self.graphs.run(rows[:nd], input_ids[:nd], patches)
+        if nd == len(rows):
+            return decode if sample_idx == list(range(nd)) else decode[self._index(sample_idx)]
+        tail = [i - nd for i in sample_idx if i >= nd]
+        patches = device_tokens.shifted(nd, len(input_ids)) if device_tokens is not None else None
+        prefill = self._eager(rows[nd:], input_ids[nd:], tail, patches)
+        # rows of cat(decode, prefill) in sample_idx order
+        order, seen_tail = [], 0
+        for i in sample_idx:
+            if i < nd:
+                order.append(i)
+            else:
+                order.append(nd + seen_tail)
+                seen_tail += 1
+        both = torch.cat([decode, prefill])
+        return both if order == list(range(both.shape[0])) else both[self._index(order)]
+
+    def _index(self, idx: list[int]) -> torch.Tensor:
+        (t,) = to_device([idx], torch.int64, self.device)
+        return t
+
+    def _eager(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int],
+               device_tokens: DeviceTokens | None) -> torch.Tensor:
         meta = build_metadata(rows, self.page_size, self.device)
         self.backend.prepare(meta)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        keep = torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)
+        parts = [input_ids, sample_idx]
+        if device_tokens is not None:
+            parts += [device_tokens.positions, device_tokens.rows]
+        ids, keep, *patch = to_device(parts, torch.int64, self.device)
+        if device_tokens is not None:
+            ids.index_copy_(0, patch[0], device_tokens.source.index_select(0, patch[1]))
         out = self.model(input_ids=ids[None], position_ids=meta.positions[None], use_cache=False,
                          logits_to_keep=keep, rsinfer_ctx=ForwardContext(self.backend, meta))
         return out.logits[0].float()

@@ -3,6 +3,17 @@
 Each `step()` plans a batch (decodes, prompt chunks, new requests), runs it as one packed forward,
 samples a token for every sequence whose known tokens are all computed, and returns what it produced.
 A request with n > 1 choices is prefilled once; its choices then share the prompt's pages.
+
+Overlapped steps (on by default on CUDA, as mini-sglang's overlap loop, SGLang's overlap scheduler and
+vLLM's async scheduling do): `step()` launches step k+1 on the device before it waits for step k's results,
+and returns step k's outputs while k+1 runs, so scheduling, metadata, planning and the worker's handling of
+the outputs happen while the GPU computes. A sequence's token sampled by a step still in flight is an
+UNRESOLVED entry of its tokens; the next step reads it on the device (the sampled ids stay there) and
+the host learns it one call later. Whatever the results could change is honoured within one step:
+max_tokens and the context are known on the host, so a sequence whose in-flight token is its last is not
+scheduled again; one that stops on EOS or a stop token, or is aborted, has computed one token too many,
+which is dropped; a sequence whose next step needs the token on the host (grammar, penalties) waits for
+it (that step does not overlap). Outputs are the same tokens as without overlap, one call later.
 """
 
 from __future__ import annotations
@@ -15,14 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.engine.attention import AttentionBackend, RowSpec
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
+from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
 from services.scheduler.engine.prefix_cache import PrefixCache
-from services.scheduler.engine.sampling import Sampler, SampleRow
+from services.scheduler.engine.sampling import SampleOut, Sampler, SampleRow
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
-from services.scheduler.engine.sequence import Seq
+from services.scheduler.engine.sequence import UNRESOLVED, Seq
+from services.scheduler.engine.transfer import to_device
 from services.scheduler.engine.warm_up import run_warm_up
 from shared.messages import SamplingParams
 
@@ -41,36 +54,54 @@ class EngineConfig:
     chunked_prefill: bool = True
     prefix_cache: bool = True
     backend: str = "auto"  # "auto" | "torch" | "flashinfer"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: on CUDA with flashinfer attention
+    overlap: bool | None = None  # launch the next step before reading this one's results; None: on CUDA
     shuffle_pages: int | None = None  # tests: hand out pages in a random order
     seed: int | None = None  # of the generator of unseeded sampling
 
 
 def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
-    """flashinfer on CUDA (when installed), torch elsewhere."""
+    """flashinfer on CUDA where it can serve the model, torch elsewhere: "auto" falls back to torch, with a
+    warning naming why, for fp32 (flashinfer has no fp32 paged kernels), a head size it does not build, and
+    an install that is missing or fails to import."""
+    from services.scheduler.engine.attention.flashinfer_backend import FlashInferPagedAttention, load_flashinfer
+
     device = kv.k[0].device
     g = attention_geometry(model)
+    module = None
     if name == "auto":
         name = "torch"
-        if device.type == "cuda" and not _flashinfer_installed():
-            log.warning("flashinfer is not installed (pip install rsinfer[gpu]); using torch attention on CUDA")
-        elif device.type == "cuda" and g.head_dim not in FLASHINFER_HEAD_DIMS:
+        if device.type != "cuda":
+            pass
+        elif dtype not in (torch.float16, torch.bfloat16):
+            log.warning("flashinfer has no %s paged attention kernels; using torch attention on CUDA (slower; "
+                        "--dtype bfloat16 uses flashinfer)", str(dtype).removeprefix("torch."))
+        elif g.head_dim not in FLASHINFER_HEAD_DIMS:
             log.warning("head_dim %d is not one flashinfer builds; using torch attention on CUDA", g.head_dim)
-        elif device.type == "cuda":
-            name = "flashinfer"
+        else:
+            module, why = load_flashinfer()
+            if module is None:
+                log.warning("%s; using torch attention on CUDA", why)
+            else:
+                name = "flashinfer"
     if name == "flashinfer":
-        from services.scheduler.engine.attention.flashinfer_backend import FlashInferPagedAttention
-
-        return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype)
+        return FlashInferPagedAttention(kv, g.num_qo_heads, g.num_kv_heads, g.head_dim, g.scaling, dtype,
+                                        flashinfer=module)
     from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 
     return TorchPagedAttention(kv)
 
 
-def _flashinfer_installed() -> bool:
-    import importlib.util
+@dataclass
+class _InFlight:
+    """A launched step: the sequences it samples for, in the sampler's row order, where each one's token
+    goes, and the epoch each had (a preemption since withdraws the token)."""
 
-    return importlib.util.find_spec("flashinfer") is not None
+    seqs: list[Seq]
+    token_index: list[int]
+    epochs: list[int]
+    out: SampleOut
+    deferred: list[Seq]  # sequences whose pages are named once the previous step's tokens are known
 
 
 class PagedEngine:
@@ -91,15 +122,28 @@ class PagedEngine:
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
         self.runner = ModelRunner(model, backend, config.page_size)
-        if config.cuda_graphs:  # on a device or backend that cannot, capture fails with a warning saying why
+        on_cuda = param.device.type == "cuda"
+        graphs = config.cuda_graphs
+        if graphs is None:  # the default: on CUDA wherever flashinfer serves the attention
+            graphs = on_cuda and backend.name == "flashinfer"
+            if on_cuda and not graphs:
+                log.info("CUDA graphs off: they need flashinfer attention (this engine uses %s)", backend.name)
+        if graphs:  # on a device or backend that cannot, capture fails with a warning saying why
             from services.scheduler.engine.cuda_graph import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs.capture(self.runner, self.kv, config.max_running,
                                                       pages_for(self.max_context, config.page_size))
-        self.sampler = Sampler(self.eos_ids, param.device, config.seed)
+        self.overlap = on_cuda if config.overlap is None else config.overlap
+        self.sampler = Sampler(self.eos_ids, param.device, config.seed,
+                               flashinfer=getattr(backend, "flashinfer", None))
+        self._inflight: _InFlight | None = None
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        # What room() answers: the scheduler asks from its event loop while a step runs in its thread (it reads
+        # new requests then), so room is computed only by whoever mutates the queues (the step thread in a step;
+        # add and abort, between steps) and published as one int, never read off the queues.
+        self._room = self._free_room()
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
 
@@ -122,16 +166,18 @@ class PagedEngine:
             seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
                       compiling=compiling)
             self.scheduler.waiting.append(seq)
+            self._room = self._free_room()
             return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
             seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens,
                       compiling=compiling)
-            done = self._finish_reason(seq, prior[-1]) if prior else None
+            done = self._finish_reason(seq, prior[-1], seq.completion_len, len(seq.tokens)) if prior else None
             if done:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _compile(self, p: SamplingParams) -> Future | None:
@@ -158,8 +204,14 @@ class PagedEngine:
                 failed.setdefault(seq.uid, f"structured output: {e}")
         outputs = []
         for uid, error in failed.items():
-            outputs += self._fail([s for s in self.scheduler.waiting if s.uid == uid][:1], error)
+            seqs = [s for s in self.scheduler.waiting if s.uid == uid][:1]
+            outputs += self._fail(seqs, error, 400, self._guided_param(seqs))
         return outputs
+
+    @staticmethod
+    def _guided_param(seqs: list[Seq]) -> str | None:
+        guided = seqs[0].req.params.guided if seqs else None
+        return (guided.param or None) if guided is not None else None
 
     def _wait_for_grammars(self) -> None:
         compiling = {s.compiling for s in self.scheduler.waiting if not s.ready}
@@ -176,59 +228,44 @@ class PagedEngine:
             raise RequestRejected(f"input token ids must be in [0, {vocab})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
-        if len(prompt) >= self.max_context:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        kv_tokens = self.pool.usable * self.config.page_size
-        if len(prompt) >= kv_tokens:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) does not fit the KV cache of {kv_tokens} "
-                                  "tokens with room for a completion", code="context_length_exceeded")
-        if p.max_tokens is None:
-            return self._default_max_tokens(p, len(prompt))
-        if p.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + p.max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if len(prompt) + p.max_tokens > kv_tokens:
-            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + p.max_tokens} tokens) exceeds the KV "
-                                  f"cache of {kv_tokens} tokens", code="context_length_exceeded", param="max_tokens")
-        if p.min_tokens > p.max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
-                                  param="min_tokens")
-        return p.max_tokens
+        max_tokens = allowed_completion(len(prompt), p, self.max_context, self.pool.usable * self.config.page_size)
+        return max_tokens if p.max_tokens is not None else self._default_max_tokens(p, len(prompt))
 
     def _default_max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
         """An omitted max_tokens: up to the context, as far as the KV pool can ever hold the request. That
         is all n choices side by side (they share the prompt's full pages) where they fit, else one
-        choice alone (the others wait their turn, preempted); never less than min_tokens."""
+        choice alone (the others wait their turn, preempted); never less than min_tokens (which
+        `allowed_completion` checked fits one choice alone)."""
         ps, usable = self.config.page_size, self.pool.usable
         context_left = self.max_context - prompt_len
         alone = usable * ps - prompt_len
         shared = prompt_len // ps
         together = (shared + (usable - shared) // p.n) * ps - prompt_len
-        most = min(context_left, alone)
-        if p.min_tokens > most:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {most} completion tokens that the "
-                                  f"model's context and the KV cache leave after the prompt ({prompt_len} tokens)",
-                                  code="context_length_exceeded", param="min_tokens")
         return max(p.min_tokens, min(context_left, together if together >= 1 else alone))
 
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self._pending)
         self._pending = [o for o in self._pending if not (o.uid == uid and index in (None, o.index))]
-        return bool(self.scheduler.drop(uid, index)) or len(self._pending) != before
+        dropped = bool(self.scheduler.drop(uid, index))
+        self._room = self._free_room()
+        return dropped or len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
+        """New requests to pull now (safe to call while a step runs in another thread: see `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, or when the free pages are down to the reserve; else the free running slots.
+        Only on the thread that mutates the queues."""
         s = self.scheduler
         if any(q.ready for q in s.waiting) or self.pool.available() <= s.watermark + len(s.running):
             return 0
         return max(0, s.max_running - len(s.running))
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._pending)
+        flight = self._inflight  # a step in flight whose sequences all ended has nothing left to say
+        return bool(self.scheduler.running or self.scheduler.waiting or self._pending or
+                    (flight is not None and any(not s.ended for s in flight.seqs)))
 
     def stats(self) -> dict:
         s, ps = self.scheduler, self.config.page_size
@@ -254,50 +291,129 @@ class PagedEngine:
         return self.pool.cache.digests() if self.pool.cache is not None else []
 
     def close(self) -> None:
+        if self._inflight is not None:  # let the device finish what it was given; its results are dropped
+            self._inflight.out.transfer.wait()
+            self._inflight = None
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
         self._pending.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
 
     # ---- the step
 
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self._room = self._free_room()
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._prepare_grammars()
         batch = self.scheduler.schedule()
+        if self._inflight is not None and (not batch or self._needs_host_tokens(batch)):
+            outputs += self._resolve()
+            batch = [sc for sc in batch if not sc.seq.ended]  # they stopped on the token just read
+        self._room = self._free_room()  # what a read during this step's forward may take
         if not batch:
-            self._wait_for_grammars()
+            if not outputs:
+                self._wait_for_grammars()
             return outputs
         self.steps += 1
-        sampling = [sc for sc in batch if sc.samples]
         try:
-            logits = self._forward(batch)
+            launched = self._launch(batch)
         except Exception as exc:  # a failed forward fails its batch, frees its pages, and the loop goes on
             log.exception("engine step failed; failing %d sequences", len(batch))
-            return outputs + self._fail([sc.seq for sc in batch], f"engine error: {exc}")
-        self.scheduler.computed(batch)
-        return outputs + self._sample(sampling, logits)
+            if self._inflight is not None:
+                outputs += self._resolve()
+            return outputs + self._fail([sc.seq for sc in batch if not sc.seq.ended], f"engine error: {exc}")
+        if self._inflight is not None:
+            outputs += self._resolve()  # the previous step, while this one runs
+        self.scheduler.name_pages([s for s in launched.deferred if not s.ended])
+        self._inflight = launched
+        if not self.overlap:
+            outputs += self._resolve()
+        return outputs
 
-    def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
-        """Logits of the sampling rows; a sequence that scores its prompt also gets the logits of each
-        prompt position it computes (they score the next prompt token)."""
+    @staticmethod
+    def _needs_host_tokens(batch: list[Scheduled]) -> bool:
+        """Whether a sequence of the batch needs the token still in flight on the host before its step is
+        launched: a grammar's mask and penalties are computed from the tokens so far."""
+        return any(sc.seq.unresolved and sc.seq.host_bound for sc in batch)
+
+    def _launch(self, batch: list[Scheduled]) -> _InFlight:
+        """Queue the batch's forward and sampling on the device and append each sampling sequence's token
+        as UNRESOLVED; nothing here waits for the device."""
+        # the sequences that sample (before _forward records the batch as computed)
+        sampling = [sc.seq for sc in batch if sc.seq.num_computed + sc.num_new == len(sc.seq.tokens)]
+        logits, deferred = self._forward(batch)
+        seqs, logit_rows = sampling, list(range(len(sampling)))
+        if any(seq.forks for seq in sampling):  # n > 1: the siblings sample from their parent's logits
+            seqs, logit_rows = [], []
+            for j, seq in enumerate(sampling):
+                group = [seq]
+                if seq.forks:
+                    group += self.scheduler.fork(seq, seq.forks)
+                    seq.forks = 0
+                seqs.extend(group)
+                logit_rows.extend([j] * len(group))
+        rows = [SampleRow(s.req.params, s.index, len(s.tokens) - s.prompt_len, s.tokens, s.prompt_len, s.grammar)
+                for s in seqs]
+        if len(logit_rows) != logits.shape[0]:
+            (index,) = to_device([logit_rows], torch.int64, logits.device)
+            logits = logits.index_select(0, index)
+        out = self.sampler.launch(logits, rows)
+        at, context = [], self.max_context
+        for k, seq in enumerate(seqs):
+            tokens = seq.tokens
+            tokens.append(UNRESOLVED)
+            seq.unresolved += 1
+            seq.pending_row = k
+            n = len(tokens)
+            seq.final = n - seq.prompt_len >= seq.max_tokens or n >= context
+            at.append(n - 1)
+        return _InFlight(seqs, at, [s.epoch for s in seqs], out, deferred)
+
+    def _forward(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Seq]]:
+        """Logits of the sampling rows, and the sequences whose new pages cannot be named yet; a sequence
+        that scores its prompt also gets the logits of each prompt position it computes (they score the next
+        prompt token)."""
         rows, ids, sample_idx, scored = [], [], [], []
+        patch_pos, patch_rows = [], []
+        deferred = []
         for sc in batch:
-            seq = sc.seq
-            rows.append(RowSpec(seq.pages, seq.num_computed, sc.num_new))
+            seq, n = sc.seq, sc.num_new
+            c, tokens = seq.num_computed, seq.tokens
+            rows.append(RowSpec(seq.pages, c, n))
             first = len(ids)
-            ids.extend(seq.tokens[seq.num_computed:seq.num_computed + sc.num_new])
-            if sc.samples:
+            if n == 1:
+                ids.append(tokens[c])
+            else:
+                ids.extend(tokens[c:c + n])
+            ends = c + n == len(tokens)
+            if seq.unresolved:
+                deferred.append(seq)
+                if ends:
+                    assert seq.unresolved == 1 and ids[-1] == UNRESOLVED and self._inflight is not None
+                    patch_pos.append(len(ids) - 1)  # read on the device from the step in flight
+                    patch_rows.append(seq.pending_row)
+                    ids[-1] = 0
+            if ends:  # it samples
                 sample_idx.append(len(ids) - 1)
-            if seq.scores_prompt:
+            if seq.req.params.prompt_logprobs is not None and seq.scores_prompt:
                 positions = range(seq.num_computed, min(seq.num_computed + sc.num_new, seq.prompt_len - 1))
                 scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
         extra = [i for _, idx, _ in scored for i in idx]
-        logits = self.runner.forward(rows, ids, sample_idx + extra)
+        pending = DeviceTokens(patch_pos, patch_rows, self._inflight.out.ids) if patch_pos else None
+        logits = self.runner.forward(rows, ids, sample_idx + extra, pending)
         if scored:
             self._score_prompts(scored, logits[len(sample_idx):])
-        return logits[:len(sample_idx)]
+        self.scheduler.advance(batch)
+        self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved] if deferred else
+                                  [sc.seq for sc in batch])
+        return logits[:len(sample_idx)], deferred
 
     @staticmethod
     def _score_prompts(scored: list, logits: torch.Tensor) -> None:
@@ -314,62 +430,69 @@ class PagedEngine:
                 top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist(), strict=True)) if tops else []
                 seq.scores[p] = (chosen[j], top)
 
-    def _sample(self, sampling: list[Scheduled], logits: torch.Tensor) -> list[StepOutput]:
-        seqs, logit_rows = [], []
-        for j, sc in enumerate(sampling):
-            group = [sc.seq]
-            if sc.seq.forks:
-                group += self.scheduler.fork(sc.seq, sc.seq.forks)
-                sc.seq.forks = 0
-            seqs.extend(group)
-            logit_rows.extend([j] * len(group))
-        rows = [SampleRow(s.req.params, s.index, s.completion_len, s.tokens, s.prompt_len, s.grammar) for s in seqs]
-        if len(logit_rows) != logits.shape[0]:
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        result = self.sampler(logits, rows)
+    def _resolve(self) -> list[StepOutput]:
+        """Wait for the step in flight and turn its tokens into outputs (the step's one host sync)."""
+        flight, self._inflight = self._inflight, None
+        assert flight is not None
+        result = flight.out.result()
         outputs, refused = [], []
-        for k, seq in enumerate(seqs):
-            tok = result.ids[k]
-            start = seq.completion_len
-            seq.tokens.append(tok)
-            if seq.grammar is not None and not seq.grammar.accept(seq.tokens[seq.prompt_len:]):
+        with_logprobs = bool(flight.out.want)
+        eos, context = self.eos_ids, self.max_context
+        for k, (seq, at, epoch, tok) in enumerate(zip(flight.seqs, flight.token_index, flight.epochs, result.ids,
+                                                      strict=True)):
+            if seq.ended or seq.epoch != epoch:
+                continue  # aborted, stopped or preempted since the step was launched: its token is dropped
+            seq.tokens[at] = tok
+            seq.unresolved -= 1
+            produced = at + 1 - seq.prompt_len
+            grammar = seq.grammar
+            if grammar is not None and not grammar.accept(seq.tokens[seq.prompt_len:at + 1]):
                 refused.append(seq)  # nothing admissible was left (e.g. min_tokens banned the only end)
                 continue
-            finish = self._finish_reason(seq, tok)
-            lp = [result.logprobs[k]] if result.logprobs[k] is not None else None
-            top = [result.top_logprobs[k]] if result.top_logprobs[k] is not None else None
-            out = StepOutput(seq.uid, start, [tok], seq.index, finish, lp, top)
-            if start == 0:
+            p = seq.req.params
+            finish = None
+            if tok in eos or p.stop_token_ids or grammar is not None or produced >= seq.max_tokens or at + 1 >= context:
+                finish = self._finish_reason(seq, tok, produced, at + 1)
+            out = StepOutput(seq.uid, produced - 1, [tok], seq.index, finish)
+            if with_logprobs and result.logprobs[k] is not None:
+                out.logprobs = [result.logprobs[k]]
+                if result.top_logprobs[k] is not None:
+                    out.top_logprobs = [result.top_logprobs[k]]
+            if produced == 1:
                 out.cached_tokens = max(seq.cached_tokens, 0)
                 if seq.scores_prompt:
                     out.prompt_logprobs = seq.prompt_logprobs = [seq.scores[p] for p in sorted(seq.scores)]
                     seq.scores = {}
             outputs.append(out)
             if finish:
+                del seq.tokens[at + 1:]  # a token launched after this one is not the request's
                 self.scheduler.finish(seq)
-        if refused:
+        if refused:  # the client's grammar (or its params) at fault: a 400
             gone = {s.uid for s in refused}
             outputs = [o for o in outputs if o.uid not in gone]
-            outputs += self._fail(refused, "structured output: the grammar admits no token the request allows")
+            for seq in refused:
+                assert seq.grammar is not None
+                outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
         return outputs
 
-    def _finish_reason(self, seq: Seq, tok: int) -> str | None:
+    def _finish_reason(self, seq: Seq, tok: int, produced: int, length: int) -> str | None:
+        """Why the sequence ends with `tok`, its `produced`-th completion token and its `length`-th token."""
         p = seq.req.params
-        if seq.completion_len >= p.min_tokens and (
-                (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+        if produced >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return "stop"
         if seq.grammar is not None and seq.grammar.done:
             return "stop"
-        if seq.completion_len >= seq.max_tokens or len(seq.tokens) >= self.max_context:
+        if produced >= seq.max_tokens or length >= self.max_context:
             return "length"
         return None
 
-    def _fail(self, seqs: list[Seq], error: str) -> list[StepOutput]:
+    def _fail(self, seqs: list[Seq], error: str, status: int = 500, param: str | None = None) -> list[StepOutput]:
         outputs, failed = [], set()
         for seq in seqs:
             if seq.uid not in failed:  # the whole request fails, with every choice
                 failed.add(seq.uid)
                 for s in self.scheduler.drop(seq.uid):
                     for index in range(s.index, s.index + s.forks + 1):  # unforked choices fail too
-                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error))
+                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error,
+                                                  error_status=status, error_param=param))
         return outputs

@@ -64,18 +64,24 @@ class BatchScheduler:
             for seq in [s for s in self.running if not s.is_decode]:
                 budget -= self._schedule_prefill(seq, budget, batch)
             self._admit(budget, batch)
-            if batch or not self.running:
+            if batch or not any(not s.final for s in self.running):
                 batch.sort(key=lambda sc: sc.num_new != 1)
                 return batch
             # Running sequences hold every page and none can advance: free the youngest.
             self._preempt(self.running[-1])
 
     def _schedule_decodes(self) -> list[Scheduled]:
+        """Every running decode, oldest first; a decode that needs a page when none is left preempts the
+        youngest (possibly itself). O(running): preemption takes from the tail, so the sequences preempted
+        in this call are those not yet reached, kept in a set rather than searched for in `running`."""
         batch = []
-        for seq in [s for s in self.running if s.is_decode]:
-            while seq in self.running and not self._grow(seq, 1):
-                self._preempt(self.running[-1])  # the youngest; possibly seq itself
-            if seq in self.running:
+        gone: set[Seq] = set()
+        for seq in [s for s in self.running if s.is_decode and not s.final]:
+            while seq not in gone and not self._grow(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                gone.add(victim)
+            if seq not in gone:
                 batch.append(Scheduled(seq, 1))
         return batch
 
@@ -159,7 +165,11 @@ class BatchScheduler:
         seq.num_cached_pages = 0
 
     def _preempt(self, seq: Seq) -> None:
-        self.running.remove(seq)
+        if self.running and self.running[-1] is seq:
+            self.running.pop()
+        else:
+            self.running.remove(seq)
+        seq.withdraw_unresolved()  # its token still in flight is sampled again after the recompute
         self._free(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -168,12 +178,25 @@ class BatchScheduler:
 
     def computed(self, batch: list[Scheduled]) -> None:
         """Record the step's tokens as computed and name newly full pages in the prefix cache."""
+        self.advance(batch)
+        self.name_pages([sc.seq for sc in batch])
+
+    @staticmethod
+    def advance(batch: list[Scheduled]) -> None:
+        """Record the step's tokens as computed (their K/V are written by the launched step)."""
         for sc in batch:
-            seq = sc.seq
-            seq.num_computed += sc.num_new
-            if self.cache is None:
-                continue
+            sc.seq.num_computed += sc.num_new
+
+    def name_pages(self, seqs: list[Seq]) -> None:
+        """Name the newly full pages of each sequence in the prefix cache; every computed token must be known
+        on the host (a page is named by its tokens), so an overlapped step names its pages after the previous
+        step's tokens have arrived."""
+        if self.cache is None:
+            return
+        for seq in seqs:
             full = seq.num_computed // self.page_size
+            if full <= seq.num_cached_pages:
+                continue  # no page filled up since it was last named
             extend_digests(seq.digests, seq.tokens, self.page_size, full)
             for i in range(seq.num_cached_pages, full):
                 self._name_page(seq, i)
@@ -211,6 +234,8 @@ class BatchScheduler:
     def finish(self, seq: Seq) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        seq.ended = True
+        seq.unresolved = 0
         self._free(seq)
 
     def drop(self, uid: str, index: int | None = None) -> list[Seq]:
@@ -223,5 +248,6 @@ class BatchScheduler:
         self.running = [s for s in self.running if not ours(s)]
         self.waiting = deque(s for s in self.waiting if not ours(s))
         for seq in gone:
+            seq.ended = True
             self._free(seq)
         return gone

@@ -11,6 +11,8 @@ from services.scheduler.engine.base import EngineRequest
 if TYPE_CHECKING:
     from services.scheduler.engine.grammar import SeqGrammar
 
+UNRESOLVED = -1  # a sampled token still on the device (see `Seq.unresolved`)
+
 
 @dataclass(eq=False)
 class Seq:
@@ -30,6 +32,20 @@ class Seq:
     scores: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)  # by position
     compiling: Future | None = None  # the request's grammar while it compiles (structured outputs)
     grammar: SeqGrammar | None = None  # this choice's matcher once compiled
+    # Overlapped steps (paged.py): the token a launched step samples is appended as UNRESOLVED until its
+    # results reach the host; `pending_row` is its row in that step's device ids, which the next step reads
+    # its input from. `epoch` changes when such a token is withdrawn (preemption), so a late result is ignored.
+    unresolved: int = 0
+    pending_row: int = -1
+    epoch: int = 0
+    final: bool = False  # its unresolved token is its last (max_tokens or the context): not scheduled again
+    ended: bool = False  # finished, aborted or failed: results still in flight for it are dropped
+    host_bound: bool = False  # its sampling reads its tokens on the host (grammar, penalties); set below
+
+    def __post_init__(self) -> None:
+        p = self.req.params
+        self.host_bound = p.guided is not None or (
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
     @property
     def scores_prompt(self) -> bool:
@@ -58,3 +74,13 @@ class Seq:
     @property
     def is_decode(self) -> bool:
         return self.to_compute == 1
+
+    def withdraw_unresolved(self) -> None:
+        """Forget the tokens still on the device (a preempted sequence samples them again, from the same
+        position and seed, once it has recomputed its known tokens)."""
+        if self.unresolved:
+            del self.tokens[-self.unresolved:]
+            self.unresolved = 0
+            self.pending_row = -1
+            self.final = False
+            self.epoch += 1

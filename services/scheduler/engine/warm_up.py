@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 # the measured peak; seeded, so the rows draw from their own generator.
 WARM_UP_SAMPLING = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=0,
                                   logprobs=True, top_logprobs=5)
+# Then the paths that flashinfer's sampling kernels serve on CUDA (unseeded, no min_p: from logits, and with
+# top-k/top-p), which are compiled on first use as its attention kernels are, and greedy.
+WARM_UP_MORE = (SamplingParams(max_tokens=1, temperature=1.0),
+                SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=50),
+                SamplingParams(max_tokens=1, temperature=0.0))
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,13 @@ def warm_up_batches(config: EngineConfig, on_cuda: bool, graph_sizes: Sequence[i
 
 
 def run_warm_up(engine: PagedEngine) -> float:
-    """Run the warm-up batches on `engine`; return the seconds it took."""
+    """Run the warm-up batches on `engine`; return the seconds it took. Every shape runs where kernels are
+    compiled on first use: on CUDA, and wherever flashinfer attention serves (its fake on CPU, in tests)."""
     start = time.perf_counter()
     on_cuda = engine.kv.k[0].device.type == "cuda"
+    compiles = on_cuda or engine.runner.backend.name == "flashinfer"
     graphs = engine.runner.graphs
-    batches = warm_up_batches(engine.config, on_cuda, graphs.sizes if graphs else (), engine.max_context)
+    batches = warm_up_batches(engine.config, compiles, graphs.sizes if graphs else (), engine.max_context)
     generator = engine.sampler.generator
     state = generator.get_state()
     try:
@@ -93,4 +100,5 @@ def _run_batch(engine: PagedEngine, batch: WarmUpBatch) -> None:
         sample_idx.append(batch.decodes + batch.prefill - 1)
     ids = [0] * (batch.decodes + batch.prefill)
     logits = engine.runner.forward(rows, ids, sample_idx)
-    engine.sampler(logits, [SampleRow(WARM_UP_SAMPLING, 0, 0, [0], 1) for _ in sample_idx])
+    for params in (WARM_UP_SAMPLING, *WARM_UP_MORE):
+        engine.sampler(logits, [SampleRow(params, 0, 0, [0], 1) for _ in sample_idx])

@@ -73,7 +73,7 @@ def test_flashinfer_workspace_starts_zeroed(demo_model, monkeypatch):
     fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
                                  BatchDecodeWithPagedKVCacheWrapper=_Wrapper, __version__="fake")
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 1 << 16)
+    monkeypatch.setattr(flashinfer_backend, "workspace_bytes", lambda *heads: 1 << 16)
     g = attention_geometry(demo_model)
     kv = KVCache(g.kv_shape(4), 4, torch.float32, "cpu")
     real_empty = torch.empty

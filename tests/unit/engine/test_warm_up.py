@@ -23,9 +23,9 @@ def test_warm_up_runs_the_model_and_leaves_the_engine_as_it_was(demo_model, engi
     calls = []
     forward = eng.runner.forward
 
-    def counting(rows, ids, sample_idx):
+    def counting(rows, ids, sample_idx, *device_tokens):
         calls.append([r.num_new for r in rows])
-        return forward(rows, ids, sample_idx)
+        return forward(rows, ids, sample_idx, *device_tokens)
 
     eng.runner.forward = counting
     stats, free, refs = eng.stats(), list(eng.pool.free), list(eng.pool.refs)

@@ -10,11 +10,15 @@ flashinfer's conventions, so the CUDA backend hands them to its wrappers unchang
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
+from services.scheduler.engine.transfer import to_device
 
-@dataclass
+
+@dataclass(slots=True)
 class RowSpec:
     """One scheduled sequence: its page table, tokens already in KV, and tokens computed now."""
 
@@ -53,44 +57,75 @@ class AttnMetadata:
         return int(self.qo_indptr[-1])
 
 
-def build_metadata(rows: list[RowSpec], page_size: int, device: torch.device | str) -> AttnMetadata:
-    """Build the metadata of a batch; rows must already be ordered decodes first."""
-    num_decode = 0
-    while num_decode < len(rows) and rows[num_decode].num_new == 1:
-        num_decode += 1
-    if any(r.num_new == 1 for r in rows[num_decode:]) or any(r.num_new < 1 for r in rows):
-        raise ValueError("rows must be ordered: one-token rows first, and every row computes a token")
+@dataclass
+class HostArrays:
+    """A batch's metadata as host arrays (flashinfer's CSR conventions), built with vectorised code."""
+
+    num_decode: int
+    q_lens: list[int]
+    kv_lens: list[int]
+    qo_indptr: np.ndarray  # [B+1] int32
+    kv_indptr: np.ndarray  # [B+1] int32, in pages
+    kv_indices: np.ndarray  # [kv_indptr[-1]] int32
+    kv_last_page_len: np.ndarray  # [B] int32
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    pages: list[list[int]]
+
+
+def host_arrays(rows: list[RowSpec], page_size: int) -> HostArrays:
+    """The metadata of a batch on the host; rows must already be ordered decodes first."""
     q_lens = [r.num_new for r in rows]
-    kv_lens = [r.kv_len for r in rows]
-    pages_used = [-(-n // page_size) for n in kv_lens]
-    slots: list[int] = []
-    positions: list[int] = []
-    indices: list[int] = []
-    for r, used in zip(rows, pages_used, strict=True):
-        if used > len(r.pages):
-            raise ValueError(f"row needs {used} pages for {r.kv_len} tokens but has {len(r.pages)}")
-        for pos in range(r.start, r.kv_len):
-            slots.append(r.pages[pos // page_size] * page_size + pos % page_size)
-        positions.extend(range(r.start, r.kv_len))
-        indices.extend(r.pages[:used])
-    last = [n - (u - 1) * page_size for n, u in zip(kv_lens, pages_used, strict=True)]
+    num_decode = 0
+    while num_decode < len(rows) and q_lens[num_decode] == 1:
+        num_decode += 1
+    if any(q == 1 for q in q_lens[num_decode:]) or any(q < 1 for q in q_lens):
+        raise ValueError("rows must be ordered: one-token rows first, and every row computes a token")
+    starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+    q = np.asarray(q_lens, dtype=np.int64)
+    kv = starts + q
+    used = (kv + page_size - 1) // page_size
+    have = np.fromiter((len(r.pages) for r in rows), np.int64, len(rows))
+    if (used > have).any():
+        i = int(np.argmax(used > have))
+        raise ValueError(f"row needs {used[i]} pages for {kv[i]} tokens but has {have[i]}")
+    kv_indptr = _indptr(used)
+    total = int(kv_indptr[-1])
+    indices = np.fromiter(chain.from_iterable(r.pages[:u] for r, u in zip(rows, used.tolist(), strict=True)),
+                          np.int32, total)
+    qo_indptr = _indptr(q)
+    row_of = np.repeat(np.arange(len(rows)), q)  # the row of each packed token
+    positions = np.arange(int(qo_indptr[-1]), dtype=np.int64) - qo_indptr[:-1][row_of] + starts[row_of]
+    page = indices[kv_indptr[:-1][row_of] + positions // page_size].astype(np.int64)
+    return HostArrays(num_decode, q_lens, kv.tolist(), qo_indptr, kv_indptr, indices,
+                      (kv - (used - 1) * page_size).astype(np.int32), positions,
+                      page * page_size + positions % page_size,
+                      [r.pages[:u] for r, u in zip(rows, used.tolist(), strict=True)])
+
+
+def build_metadata(rows: list[RowSpec], page_size: int, device: torch.device | str) -> AttnMetadata:
+    """Build the metadata of a batch; rows must already be ordered decodes first. The device tensors
+    arrive in two transfers (int32 page ids, int64 slots and positions)."""
+    h = host_arrays(rows, page_size)
+    device = torch.device(device)
+    (kv_indices,) = to_device([h.kv_indices], torch.int32, device)
+    slots, positions = to_device([h.slot_mapping, h.positions], torch.int64, device)
     return AttnMetadata(
         page_size=page_size,
-        num_decode=num_decode,
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        qo_indptr=_indptr(q_lens),
-        kv_indptr=_indptr(pages_used),
-        kv_last_page_len=torch.tensor(last, dtype=torch.int32),
-        kv_indices=torch.tensor(indices, dtype=torch.int32).to(device, non_blocking=True),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-        positions=torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True),
-        pages=[r.pages[:u] for r, u in zip(rows, pages_used, strict=True)],
+        num_decode=h.num_decode,
+        q_lens=h.q_lens,
+        kv_lens=h.kv_lens,
+        qo_indptr=torch.from_numpy(h.qo_indptr),
+        kv_indptr=torch.from_numpy(h.kv_indptr),
+        kv_last_page_len=torch.from_numpy(h.kv_last_page_len),
+        kv_indices=kv_indices,
+        slot_mapping=slots,
+        positions=positions,
+        pages=h.pages,
     )
 
 
-def _indptr(lengths: list[int]) -> torch.Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+def _indptr(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
     return out

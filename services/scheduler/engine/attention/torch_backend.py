@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from services.scheduler.engine.attention.metadata import AttnMetadata
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache
+from services.scheduler.engine.transfer import to_device
 
 
 @dataclass
@@ -44,10 +46,13 @@ class TorchPagedAttention:
         meta.extra["decode"] = self._decode_part(meta, 0, nd) if nd else None
         meta.extra["prefill"] = self._prefill_part(meta, nd, rows) if rows > nd else None
 
-    def _block_table(self, meta: AttnMetadata, lo: int, hi: int) -> torch.Tensor:
+    @staticmethod
+    def _block_table(meta: AttnMetadata, lo: int, hi: int) -> np.ndarray:
         width = max(len(p) for p in meta.pages[lo:hi])
-        table = [p + [SCRATCH_PAGE] * (width - len(p)) for p in meta.pages[lo:hi]]
-        return torch.tensor(table, dtype=torch.int64, device=self.device)
+        table = np.full((hi - lo, width), SCRATCH_PAGE, dtype=np.int64)
+        for i, p in enumerate(meta.pages[lo:hi]):
+            table[i, :len(p)] = p
+        return table
 
     def _gather_index(self, table: torch.Tensor, max_kv: int) -> torch.Tensor:
         """Row (slot * Hkv + head) of every [head, key] of every row, so that one index_select of
@@ -60,27 +65,29 @@ class TorchPagedAttention:
         return (slots[:, None, :] * heads + head[None, :, None]).view(-1)
 
     def _decode_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
-        kv_lens = torch.tensor(meta.kv_lens[lo:hi], device=self.device)
+        host = self._block_table(meta, lo, hi)
+        table, kv_lens = to_device([host.reshape(-1), meta.kv_lens[lo:hi]], torch.int64, self.device)
+        table = table.view(host.shape)
         max_kv = max(meta.kv_lens[lo:hi])
         mask = torch.arange(max_kv, device=self.device)[None] < kv_lens[:, None]
-        table = self._block_table(meta, lo, hi)
         return _Part(table, max_kv, mask[:, None, None], self._gather_index(table, max_kv))
 
     def _prefill_part(self, meta: AttnMetadata, lo: int, hi: int) -> _Part:
         q_lens, kv_lens = meta.q_lens[lo:hi], meta.kv_lens[lo:hi]
         max_q, max_kv = max(q_lens), max(kv_lens)
-        batch_idx = torch.repeat_interleave(torch.arange(hi - lo), torch.tensor(q_lens))
-        starts = torch.tensor([0, *q_lens[:-1]]).cumsum(0)
-        pos_in_q = torch.arange(len(batch_idx)) - starts[batch_idx]
-        ql = torch.tensor(q_lens, device=self.device)[:, None, None]
-        kl = torch.tensor(kv_lens, device=self.device)[:, None, None]
+        q = np.asarray(q_lens, dtype=np.int64)
+        batch_idx = np.repeat(np.arange(hi - lo), q)
+        pos_in_q = np.arange(len(batch_idx)) - (np.cumsum(q) - q)[batch_idx]
+        host = self._block_table(meta, lo, hi)
+        table, ql, kl, batch_idx, pos_in_q = to_device([host.reshape(-1), q_lens, kv_lens, batch_idx, pos_in_q],
+                                                       torch.int64, self.device)
+        table = table.view(host.shape)
         qi = torch.arange(max_q, device=self.device)[None, :, None]
         ki = torch.arange(max_kv, device=self.device)[None, None, :]
         # bottom-right causal; padded query rows (qi >= q_len) still see key 0, so no row is all -inf
+        kl, ql = kl[:, None, None], ql[:, None, None]
         mask = (ki <= kl - ql + qi) & (ki < kl)
-        table = self._block_table(meta, lo, hi)
-        return _Part(table, max_kv, mask[:, None], self._gather_index(table, max_kv), max_q,
-                     batch_idx.to(self.device), pos_in_q.to(self.device))
+        return _Part(table, max_kv, mask[:, None], self._gather_index(table, max_kv), max_q, batch_idx, pos_in_q)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
                 meta: AttnMetadata) -> torch.Tensor:
