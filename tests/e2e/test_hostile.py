@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from shared.redis_server import RedisServer
-from tests.e2e.conftest import MODEL, new_stack, start_pipeline
+from tests.support.stack import MODEL, new_stack, start_pipeline
 
 LONG = os.environ.get("RSINFER_HOSTILE_LONG") == "1"
 HOSTILE_S = float(os.environ.get("RSINFER_HOSTILE_S", "120")) if LONG else 0.0
@@ -33,6 +33,7 @@ VICTIMS = 3
 VICTIM_TOKENS = 160
 MAX_GAP_S = 1.0
 PEAK_GROWTH = 64 << 20
+HEADER_TIMEOUT_S = 5.0  # the API's --header-timeout-s here, so half-sent heads are closed within the test
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "hostile.json"
 
 pytestmark = pytest.mark.timeout(600 if LONG else 240)
@@ -252,7 +253,8 @@ def hostile_stack(demo_model_dir, tmp_path_factory):
     with RedisServer() as server:
         s = new_stack(server, demo_model_dir, tmp_path_factory, "hostile")
         try:
-            yield start_pipeline(s, RSINFER_CLAIM_IDLE_MS="3000", RSINFER_SLOW_CLIENT_TIMEOUT_S="30")
+            yield start_pipeline(s, RSINFER_CLAIM_IDLE_MS="3000", RSINFER_SLOW_CLIENT_TIMEOUT_S="30",
+                                 RSINFER_HEADER_TIMEOUT_S=str(HEADER_TIMEOUT_S))
         finally:
             s.stop()
 
@@ -275,6 +277,7 @@ def test_hostile_client_hurts_no_other_request(hostile_stack):
         while sum(map(len, hostile.statuses.values())) < 2 * len(HOSTILE):  # every attack ran at least twice
             assert hostile.is_alive()
             time.sleep(0.2)
+        time.sleep(max(0.0, slow.opened + HEADER_TIMEOUT_S + 1.5 - time.monotonic()))
         slow_closed = slow.closed_by_server()
     finally:
         hostile.stop.set()
