@@ -42,6 +42,9 @@ class SimpleEngine:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
         p, prompt_len = req.params, len(req.input_ids)
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - prompt_len
+        if req.adapter is not None:
+            raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "
+                                  "does, with --max-loras)", code="model_not_found", param="model")
         if max_tokens < 1 or prompt_len + max_tokens > self.max_context:
             raise RequestRejected(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                   f"context of {self.max_context} tokens", code="context_length_exceeded",
@@ -88,6 +91,9 @@ class SimpleEngine:
         return [], []
 
     def prefix_digests(self) -> list[bytes]:
+        return []
+
+    def resident_adapters(self) -> list[str]:
         return []
 
     def close(self) -> None:

@@ -53,9 +53,10 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 def engine(model: torch.nn.Module, **kw) -> PagedEngine:
     eos = kw.pop("eos", set())
+    adapters = kw.pop("adapters", None)
     cfg = dict(num_pages=256, page_size=4, max_running=16, prefill_budget=32, shuffle_pages=7, seed=0)
     cfg.update(kw)
-    return PagedEngine(model, eos, EngineConfig(**cfg))
+    return PagedEngine(model, eos, EngineConfig(**cfg), adapters=adapters)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
