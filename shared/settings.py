@@ -157,6 +157,13 @@ class SchedulerSettings(StageSettings, StorageSettings):
     overlap: bool | None = Field(None, description="launch each engine step on the device before the previous "
                                  "one's tokens are read back, so the host's work hides behind the GPU's; "
                                  "unset: on CUDA")
+    # -- LoRA adapters in the paged engine (services/scheduler/engine/lora.py): slots of stacked weights on the
+    # device, loaded and evicted at run time; their memory comes out of the KV cache's.
+    max_loras: int = Field(0, ge=0, le=256, description="LoRA adapters resident at once (slots of stacked "
+                           "weights allocated at start); a request whose adapter has no slot waits for one; "
+                           "0 = no adapters (a request naming one is refused)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="highest LoRA rank served: every slot is sized "
+                               "for it, and an adapter of a higher rank is refused when it loads")
 
 
 class ApiSettings(CommonSettings, StorageSettings):
