@@ -127,7 +127,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[object, object, AttnMetadata]] = {}
         self.lora_graphs: dict[int, object] = {}  # batch size -> its graph with the LoRA ops
         self._planned: dict[int, bytes] = {}  # batch size -> the indptr its wrapper was last planned with
-        self.plans = self.replays = 0
+        self.plans = self.replays = self.lora_replays = 0
 
     @classmethod
     def capture(cls, runner, kv: KVCache, max_bs: int, max_pages_per_seq: int) -> DecodeGraphs | None:
@@ -196,6 +196,7 @@ class DecodeGraphs:
         graph, wrapper, _meta = self.graphs[bs]
         if adapters is not None:
             graph = self.lora_graphs[bs]
+            self.lora_replays += 1
         top, ps = self.top, self.kv.page_size
         positions, slots, last, indptr, indices = decode_table(rows, ps)
         total = len(indices) + (bs - n)  # a pad row reads the scratch page
