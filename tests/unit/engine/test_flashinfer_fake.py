@@ -196,7 +196,8 @@ def test_lora_on_the_flashinfer_path_matches_the_torch_path_fp32(qwen06b_shape, 
     assert reference[("base", 0)] == hf_greedy(qwen06b_shape, wl[0][1].input_ids, 8)
     eng, record, got = _lora_run(qwen06b_shape, source, monkeypatch, backend="flashinfer", cuda_graphs=True)
     assert eng.lora.segment_gemm is None and eng.runner.graphs is not None and not eng.runner.graphs.lora_graphs
-    assert got == reference
+    assert not [k for k in record.compiled if k[0] == "segment_gemm"], "no fp32 segment GEMM call"
+    assert eng.runner.graphs.replays > 0 and got == reference
 
 
 def test_segment_gemm_and_lora_graphs_match_grouped_matmuls_bf16(qwen06b_shape, qwen06b_adapters, monkeypatch):
