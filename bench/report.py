@@ -372,6 +372,46 @@ def host_section(h: dict) -> list[str]:
     return lines
 
 
+LORA_RESULTS = Path(__file__).resolve().parent / "results" / "lora-step.json"
+LORA_CONFIGS = (("no-lora", "no adapters (--max-loras 0)"), ("base", "adapters on, every row on the base"),
+                ("1-adapter", "1 adapter"), ("4-adapters", "4 distinct adapters"))
+
+
+def lora_section(lr: dict) -> list[str]:
+    """The step cost of LoRA adapters at batch 16 on CPU, from bench/lora_bench.py's results (issue 23)."""
+    shapes = lr.get("shapes") or {}
+    if not shapes:
+        return []
+    cfg, machine = lr.get("config", {}), lr.get("machine", {})
+    lines = ["", "## LoRA adapters: engine step time at batch 16 (issue 23)", "",
+             f"`bench/lora_bench.py`: the paged engine's decode step with {cfg.get('batch', 16)} rows, all on the base "
+             f"model, on one adapter, or 4 rows on each of 4 adapters; random adapters of rank {cfg.get('rank', '?')} "
+             f"on all seven projections (the dearest kind), {cfg.get('dtype', 'float32')}, "
+             f"{cfg.get('threads', 1)} torch thread, on CPU (grouped matmuls: one pair per adapter present in the "
+             "step). CPU ms is this process's CPU time per step (median step of a run, median of "
+             f"{cfg.get('runs', '?')} interleaved runs); wall time moves with the other processes on the machine "
+             f"(the JSON has both). Measured {lr.get('when', '?')} on {machine.get('cpus', '?')} CPUs, load average "
+             f"{_load(machine.get('loadavg'))} before, {_load(machine.get('loadavg_after'))} after. A base-only "
+             "step with adapters on runs exactly the ops of one without (counted in "
+             "tests/unit/engine/test_step_budgets.py), so its difference from `no adapters` is noise.", "",
+             "| model | " + " | ".join(label for _, label in LORA_CONFIGS) + " |",
+             "|---|" + "---|" * len(LORA_CONFIGS)]
+    for shape, r in shapes.items():
+        c = r.get("configs", {})
+        cells = []
+        for key, _ in LORA_CONFIGS:
+            v = c.get(key)
+            cells.append("?" if v is None else f"{v['cpu_ms']:.2f} ms ({v['cpu_vs_no_lora']:.2f}x)")
+        params = r.get("params")
+        name = f"{shape} ({params / 1e6:,.0f}M parameters)" if params else shape
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _load(v) -> str:
+    return "?" if not v else " / ".join(f"{x:.1f}" for x in v)
+
+
 def _ms(v) -> str:
     return "?" if v is None else f"{v:.3f} ms"
 
@@ -380,7 +420,8 @@ def _pct(v) -> str:
     return "?" if v is None else f"{100 * v:.0f}%"
 
 
-def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host: dict | None = None) -> str:
+def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host: dict | None = None,
+             lora: dict | None = None) -> str:
     """docs/benchmarks.md from a results JSON (bench/run_all.py --report-only regenerates it)."""
     meta = r.get("meta", {})
     lines = [
@@ -420,6 +461,7 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host:
         lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
     lines += prefix_section(_get(r, "prefix_routing", default={}))
     lines += host_section(host or {})
+    lines += lora_section(lora or {})
     if history:
         lines += ["", "## Run to run", "",
                   "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
@@ -459,6 +501,8 @@ METHOD = [
     "- **Prefix-aware routing**: `bench/prefix_routing.py`, described with its table above; each configuration "
     "runs on a fresh stack after one warm-up request, `--repeat` times (the summary rows take medians), so its TTFT "
     "and throughput move with the machine's load as much as the others (the hit rate and routed share hardly do).",
+    "- **LoRA step cost**: `bench/lora_bench.py`, described with its table above (not part of `make bench`: run it "
+    "by itself; the page keeps its last results from `bench/results/lora-step.json`).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]
@@ -534,7 +578,8 @@ def write_docs(r: dict, docs_path: Path, plot_dir: Path, history: list[dict] | N
     made = plots(r, plot_dir)
     rel = [Path(_relative(p, docs_path.parent)).as_posix() for p in made]
     host = load(HOST_RESULTS) if HOST_RESULTS.exists() else {}
-    docs_path.write_text(markdown(r, rel, history, host))
+    lora = load(LORA_RESULTS) if LORA_RESULTS.exists() else {}
+    docs_path.write_text(markdown(r, rel, history, host, lora))
 
 
 def read_history(path: Path) -> list[dict]:

@@ -147,3 +147,18 @@ def test_host_bench_section_compares_before_and_after():
     # synchronous before: 0.25 / (0.25 + 0.5); overlapped after: 0.25 / max(0.25, 0.2)
     assert "| greedy | 1 | 0.25 ms | 0.500 ms -> 0.200 ms | 30% -> 90% | 33% -> 100% | 1.00 -> 0.07 | met |" in text
     assert report.host_section({}) == []
+
+
+def test_lora_section_shows_each_configuration_against_no_adapters():
+    configs = {k: {"cpu_ms": ms, "wall_ms": ms, "cpu_vs_no_lora": ms / 10.0}
+               for k, ms in (("no-lora", 10.0), ("base", 10.0), ("1-adapter", 11.0), ("4-adapters", 12.5))}
+    lora = {"when": "2026-12-01 12:00:00", "machine": {"cpus": 2, "loadavg": [1.0, 1.0, 1.0]},
+            "config": {"batch": 16, "rank": 16, "runs": 3, "threads": 1, "dtype": "float32"},
+            "shapes": {"tiny": {"configs": configs, "params": 1_200_000}}}
+    text = "\n".join(report.lora_section(lora))
+    assert "## LoRA adapters: engine step time at batch 16 (issue 23)" in text
+    row = "| tiny (1M parameters) | 10.00 ms (1.00x) | 10.00 ms (1.00x) | 11.00 ms (1.10x) | 12.50 ms (1.25x) |"
+    assert row in text
+    assert report.lora_section({}) == []
+    assert "## LoRA adapters" in report.markdown(RESULTS, [], lora=lora)
+    assert "## LoRA adapters" not in report.markdown(RESULTS, [])
