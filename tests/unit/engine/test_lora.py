@@ -403,3 +403,33 @@ def test_adapter_source_folders(tmp_path):
     assert src.knows("x") and not src.knows("y") and src.fetch("x") == Path(tmp_path)
     with pytest.raises(KeyError):
         src.fetch("y")
+
+
+def test_a_constrained_request_waits_for_both_its_grammar_and_its_adapter(demo_model, demo_model_dir, adapters):
+    """Structured output with an adapter: it runs once both are ready, and its text matches the regex."""
+    import re
+
+    from services.scheduler.engine.grammar import GrammarCache
+    from shared.messages import Guided
+
+    source = GatedSource({"chat": adapters["chat"][0]})
+    eng = _engine(demo_model, source)
+    eng.grammars = GrammarCache(str(demo_model_dir), demo_model.config.vocab_size, set())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    params = SamplingParams(max_tokens=12, temperature=0.0, guided=Guided("regex", "[a-z]{3} [0-9]{2}"))
+    eng.add(EngineRequest("g", tok("Hi")["input_ids"], params, adapter="chat"))
+    eng.add(EngineRequest("g-base", tok("Hi")["input_ids"], params))
+    out: dict = {}
+    for _ in range(200):
+        for o in eng.step():
+            out.setdefault((o.uid, o.index), []).append(o)
+        if ("g-base", 0) in out and out[("g-base", 0)][-1].finish_reason:
+            break
+    assert eng.stats()["waiting"] == 1 and ("g", 0) not in out, "its grammar compiled, its adapter loads: it waits"
+    source.gate.set()
+    out.update(drain(eng))
+    texts = {uid: tok.decode(tokens(out[(uid, 0)])) for uid in ("g", "g-base")}
+    assert all(re.fullmatch("[a-z]{3} [0-9]{2}", t) for t in texts.values()), texts
+    eng.close()
