@@ -444,13 +444,17 @@ class LoraManager:
             pinned.add(slot)
             for seq in wanting[entry.name]:
                 self._bind(seq, entry)
-        # Adapters still without a slot (loaded or loading) get one from the idle slots, then from the busy
-        # ones drained for them, least recently used first: those take no new sequence until they are evicted.
-        need = sum(1 for e in without if e.slot == 0)
-        idle = sum(1 for s in range(1, len(self.slots)) if s not in pinned)
-        draining = sum(1 for s in self.draining if s in pinned)
-        busy = sorted((s for s in pinned if s not in self.draining), key=self.last_used.__getitem__)
-        self.draining.update(busy[:max(0, need - idle - draining)])
+        self._drain(sum(1 for e in without if e.slot == 0), pinned)
+
+    def _drain(self, need: int, pinned: set[int]) -> None:
+        """Adapters still without a slot (`need`, loaded or loading) get one from the idle slots, then from busy
+        ones drained for them (no new sequence binds to those until they are evicted), least recently used first;
+        drains beyond what is needed end, so a drained slot takes requests again once nothing waits for it."""
+        free = sum(1 for s in range(1, len(self.slots)) if s not in pinned and s not in self.draining)
+        wanted = max(0, need - free)
+        kept = sorted(self.draining, key=lambda s: (s in pinned, self.last_used[s]))[:wanted]  # idle ones first
+        busy = sorted((s for s in pinned if s not in kept), key=self.last_used.__getitem__)
+        self.draining = set(kept) | set(busy[:wanted - len(kept)])
 
     def _free_slot(self, pinned: set[int]) -> int | None:
         """An empty slot, else the least recently used one no sequence is bound to (an unloaded one first)."""

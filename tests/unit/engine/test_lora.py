@@ -433,3 +433,16 @@ def test_a_constrained_request_waits_for_both_its_grammar_and_its_adapter(demo_m
     texts = {uid: tok.decode(tokens(out[(uid, 0)])) for uid in ("g", "g-base")}
     assert all(re.fullmatch("[a-z]{3} [0-9]{2}", t) for t in texts.values()), texts
     eng.close()
+
+
+def test_a_drained_slot_takes_requests_again_once_nothing_waits_for_it(demo_model, source, ps, reference):
+    """Two slots busy (sql long, chat short), mlp asked for: the least recently used busy slot (sql's) is drained,
+    but chat's goes idle first and mlp takes that one; sql's slot must then take new sql requests again."""
+    eng = _engine(demo_model, source, max_loras=2)
+    out = drain(eng, {0: [_req("sql-long", ps[0], "sql", n=N), _req("chat", ps[1], "chat", n=3)],
+                      2: [_req("mlp", ps[2], "mlp", n=3)],
+                      8: [_req("sql-more", ps[2], "sql", n=4)]}, max_steps=500)
+    assert tokens(out[("sql-long", 0)]) == reference[("sql", 0)]
+    assert tokens(out[("mlp", 0)]) == reference[("mlp", 2)][:3]
+    assert tokens(out[("sql-more", 0)]) == reference[("sql", 2)][:4]
+    assert eng.stats()["lora_evictions"] == 1, "mlp took chat's idle slot, sql stayed"
