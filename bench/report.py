@@ -389,11 +389,12 @@ def lora_section(lr: dict) -> list[str]:
              f"on all seven projections (the dearest kind), {cfg.get('dtype', 'float32')}, "
              f"{cfg.get('threads', 1)} torch thread, on CPU (grouped matmuls: one pair per adapter present in the "
              "step). CPU ms is this process's CPU time per step (median step of a run, median of "
-             f"{cfg.get('runs', '?')} interleaved runs); wall time moves with the other processes on the machine "
-             f"(the JSON has both). Measured {lr.get('when', '?')} on {machine.get('cpus', '?')} CPUs, load average "
-             f"{_load(machine.get('loadavg'))} before, {_load(machine.get('loadavg_after'))} after. A base-only "
-             "step with adapters on runs exactly the ops of one without (counted in "
-             "tests/unit/engine/test_step_budgets.py), so its difference from `no adapters` is noise.", "",
+             f"{cfg.get('runs', '?')} interleaved runs, and the best run); wall time moves with the other "
+             f"processes on the machine (the JSON has both). Measured {lr.get('when', '?')} on "
+             f"{machine.get('cpus', '?')} CPUs, load average {_load(machine.get('loadavg'))} before, "
+             f"{_load(machine.get('loadavg_after'))} after. A base-only step with adapters on runs exactly the ops "
+             "of one without (counted in tests/unit/engine/test_step_budgets.py), so its difference from `no "
+             "adapters` is noise.", "",
              "| model | " + " | ".join(label for _, label in LORA_CONFIGS) + " |",
              "|---|" + "---|" * len(LORA_CONFIGS)]
     for shape, r in shapes.items():
@@ -401,7 +402,9 @@ def lora_section(lr: dict) -> list[str]:
         cells = []
         for key, _ in LORA_CONFIGS:
             v = c.get(key)
-            cells.append("?" if v is None else f"{v['cpu_ms']:.2f} ms ({v['cpu_vs_no_lora']:.2f}x)")
+            runs = [x["cpu_ms"] for x in v.get("runs", [])] if v else []
+            best = f"; best {min(runs):.2f}" if runs else ""
+            cells.append("?" if v is None else f"{v['cpu_ms']:.2f} ms ({v['cpu_vs_no_lora']:.2f}x){best}")
         params = r.get("params")
         name = f"{shape} ({params / 1e6:,.0f}M parameters)" if params else shape
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -150,14 +150,15 @@ def test_host_bench_section_compares_before_and_after():
 
 
 def test_lora_section_shows_each_configuration_against_no_adapters():
-    configs = {k: {"cpu_ms": ms, "wall_ms": ms, "cpu_vs_no_lora": ms / 10.0}
+    configs = {k: {"cpu_ms": ms, "wall_ms": ms, "cpu_vs_no_lora": ms / 10.0, "runs": [{"cpu_ms": ms}]}
                for k, ms in (("no-lora", 10.0), ("base", 10.0), ("1-adapter", 11.0), ("4-adapters", 12.5))}
     lora = {"when": "2026-12-01 12:00:00", "machine": {"cpus": 2, "loadavg": [1.0, 1.0, 1.0]},
             "config": {"batch": 16, "rank": 16, "runs": 3, "threads": 1, "dtype": "float32"},
             "shapes": {"tiny": {"configs": configs, "params": 1_200_000}}}
     text = "\n".join(report.lora_section(lora))
     assert "## LoRA adapters: engine step time at batch 16 (issue 23)" in text
-    row = "| tiny (1M parameters) | 10.00 ms (1.00x) | 10.00 ms (1.00x) | 11.00 ms (1.10x) | 12.50 ms (1.25x) |"
+    row = ("| tiny (1M parameters) | 10.00 ms (1.00x); best 10.00 | 10.00 ms (1.00x); best 10.00 | "
+           "11.00 ms (1.10x); best 11.00 | 12.50 ms (1.25x); best 12.50 |")
     assert row in text
     assert report.lora_section({}) == []
     assert "## LoRA adapters" in report.markdown(RESULTS, [], lora=lora)
