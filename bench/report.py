@@ -394,7 +394,12 @@ def lora_section(lr: dict) -> list[str]:
              f"{machine.get('cpus', '?')} CPUs, load average {_load(machine.get('loadavg'))} before, "
              f"{_load(machine.get('loadavg_after'))} after. A base-only step with adapters on runs exactly the ops "
              "of one without (counted in tests/unit/engine/test_step_budgets.py), so its difference from `no "
-             "adapters` is noise.", "",
+             "adapters` is noise. Adapter rows cost a pair of small matmuls per adapter present and projection (and "
+             "a gather and a scatter when its rows are not contiguous): on CPU their dispatch, more than their "
+             "arithmetic (1.7% of the Qwen3-0.6B shape's per token at rank 16), is the cost, so it grows with the "
+             "distinct adapters of a step and dominates on the 1M-parameter demo model. CUDA steps run two segment "
+             "GEMMs per projection whatever the adapters, decode steps from graphs (`bench/gpu_check.py`, "
+             "section 6).", "",
              "| model | " + " | ".join(label for _, label in LORA_CONFIGS) + " |",
              "|---|" + "---|" * len(LORA_CONFIGS)]
     for shape, r in shapes.items():
