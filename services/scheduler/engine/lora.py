@@ -32,6 +32,7 @@ new name (e.g. `name@version` in a registry).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -98,6 +99,22 @@ class AdapterFolders:
 
     def fetch(self, name: str) -> Path:
         return self.folders[name]
+
+
+class StoredAdapters:
+    """An AdapterSource over the object store (shared/storage.py): `prefixes` maps a name to its folder's prefix
+    (e.g. "adapters/sql"; a live mapping a registry may update). `fetch` runs `ObjectStore.fetch_folder` on `loop`
+    (the worker's event loop) and waits for it on the loader thread, at most `timeout_s`."""
+
+    def __init__(self, store, loop: asyncio.AbstractEventLoop, prefixes: Mapping[str, str], timeout_s: float = 600.0):
+        self.store, self.loop, self.prefixes, self.timeout_s = store, loop, prefixes, timeout_s
+
+    def knows(self, name: str) -> bool:
+        return name in self.prefixes
+
+    def fetch(self, name: str) -> Path:
+        prefix = self.prefixes[name]
+        return asyncio.run_coroutine_threadsafe(self.store.fetch_folder(prefix), self.loop).result(self.timeout_s)
 
 
 # ---- the model's projections

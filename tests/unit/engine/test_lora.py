@@ -446,3 +446,34 @@ def test_a_drained_slot_takes_requests_again_once_nothing_waits_for_it(demo_mode
     assert tokens(out[("mlp", 0)]) == reference[("mlp", 2)][:3]
     assert tokens(out[("sql-more", 0)]) == reference[("sql", 2)][:4]
     assert eng.stats()["lora_evictions"] == 1, "mlp took chat's idle slot, sql stayed"
+
+
+def test_adapters_from_the_object_store(demo_model, adapters, ps, reference, tmp_path):
+    """StoredAdapters: the folder is uploaded to a local object store and fetched (shared/storage.py
+    fetch_folder, on an event loop of its own thread, as the worker's) by the loader thread."""
+    import asyncio
+
+    from services.scheduler.engine.lora import StoredAdapters
+    from shared.storage import LocalStore
+
+    store = LocalStore(tmp_path / "store", max_bytes=1 << 30, cache_dir=tmp_path / "cache")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        folder = adapters["mlp"][0]
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            data = (folder / name).read_bytes()
+            asyncio.run_coroutine_threadsafe(store.put(f"adapters/mlp/{name}", data), loop).result(30)
+        eng = _engine(demo_model, StoredAdapters(store, loop, {"mlp": "adapters/mlp", "gone": "adapters/gone"}))
+        out = drain(eng, {0: [_req("x", ps[1], "mlp"), _req("y", ps[0], "gone")]})
+        assert tokens(out[("x", 0)]) == reference[("mlp", 1)]
+        (failed,) = out[("y", 0)]
+        assert failed.finish_reason == "error" and "could not be loaded" in failed.error and "NotFound" in failed.error
+        with pytest.raises(RequestRejected, match="no LoRA adapter named 'sql'"):
+            eng.add(_req("z", ps[0], "sql"))
+        eng.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
