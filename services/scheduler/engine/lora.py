@@ -181,7 +181,6 @@ def stack_bytes(layout: LoraLayout, max_loras: int, max_rank: int, dtype: torch.
 class HostAdapter:
     """An adapter read, checked and laid out as one slot of the stacks, on the host."""
 
-    name: str
     rank: int
     scaling: float
     a: dict[str, torch.Tensor]  # target -> [layers, R, in]
@@ -194,19 +193,7 @@ class HostAdapter:
 
 def read_config(folder: Path, max_rank: int) -> tuple[dict, int, float]:
     """adapter_config.json checked: (the config, its rank, its scaling)."""
-    path = folder / CONFIG_FILE
-    if not folder.is_dir():
-        raise AdapterError(f"no adapter folder at {folder}")
-    if not path.is_file():
-        raise AdapterError(f"{CONFIG_FILE} is missing")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{CONFIG_FILE} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{CONFIG_FILE} is not a JSON object")
+    config = _config_json(folder)
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
@@ -223,6 +210,23 @@ def read_config(folder: Path, max_rank: int) -> tuple[dict, int, float]:
         raise AdapterError(f"bias={config.get('bias')!r}: adapters with bias terms are not served")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return config, rank, float(scaling)
+
+
+def _config_json(folder: Path) -> dict:
+    path = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise AdapterError(f"no adapter folder at {folder}")
+    if not path.is_file():
+        raise AdapterError(f"{CONFIG_FILE} is missing")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{CONFIG_FILE} is not a JSON object")
+    return config
 
 
 def _check_target_modules(config: dict, layout: LoraLayout) -> None:
@@ -264,8 +268,8 @@ def _tensor_keys(handle, layout: LoraLayout, rank: int) -> dict[tuple[str, int],
     return pairs
 
 
-def read_adapter(name: str, folder: Path, layout: LoraLayout, max_rank: int, dtype: torch.dtype,
-                 pin: bool = False) -> HostAdapter:
+def read_adapter(folder: Path, layout: LoraLayout, max_rank: int, dtype: torch.dtype, pin: bool = False
+                 ) -> HostAdapter:
     """Read and check a PEFT folder against the model's layout and lay it out as one slot; AdapterError
     if it cannot be served. Shapes and dtypes are checked from the safetensors header before any data is read."""
     from safetensors import SafetensorError, safe_open
@@ -297,7 +301,7 @@ def read_adapter(name: str, folder: Path, layout: LoraLayout, max_rank: int, dty
         for target, t in table.items():
             t = t.to(dtype)
             table[target] = t.pin_memory() if pin else t
-    return HostAdapter(name, rank, scaling, a, b)
+    return HostAdapter(rank, scaling, a, b)
 
 
 # ---- one step's rows on the adapters
@@ -391,8 +395,7 @@ class LoraManager:
         assert self.source is not None
         folder = self.source.fetch(name)
         try:
-            return read_adapter(name, Path(folder), self.layout, self.max_rank, self.dtype,
-                                pin=self.device.type == "cuda")
+            return read_adapter(Path(folder), self.layout, self.max_rank, self.dtype, pin=self.device.type == "cuda")
         except AdapterError as e:
             with self._lock:
                 self.failed[name] = str(e)
