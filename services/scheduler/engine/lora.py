@@ -554,9 +554,11 @@ class LoraManager:
             indptr = [0] + [end for _, _, end in runs]
             seg, idx = to_device([indptr, [s for s, _, _ in runs]], torch.int64, self.device)
             return LoraBatch(targets, seg_indptr=seg, weight_indices=idx, segments=len(runs))
-        return LoraBatch(targets, groups=self._groups(runs, present))
+        return LoraBatch(targets, groups=self._groups(runs))
 
-    def _groups(self, runs: list[tuple[int, int, int]], present: set[int]) -> list:
+    def _groups(self, runs: list[tuple[int, int, int]]) -> list:
+        """(slot, token rows, rank) per adapter of the step: a slice where its tokens are contiguous, else an
+        index tensor (all of them in one transfer)."""
         spans: dict[int, list[tuple[int, int]]] = {}
         for slot, lo, hi in runs:
             if slot:
@@ -624,10 +626,6 @@ class LoraManager:
     def resident(self) -> list[str]:
         """Names of the adapters in slots that new requests can use now."""
         return [e.name for e in self.slots if e is not None and not e.retired]
-
-    def slot_of(self, name: str) -> int:
-        entry = self.entries.get(name)
-        return entry.slot if entry is not None else 0
 
     def stats(self) -> dict:
         names = self.resident()
