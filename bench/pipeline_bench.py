@@ -10,27 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
-from rsinfer.up import serving
+from rsinfer.launcher import Launcher
 from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("rsinfer up exited")
-        if serving(url):  # the API up and every stage of the model live
-            return
-        time.sleep(0.5)
-    raise TimeoutError("not ready")
 
 
 def main() -> int:
@@ -43,15 +31,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     port = free_port()
-    cmd = [sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port)]
-    if args.model:
-        cmd += ["--model", args.model]
-    up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          env={**os.environ, "RSINFER_LOG_LEVEL": "WARNING"})
+    up = Launcher({"RSINFER_LOG_LEVEL": "WARNING", "RSINFER_PORT": str(port),
+                   **({"RSINFER_MODEL": args.model} if args.model else {})},
+                  log_dir=Path(tempfile.mkdtemp(prefix="rsinfer-pipeline-")))
     url = f"http://127.0.0.1:{port}"
     runs = []
     try:
-        wait_ready(url, up)
+        up.start("up", "up")
+        up.wait_serving(url, None)  # the API up and every stage of the model live
         name = Path(args.model).name if args.model else "rsinfer-demo"
         for i in range(args.runs):
             out = ROOT / "bench" / "results" / f".pipeline-run{i}.json"
@@ -62,8 +49,7 @@ def main() -> int:
             runs.append(json.loads(out.read_text())["summary"])
             out.unlink()
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(60)
+        up.stop(60)
     tps = sorted(r["output_tok_per_s"] for r in runs)
     result = {"model": name, "cpus": os.cpu_count(), "median_output_tok_per_s": tps[len(tps) // 2], "runs": runs}
     dest = ROOT / "bench" / "results" / f"pipeline-{name}.json"

@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import BenchStack, loadavg  # noqa: E402
 from bench.report import percentile  # noqa: E402
+from rsinfer.sse_client import Request, open_stream  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "prefix-routing.json"
@@ -96,27 +96,27 @@ class Turn:
     error: str = ""
 
 
-async def generate(client: httpx.AsyncClient, url: str, model: str, ids: list[int], w: Workload) -> Turn:
-    """One streamed /generate request; every event carries the whole answer so far."""
+async def generate(url: str, model: str, ids: list[int], w: Workload, timeout: float) -> Turn:
+    """One streamed /generate request (rsinfer/sse_client.py); every event carries the whole answer so far."""
     turn, max_tokens = Turn(prompt_tokens=len(ids)), w.max_tokens
     body = {"model": model, "input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
     began = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/generate", json=body) as resp:
-            if resp.status_code != 200:
-                turn.error = f"{resp.status_code} {(await resp.aread())[:200]!r}"
+        async with asyncio.timeout(timeout), open_stream(Request(url, body, "/generate")) as resp:
+            if resp.status != 200:
+                turn.error = f"{resp.status} {(await resp.read())[:200]!r}"
                 return turn
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
+            async for sse in resp.events():
+                if not sse.data.startswith(b"{"):
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(sse.data)
                 if event.get("output_ids") and not turn.ttft:
                     turn.ttft = time.perf_counter() - began
                 turn.output_ids = event.get("output_ids", turn.output_ids)
         turn.ok = len(turn.output_ids) == max_tokens
         turn.error = "" if turn.ok else f"{len(turn.output_ids)} of {max_tokens} tokens"
-    except httpx.HTTPError as e:
+    except (OSError, TimeoutError) as e:  # sse_client's ConnectFailed and StreamBroken are OSErrors
         turn.error = repr(e)[:200]
     return turn
 
@@ -124,22 +124,20 @@ async def generate(client: httpx.AsyncClient, url: str, model: str, ids: list[in
 async def converse(url: str, model: str, w: Workload, concurrency: int, timeout: float) -> list[Turn]:
     """Every conversation, `concurrency` at a time, each turn after the previous one's answer."""
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def conversation(c: int) -> list[Turn]:
-            async with sem:
-                history, turns = list(w.systems[w.system_of[c]]), []
-                for user in w.users[c]:
-                    history += user
-                    turn = await generate(client, url, model, history, w)
-                    turns.append(turn)
-                    if not turn.ok:
-                        break
-                    history += resent(turn.output_ids, w.vocab)
-                return turns
+    async def conversation(c: int) -> list[Turn]:
+        async with sem:
+            history, turns = list(w.systems[w.system_of[c]]), []
+            for user in w.users[c]:
+                history += user
+                turn = await generate(url, model, history, w, timeout)
+                turns.append(turn)
+                if not turn.ok:
+                    break
+                history += resent(turn.output_ids, w.vocab)
+            return turns
 
-        results = await asyncio.gather(*(conversation(c) for c in range(len(w.users))))
+    results = await asyncio.gather(*(conversation(c) for c in range(len(w.users))))
     return [t for turns in results for t in turns]
 
 

@@ -50,11 +50,11 @@ from bench.harness import (  # noqa: E402
     cpu_ticks,
     loadavg,
     openai_load,
-    raise_fd_limit,
     redis_commands,
     rss_kb,
     run_load,
 )
+from rsinfer.sse_client import raise_fd_limit  # noqa: E402
 from shared import children  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 

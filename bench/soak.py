@@ -34,25 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import STAGES  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from tests.e2e.chaos_kit import LOG_TIME, Chaos, Clients, Job, Outcome, log_times, percentile  # noqa: E402
-from tests.e2e.conftest import Stack  # noqa: E402
-from tests.e2e.helpers import api_ready, wait_for  # noqa: E402
+from shared.redis_server import RedisServer  # noqa: E402
+from tests.support.chaos_kit import LOG_TIME, Chaos, Clients, Job, Outcome, log_times, percentile  # noqa: E402
+from tests.support.stack import Stack, start_replicas  # noqa: E402
 
 RESUMED = re.compile(r"uid=(\w+) resumed after \[([\d, ]*)\] tokens")
-
-
-def start(stack: Stack, env: dict[str, str]) -> list[int]:
-    ports = [free_port(), free_port()]
-    stack.port = ports[0]
-    for role in STAGES:
-        for k in (1, 2):
-            stack.start(f"{role}{k}", role, **env)
-    for k, port in enumerate(ports, start=1):
-        stack.start(f"api{k}", "api", RSINFER_PORT=str(port), **env)
-    stack.wait_ready(300)
-    wait_for(lambda: api_ready(f"http://127.0.0.1:{ports[1]}"), timeout=300)
-    return ports
 
 
 async def load(clients: Clients, jobs: list[Job], during=None) -> tuple[float, list[Outcome]]:
@@ -175,7 +161,7 @@ def main() -> int:
     with RedisServer() as server:
         stack = Stack(server.url, ensure_demo_model(), "soak", Path(tempfile.mkdtemp(prefix="rsinfer-soak-")))
         try:
-            ports = start(stack, env)
+            ports = start_replicas(stack, dict.fromkeys(STAGES, 2), apis=2, timeout=300, **env)
             print(f"soak: {args.streams} streams x {args.max_tokens} tokens; logs in {stack.log_dir}", flush=True)
             result = asyncio.run(soak(stack, ports, env, args, jobs, rng))
         finally:
@@ -204,7 +190,6 @@ async def soak(stack: Stack, ports: list[int], env: dict[str, str], args, jobs, 
             out["goal_met"] = out["throughput_ratio"] >= 0.5 and out["disturbed"]["missed_deadline"] == 0
         return out
     finally:
-        await clients.close()
         await chaos.close()
 
 

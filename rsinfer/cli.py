@@ -10,6 +10,7 @@ from shared.settings import (
     ApiSettings,
     CommonSettings,
     DetokenizerSettings,
+    ProbeSettings,
     SchedulerSettings,
     TokenizerSettings,
     UpSettings,
@@ -45,12 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     flag_parser(CommonSettings, insp)
     insp.add_argument("uid", nargs="?")
 
-    health = sub.add_parser("healthcheck", help="exit 0 if this worker's heartbeat is fresh and its loop moves",
+    health = sub.add_parser("healthcheck", help="liveness: exit 0 if this worker's loop moves (a local file; "
+                            "Redis is not asked); with --ready, also its heartbeat in Redis is fresh",
                             allow_abbrev=False)
-    flag_parser(CommonSettings, health)
-    health.add_argument("--role", required=True, choices=["api", "tokenizer", "scheduler", "detokenizer"])
+    flag_parser(ProbeSettings, health)
+    health.add_argument("--role", required=True, choices=["tokenizer", "scheduler", "detokenizer"])
     health.add_argument("--max-stall-s", type=float, default=60.0,
-                        help="fail when the loop has had work but not moved for this long")
+                        help="fail when the loop has not moved for this long")
+    health.add_argument("--ready", action="store_true",
+                        help="readiness: also fail while Redis is unreachable or this worker's heartbeat is stale")
 
     drain = sub.add_parser("drain", help="take this pod's API out of service (its preStop hook)",
                            allow_abbrev=False)
@@ -71,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.command
+    for secret in ("api_key", "redis_password"):
+        if getattr(args, secret, None):
+            flag, env = "--" + secret.replace("_", "-"), f"RSINFER_{secret.upper()}"
+            print(f"rsinfer: warning: {flag} on the command line shows in `ps`; use {env} or {flag}-file",
+                  file=sys.stderr)
     if cmd == "demo-model":
         from shared.demo_model import make_model
 
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":
         from rsinfer.bench import run_bench
 
-        return asyncio.run(run_bench(args))
+        return run_bench(args)
     if cmd == "asyncapi":
         from shared.contract import asyncapi_yaml
 
@@ -94,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         from rsinfer import tools
 
         return tools.drain(settings_from_args(ApiSettings, args), args.wait)
-    if cmd in ("inspect", "healthcheck"):
+    if cmd == "healthcheck":
         from rsinfer import tools
 
-        settings = settings_from_args(CommonSettings, args)
-        fn = tools.inspect if cmd == "inspect" else tools.healthcheck
-        return asyncio.run(fn(settings, args))
+        return tools.healthcheck(settings_from_args(ProbeSettings, args), args)
+    if cmd == "inspect":
+        from rsinfer import tools
+
+        return asyncio.run(tools.inspect(settings_from_args(CommonSettings, args), args))
     settings = settings_from_args(SERVICES[cmd][0], args)
     if cmd == "up":
         from rsinfer.up import run_up
@@ -108,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     from shared.logs import setup_logging
 
     setup_logging(settings.log_level, cmd, settings.identity())
+    if cmd != "api":  # a crashed predecessor's liveness file must not pass the startup probe (shared/liveness.py)
+        from shared.liveness import Liveness, liveness_path
+
+        Liveness(liveness_path(settings.liveness_file, settings.namespace, cmd, settings.name()), cmd, "").clear()
     if cmd == "api":
         from services.api.main import run
     elif cmd == "tokenizer":

@@ -4,27 +4,32 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 
+from services.api.admin import admin_socket_path
+from services.api.admin import call as admin_call
+from shared import streams
 from shared.keys import STAGES, Keys
+from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
 from shared.registry import declared_models, live_workers
-from shared.settings import ApiSettings, CommonSettings
+from shared.request_store import RequestStore
+from shared.settings import ApiSettings, CommonSettings, ProbeSettings
 
 
 async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
     keys = Keys(settings.namespace)
     redis = connect(settings.redis_url, **settings.redis_options())
+    requests = RequestStore(redis, keys, settings.request_ttl_s, settings.reply_maxlen)
     try:
         if args.uid:
-            record = await redis.hgetall(keys.request(args.uid))
+            record = await requests.record(args.uid)
             if not record:
                 print(f"no request {args.uid}")
                 return 1
-            print(json.dumps({k.decode(): v.decode() for k, v in record.items()}, indent=2))
+            print(json.dumps(record, indent=2))
             return 0
         workers = await live_workers(redis, keys, settings.heartbeat_ttl_s)
         print(f"{'ROLE':12} {'WORKER':32} {'MODEL':20} LOAD")
@@ -35,7 +40,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
             for stage in STAGES:
                 try:
-                    groups = await redis.xinfo_groups(keys.stage_stream(stage, model))
+                    groups = await streams.groups(redis, keys.stage_stream(stage, model))
                 except Exception:
                     continue
                 for g in groups:
@@ -43,7 +48,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
-            r = {k.decode(): v.decode() for k, v in (await redis.hgetall(key)).items()}
+            r = await requests.record(keys.uid_of_request_key(key.decode()))
             age = now - float(r.get("created_at", now))
             print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
                   f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
@@ -52,50 +57,63 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         await redis.aclose()
 
 
-async def healthcheck(settings: CommonSettings, args: argparse.Namespace) -> int:
-    """0 when this worker's heartbeat is fresh and its loop moved within max_stall_s. The heartbeat is
-    written by its own task, so a hung engine step shows as a fresh heartbeat with a stale loop. The probe runs
-    as another process, so it finds the worker by name: the newest heartbeat of `<role>:<name>@...`."""
-    keys = Keys(settings.namespace)
-    redis = connect(settings.redis_url, **settings.redis_options())
-    prefix = f"{args.role}:{settings.name()}@"
-    try:
-        members = await redis.zrevrangebyscore(keys.workers(), "+inf", "-inf")
-        mine = next((m.decode() for m in members if m.decode().startswith(prefix)), None)
-        raw = await redis.hgetall(keys.worker(args.role, mine.split(":", 1)[1])) if mine else {}
-    except Exception as e:
-        print(f"unhealthy: redis: {e}")
+def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:
+    """Liveness (the default): 0 while this worker's liveness file says its loop moved within max_stall_s and its
+    process lives; Redis is not asked, so an outage never fails it (shared/liveness.py). With `--ready`
+    (readiness): also its heartbeat in Redis is fresh, so a worker that cannot reach Redis is unready, not dead."""
+    path = liveness_path(settings.liveness_file, settings.namespace, args.role, settings.name())
+    alive, why = check(path, args.max_stall_s)
+    if not alive:
+        print(f"unhealthy: {why}")
         return 1
-    finally:
-        await redis.aclose()
-    if not raw:
-        print(f"unhealthy: no heartbeat for {prefix}*")
-        return 1
-    fields = {k.decode(): v.decode() for k, v in raw.items()}
-    now = time.time()
-    if now - float(fields.get("updated_at", 0)) > settings.heartbeat_ttl_s:
-        print("unhealthy: heartbeat is stale")
-        return 1
-    load = json.loads(fields.get("load", "{}"))
-    stalled = now - float(load.get("last_step_at", now))
-    if stalled > args.max_stall_s:
-        print(f"unhealthy: loop has not moved for {stalled:.0f}s")
-        return 1
-    print("ok")
+    if args.ready:
+        ready, why = asyncio.run(heartbeat_fresh(settings, args.role))
+        if not ready:
+            print(f"not ready: {why}")
+            return 1
+    print(f"ok: {why}")
     return 0
 
 
-def drain(settings: ApiSettings, wait: float) -> int:
-    """Ask the API process on this host's port to drain: it turns unready and refuses new requests, and the
-    call returns after `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). The API
-    accepts this from loopback, so the hook works whether or not an API key is configured."""
-    req = urllib.request.Request(f"http://127.0.0.1:{settings.port}/drain?wait={wait}")
-    if settings.api_key:
-        req.add_header("Authorization", f"Bearer {settings.api_key}")
+async def heartbeat_fresh(settings: CommonSettings, role: str) -> tuple[bool, str]:
+    """Redis answers and holds a fresh heartbeat of this worker. The probe runs as another process, so it finds
+    the worker by name: the newest heartbeat of `<role>:<name>@...`."""
+    keys = Keys(settings.namespace)
+    redis = connect(settings.redis_url, **settings.redis_options())
+    prefix = f"{role}:{settings.name()}@"
     try:
-        with urllib.request.urlopen(req, timeout=wait + 30) as resp:
-            print(resp.read().decode())
-            return 0
-    except (urllib.error.URLError, OSError) as e:
-        print(f"drain failed: {e}")
+        members = await redis.zrevrangebyscore(keys.workers(), "+inf", "-inf")
+        mine = next((m.decode() for m in members if m.decode().startswith(prefix)), None)
+        raw = await redis.hgetall(keys.worker(role, mine.split(":", 1)[1])) if mine else {}
+    except Exception as e:
+        return False, f"redis: {e}"
+    finally:
+        await redis.aclose()
+    if not raw:
+        return False, f"no heartbeat for {prefix}*"
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    if time.time() - float(fields.get("updated_at", 0)) > settings.heartbeat_ttl_s:
+        return False, "heartbeat is stale"
+    return True, "heartbeat fresh"
+
+
+def drain(settings: ApiSettings, wait: float) -> int:
+    """Drain the API process of this pod through its control socket (services/api/admin.py): it turns unready
+    and refuses new requests for --drain-timeout-s, unless SIGTERM comes first; then keep the hook running for
+    `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open
+    the socket (one of this pod, as this user) can drain it: there is no HTTP route for it."""
+    if wait >= settings.drain_timeout_s:
+        print(f"drain failed: --wait {wait} must be shorter than --drain-timeout-s {settings.drain_timeout_s}, "
+              "after which the API goes back in service")
         return 1
+    path = admin_socket_path(settings.admin_socket, settings.port)
+    try:
+        reply = admin_call(path, "drain")
+    except (OSError, ValueError) as e:
+        print(f"drain failed: {path}: {e}")
+        return 1
+    print(json.dumps(reply))
+    if "error" in reply:
+        return 1
+    time.sleep(max(0.0, wait))
+    return 0

@@ -1,11 +1,11 @@
 """The message contract as an AsyncAPI 3.0 document (docs/asyncapi.yaml), generated from the code.
 
 FastStream builds the document from a broker that declares every stream the way the stages use it: the
-tokenizer and detokenizer streams through the very `streams.subscribe` their workers consume with, the
-schedule stream, the reply streams and the dead letters as declared subscribers and publishers. Message
-payloads are the JSON schemas of the msgspec structs of shared/messages.py (FastStream derives schemas from
-pydantic handler arguments, which our raw-entry handlers do not have). `rsinfer asyncapi` writes it; a test
-fails when the file and the code drift apart.
+tokenizer and detokenizer streams through the very `subscribe` their workers consume with
+(shared/faststream_glue.py), the schedule stream, the reply streams and the dead letters as declared
+subscribers and publishers. Message payloads are the JSON schemas of the msgspec structs of shared/messages.py
+(FastStream derives schemas from pydantic handler arguments, which our raw-entry handlers do not have).
+`rsinfer asyncapi` writes it; a test fails when the file and the code drift apart.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from shared import streams
+from shared import faststream_glue
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, TOKENIZER_GROUP, Keys
 from shared.messages import (
     VERSION,
@@ -42,7 +42,7 @@ class Stream:
     publishers: str
     consumer: str
     group: str | None = None
-    by_faststream: bool = False  # consumed through shared/streams.py `subscribe`
+    by_faststream: bool = False  # consumed through shared/faststream_glue.py `subscribe`
 
 
 def stream_catalogue(keys: Keys) -> list[Stream]:
@@ -73,7 +73,7 @@ def build_broker(keys: Keys) -> Any:
     for s in stream_catalogue(keys):
         about = f"{ENTRY} Published by {s.publishers}; consumed by {s.consumer}."
         if s.by_faststream:
-            streams.subscribe(broker, s.address, s.group, "{worker}", 64, 10_000, nothing, s.channel, about)
+            faststream_glue.subscribe(broker, s.address, s.group, "{worker}", 64, 10_000, nothing, s.channel, about)
         else:
             sub = StreamSub(s.address, group=s.group, consumer="{worker}") if s.group else StreamSub(s.address)
             broker.subscriber(stream=sub, title=s.channel, description=about)(nothing)

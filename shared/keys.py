@@ -53,6 +53,11 @@ class Keys:
         """Set of the ids of the model's schedulers that have a stream of their own (live or not yet drained)."""
         return f"{self.namespace}:routed:{model}:{{{self.routing_tag(model)}}}"
 
+    def prefix_routing(self, model: str) -> str:
+        """Flag (a tokenizer's id, expiring with its heartbeat) set while a tokenizer of the model routes by prefix:
+        the model's schedulers join prefix routing once they see it (shared/routing.py `SchedulerLanes`)."""
+        return f"{self.namespace}:routing:{model}:{{{self.routing_tag(model)}}}"
+
     def detokenize(self, model: str) -> str:
         return f"{self.namespace}:detokenize:{model}"
 

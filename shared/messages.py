@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
+from shared.request_states import Finish
+
 VERSION = 1
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(Finish)  # a choice's finish reasons (shared/request_states.py)
 
 
 class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -80,51 +82,53 @@ class ToolChoice(msgspec.Struct, frozen=True, omit_defaults=True):
     parallel: bool = True  # more than one call allowed
 
 
-class TokenizeJob(msgspec.Struct, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True):
-    """api -> tokenizer: a new request, as the client sent it."""
+class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """What a request carries on its way to the engine, in a tokenize job and a schedule job alike: whose it is,
+    its limits in time and sampling, and how it is admitted. Not a message of its own (no `kind`)."""
 
     uid: str
     model: str
-    pod: str
+    pod: str  # the API process that owns it
     created_at: float
     deadline: float
     params: SamplingParams
+    background: bool = False  # it outlives its client
+    priority: int = 0  # admission order in the engine: lower first
+    trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
+    v: int = VERSION
+
+
+class TokenizeJob(RequestJob, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True, kw_only=True):
+    """api -> tokenizer: a new request, as the client sent it."""
+
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message, unclosed
-    background: bool = False
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool objects, rendered by the chat template
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
-    priority: int = 0  # admission order in the engine: lower first
     suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
-    trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
-    v: int = VERSION
 
 
-class ScheduleJob(msgspec.Struct, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True):
+class ScheduleJob(RequestJob, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True, kw_only=True):
     """tokenizer -> scheduler: a tokenized request that fits the context (max_tokens may still be None)."""
 
-    uid: str
-    model: str
-    pod: str
-    created_at: float
-    deadline: float
-    params: SamplingParams
     input_ids: list[int]
-    background: bool = False
-    priority: int = 0
-    trace: str | None = None
-    v: int = VERSION
 
 
 class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one choice of one request, with what a detokenizer needs to turn them into text
     without any state of its own: the tokens just before them (`context`) and the stop strings. The context
     reaches back into the prompt while the completion is shorter than it: its first len(context) - start
-    tokens (if positive) are the prompt's last ones."""
+    tokens (if positive) are the prompt's last ones.
+
+    The stop strings travel once per choice, not with every step: `stop` is on a choice's first delta (start 0)
+    only, and `stops` on every delta says how many the request has. A detokenizer keeps them by uid; one that
+    has not seen them (another replica took the first delta, it restarted, a successor resumed the request)
+    reads them from the request record's `stop` field, which the scheduler writes when it admits the request.
+    A delta with `stop` and no `stops` (an older scheduler) carries them itself."""
 
     uid: str
     start: int  # completion-token index of ids[0]
@@ -134,7 +138,8 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     n: int = 1  # choices in the request
     context: list[int] = []
     finish: str | None = None
-    stop: list[str] = []
+    stop: list[str] = []  # a choice's first delta only (see above)
+    stops: int = 0  # how many stop strings the request has
     skip_special_tokens: bool = True
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -143,7 +148,7 @@ class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int = 0
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py)
+    epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py)
     trace: str | None = None  # the request's traceparent, on a choice's first and last delta when traced
 
 
@@ -185,7 +190,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
-    epoch: int = 0  # of the scheduler that made these tokens (shared/replies.py, fencing)
+    epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py, fencing)
     v: int = VERSION
 
 

@@ -3,10 +3,12 @@ scheduler whose prefix cache already holds the longest prefix of its tokens, wei
 
 - Page digests. The engine's prefix cache names a full KV page by a blake2b digest chained over every token up to
   its end (shared/pages.py); the same function lets the tokenizer name the pages of a prompt it encoded.
-- What schedulers publish (`SchedulerLanes`). Each scheduler keeps the hex digests of the pages its cache holds in
+- What schedulers publish (`SchedulerLanes`), once a routing tokenizer's flag (`Keys.prefix_routing`, set with its
+  heartbeat) tells them to. Each scheduler keeps the hex digests of the pages its cache holds in
   a set of its own (`Keys.cached_pages`), changed with its engine steps (SADD/SREM queued on the step's pipeline,
   no round trip of their own) and expiring with its heartbeat; it reads a stream of its own
   (`Keys.scheduler_stream`) before the shared one, and drains the streams of departed peers, then ends them.
+  Without the flag (the default) a scheduler does none of this.
 - The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler) tells how
   many leading pages of each job every scheduler holds; a job goes to the scheduler with the most cached tokens
   less `load_tokens` per request it runs or queues, or to the shared stream when no scheduler holds a page of it
@@ -24,10 +26,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import streams
+from shared.consumer_group import GroupConsumer
 from shared.keys import Keys
 from shared.pages import extend_digests
 from shared.registry import live_workers
-from shared.streams import GroupConsumer
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +72,11 @@ def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -
 class Router:
     """The tokenizer's side: which stream each schedule job goes to."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, heartbeat_ttl_s: float, load_tokens: float):
-        self.redis, self.keys, self.model = redis, keys, model
+    def __init__(self, redis: Redis, keys: Keys, model: str, heartbeat_ttl_s: float, load_tokens: float,
+                 tokenizer_id: str = "tokenizer"):
+        self.redis, self.keys, self.model, self.id = redis, keys, model, tokenizer_id
         self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
+        self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.candidates: list[Candidate] = []
         self.sent: dict[str, list[float]] = {}  # when this tokenizer routed a job to each scheduler
 
@@ -85,6 +89,11 @@ class Router:
             if w.model == self.model and w.load.get("prefix_page_size")]
         beats = {c.id: c.beat_at for c in self.candidates}
         self.sent = {sid: [t for t in times if t > beats[sid]] for sid, times in self.sent.items() if sid in beats}
+
+    def on_beat(self, pipe: Any) -> None:
+        """Heartbeat hook: the model's routing flag, which tells its schedulers to join (`SchedulerLanes`), set
+        for as long as this tokenizer's heartbeat lives."""
+        pipe.set(self.keys.prefix_routing(self.model), self.id, px=self.ttl_ms)
 
     def load(self, c: Candidate) -> float:
         """Its load at its last heartbeat plus the jobs routed to it since, which that beat could not count
@@ -137,9 +146,24 @@ def leading(pages: list[str], held: set[str]) -> int:
 # ---- the scheduler's side
 
 
+@dataclass(frozen=True)
+class PageChanges:
+    """What a scheduler's prefix cache named and evicted since the last step (hex digests), for its page set."""
+
+    added: list[str]
+    removed: list[str]
+
+
 class SchedulerLanes:
     """A scheduler's side: its own stream (a lane of its consumer, read before the shared stream), the set of
     the pages its prefix cache holds, and the streams of departed peers it drains and ends.
+
+    Off the default path: a scheduler joins routing (opens its own stream, publishes its pages, and says its page
+    size in its heartbeat, which is what makes tokenizers route to it) only once it sees the model's routing flag,
+    which every tokenizer with --prefix-routing sets with its heartbeat (`Router.on_beat`); and it drains
+    departed peers' streams only while the model has any (`Keys.routed` not empty). Both are read on its
+    heartbeat's pipeline (`on_beat`): no round trip of their own. Joined, it stays so for its life. A plain
+    deployment's scheduler reads with one XREADGROUP and publishes nothing.
 
     Every resource has an end: the set expires with the heartbeat (PEXPIREd with every beat and every change) and
     is deleted on close; an own stream is ended (deleted, and its id removed from `Keys.routed`) by its owner on
@@ -152,22 +176,44 @@ class SchedulerLanes:
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.pages_key = keys.cached_pages(model, scheduler_id)
         self.routed_key = keys.routed(model)
-        self.resync = False  # the set vanished (Redis lost it): publish the whole cache again
+        self.flag_key = keys.prefix_routing(model)
+        self.joined = False  # own stream open, pages published
+        self.asked = False  # a tokenizer routes (its flag was seen): join at the next `adopt`
+        self.others = False  # the model has schedulers' own streams (live, or departed ones to drain)
+        self.resync = False  # the set vanished (Redis lost it), or was never written: publish the whole cache
 
     @property
-    def publishes(self) -> bool:
-        return self.page_size > 0
+    def advertised_page_size(self) -> int:
+        """The page size for the heartbeat: 0 (tokenizers route nothing here) until joined."""
+        return self.page_size if self.joined else 0
 
     async def start(self) -> None:
-        """Open the own stream (its group at 0) and name it in `Keys.routed`, before the first heartbeat."""
-        if self.publishes:
-            await self.consumer.add_lane(self.id, create=True)
-            await self.redis.sadd(self.routed_key, self.id)
+        """Before the first heartbeat: join at once if a tokenizer routes already (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.flag_key)
+            pipe.scard(self.routed_key)
+            self._seen(await pipe.execute())
+        if self.asked:
+            await self.join()
 
-    def on_beat(self, pipe: Any) -> Callable[[list], None] | None:
-        """Heartbeat hook: keep the own stream named and the set alive as long as the heartbeat."""
-        if not self.publishes:
-            return None
+    async def join(self) -> None:
+        """Open the own stream (its group at 0) and name it in `Keys.routed`, before a heartbeat says our page
+        size; the next step publishes the whole cache."""
+        if self.joined or self.page_size <= 0:
+            return
+        await self.consumer.add_lane(self.id, create=True)
+        await self.redis.sadd(self.routed_key, self.id)
+        self.joined = self.resync = True
+        log.info("joined prefix routing: reading %s, publishing the pages cached",
+                 self.keys.scheduler_stream(self.model, self.id))
+
+    def on_beat(self, pipe: Any) -> Callable[[list], None]:
+        """Heartbeat hook: joined, keep the own stream named and the set alive as long as the heartbeat; else
+        look whether a tokenizer routes and whether streams of other schedulers exist."""
+        if not self.joined:
+            pipe.exists(self.flag_key)
+            pipe.scard(self.routed_key)
+            return self._seen
         pipe.sadd(self.routed_key, self.id)
         pipe.pexpire(self.pages_key, self.ttl_ms)
 
@@ -176,33 +222,42 @@ class SchedulerLanes:
 
         return seen
 
-    def publish(self, cached: list[bytes], evicted: list[bytes], everything: Callable[[], list[bytes]]
-                ) -> Callable[[Any], None] | None:
-        """The outbox write telling what the cache named and evicted since the last step (all of it after the set
-        was lost), or None when there is nothing to tell."""
-        if not self.publishes:
+    def _seen(self, replies: list) -> None:
+        flag, routed = replies[-2:]
+        self.asked = self.asked or bool(flag)
+        self.others = bool(routed)
+
+    def pages_due(self, changes: Callable[[], tuple[list[bytes], list[bytes]]],
+                  everything: Callable[[], list[bytes]]) -> PageChanges | None:
+        """What the cache named and evicted since the last step (all of it after the set was lost), once joined;
+        None when there is nothing to tell. `changes` is asked only when joined."""
+        if not self.joined:
             return None
+        cached, evicted = changes()
         if self.resync:
             self.resync = False
             cached = everything()
         if not (cached or evicted):
             return None
-        added, removed = [d.hex() for d in cached], [d.hex() for d in evicted]
+        return PageChanges([d.hex() for d in cached], [d.hex() for d in evicted])
 
-        def write(pipe: Any) -> None:
-            if removed:
-                pipe.srem(self.pages_key, *removed)
-            for i in range(0, len(added), PUBLISH_CHUNK):
-                pipe.sadd(self.pages_key, *added[i:i + PUBLISH_CHUNK])
-            pipe.pexpire(self.pages_key, self.ttl_ms)  # a set SADD just made has no TTL yet
-
-        return write
+    def write_pages(self, pipe: Any, changes: PageChanges) -> None:
+        if changes.removed:
+            pipe.srem(self.pages_key, *changes.removed)
+        for i in range(0, len(changes.added), PUBLISH_CHUNK):
+            pipe.sadd(self.pages_key, *changes.added[i:i + PUBLISH_CHUNK])
+        pipe.pexpire(self.pages_key, self.ttl_ms)  # a set SADD just made has no TTL yet
 
     async def adopt(self) -> None:
-        """Drain the streams of departed schedulers as lanes (read and claimed before the shared stream) and end
-        those that are drained: one round trip, plus one per stream found or ended."""
-        now = time.time()
+        """Join if a tokenizer asked; then drain the streams of departed schedulers as lanes (read and claimed
+        before the shared stream) and end those that are drained: one round trip, plus one per stream found or
+        ended. Nothing while the model has no such streams."""
+        if self.asked and not self.joined:
+            await self.join()
         draining = [lane for lane in self.consumer.lanes if lane != self.id]
+        if not (self.joined or self.others or draining):
+            return
+        now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for lane in draining:
                 self.end_if_drained(pipe, lane)
@@ -230,7 +285,7 @@ class SchedulerLanes:
     async def release(self) -> None:
         """On close: the cache dies with the process, so its set goes; the own stream ends if nothing is left in
         it (entries handed back stay for peers, which end it once drained)."""
-        if not self.publishes:
+        if not self.joined:
             return
         await self.redis.delete(self.pages_key)
         await self.end_if_drained(self.redis, self.id)

@@ -12,16 +12,39 @@ import os
 import secrets
 import socket
 import typing
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "rsinfer-demo"
 PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
-class CommonSettings(BaseSettings):
+# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
+class SecretFiles(BaseSettings):
+    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
+    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    redis_password_file: str = Field("", description="file holding the Redis password (instead of --redis-password, "
+                                     "which `ps` shows)")
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> SecretFiles:
+        for name in ("redis_password", "api_key"):
+            path = getattr(self, f"{name}_file", "")
+            if not path:
+                continue
+            if getattr(self, name, None):
+                raise ValueError(f"give {name} or {name}_file, not both")
+            object.__setattr__(self, name, Path(path).read_text().rstrip("\r\n"))  # frozen: set once, here
+        return self
+
+
+class CommonSettings(SecretFiles):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
@@ -93,7 +116,19 @@ class StorageSettings(BaseSettings):
         return url
 
 
-class StageSettings(CommonSettings):
+# -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
+class LivenessSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    liveness_file: str = Field("", description="file a stage worker touches while its loop moves, which `rsinfer "
+                               "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
+
+
+class ProbeSettings(CommonSettings, LivenessSettings):
+    """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
+
+
+class StageSettings(CommonSettings, LivenessSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
     model: str | None = Field(None, description="local HF checkpoint folder or hub id; none = demo model")
@@ -107,6 +142,9 @@ class StageSettings(CommonSettings):
                                   "before the rest is handed to a peer")
     metrics_port: int = Field(0, ge=0, le=65535, description="serve this worker's Prometheus metrics on this "
                               "port; 0 = off")
+    max_deliveries: int = Field(5, ge=1, description="an entry claimed after this many deliveries is poison: "
+                                "it goes to the dead-letter stream and its client gets an error (each delivery "
+                                "ended with its worker failing or gone)")
 
 
 class TokenizerSettings(StageSettings):
@@ -157,6 +195,14 @@ class SchedulerSettings(StageSettings, StorageSettings):
     overlap: bool | None = Field(None, description="launch each engine step on the device before the previous "
                                  "one's tokens are read back, so the host's work hides behind the GPU's; "
                                  "unset: on CUDA")
+    # -- bounds on what one request may cost the pipeline (issue 18)
+    detokenize_budget_mb: float = Field(256.0, gt=0, description="approximate bytes (MiB) the model's detokenize "
+                                        "stream may hold: MAXLEN ~ this over the mean entry size (at least 1,000 "
+                                        "steps); reached only if no detokenizer reads for minutes")
+    grammar_mask_budget_ms: float = Field(20.0, gt=0, description="CPU time one constrained choice's token mask "
+                                          "may take in an engine step (a mask costs ~25 µs at 1k tokens, ~200 µs at "
+                                          "152k); a request whose grammar takes longer fails with a 400, checked "
+                                          "on its first masks before it joins the batch and at every step")
     # -- LoRA adapters in the paged engine (services/scheduler/engine/lora.py): slots of stacked weights on the
     # device, loaded and evicted at run time; their memory comes out of the KV cache's.
     max_loras: int = Field(0, ge=0, le=256, description="LoRA adapters resident at once (slots of stacked "
@@ -166,7 +212,24 @@ class SchedulerSettings(StageSettings, StorageSettings):
                                "for it, and an adapter of a higher rank is refused when it loads")
 
 
-class ApiSettings(CommonSettings, StorageSettings):
+# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+class DrainSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
+                              "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
+    drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
+                                   "seconds is undone: the process goes back in service")
+
+
+class ApiKeyFile(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
+                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
+
+
+class ApiSettings(CommonSettings, StorageSettings, DrainSettings, ApiKeyFile):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -236,6 +299,12 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
 
     redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
     redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
+    # -- `rsinfer up`'s local defaults: loopback only, a bounded and password-protected embedded Redis --
+    host: str = Field("127.0.0.1", description="address the API listens on (0.0.0.0: every interface; give an "
+                      "API key then)")
+    redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
+                                 description="embedded redis-server's maxmemory (noeviction: past it writes are "
+                                 "refused and the API answers 503 broker_full); 0 = unbounded")
 
 
 def _is_bool(annotation: object) -> bool:

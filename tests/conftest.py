@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shared.demo_model import ensure_demo_model
-from shared.redis_server import LocalCluster, RedisServer
+from shared.redis_server import RedisServer
+from tests.support.redis_cluster import LocalCluster
 
 
 @pytest.fixture(scope="session")

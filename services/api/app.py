@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API"."""
+"""The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API". The routes, and the edge
+every request passes first: the key, the body's size and pace (`Guard`), JSON and its nesting (`parse_body`); a
+body then checks its own fields (services/api/schemas.py) and services/api/service.py answers it."""
 
 from __future__ import annotations
 
@@ -16,17 +18,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors
+from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
-from services.api.formats import ChatFormat, CompletionFormat, GenerateFormat
-from services.api.gateway import bare_uid
 from services.api.limits import Limits
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.request import bare_uid
+from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, Submission
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -81,9 +82,7 @@ class Guard:
         auth = headers.get(b"authorization", b"")
         expected = f"Bearer {self.api_key}".encode()
         keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
-        if scope["path"] == "/drain":
-            error = self._drain_refusal(scope, keyed)
-        elif self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
+        if self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
             error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
@@ -96,26 +95,20 @@ class Guard:
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
 
-    def _drain_refusal(self, scope, keyed: bool) -> ApiError | None:
-        """Draining takes the process out of service for good: only the pod itself (its preStop hook runs
-        `rsinfer drain` inside the pod) or a caller with the API key may do it."""
-        client = scope.get("client") or ("", 0)
-        if keyed or client[0] in LOOPBACK:
-            return None
-        if self.api_key:
-            return ApiError(401, "draining needs the API key", code="invalid_api_key")
-        return ApiError(403, "only the pod itself may drain it (no API key is configured)", code="forbidden")
-
 
 def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
+
+    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await svc.start()
         try:
+            await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
+            await control.close()
             await svc.close()
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
@@ -123,56 +116,31 @@ def create_app(settings: ApiSettings) -> Guard:
     limits = svc.limits
     errors.install(app)
 
+    async def answer(request: Request, submission: Submission):
+        request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
+        return await svc.answer(request, submission)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest, limits)
-        params, tools = body.params(), body.tool_dicts()
-        limits.record_fields(body.user, body.safety_identifier, body.metadata)
-        limits.sampling(params)
-        limits.chat_fields(tools, body.chat_template_kwargs)
+        params = body.checked(limits)
         await svc.admit(body.model, body.budget(params))
-        job = svc.new_job(body.model, body.timeout, body.background, params=params,
-                          messages=body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message, tools=tools,
-                          tool_choice=body.tool_choice_struct(), chat_template_kwargs=body.chat_template_kwargs or {},
-                          priority=body.priority)
-        request.scope[errors.UID] = job.uid
-        parse = answer_parsing(svc.stages.snapshot.model_info(body.model), body.parses_tool_calls)
-        fmt = ChatFormat(f"chatcmpl-{job.uid}", body.model, int(job.created_at), job.params.n,
-                         job.params.logprobs, body.include_usage, parse)
-        fmt.continuous_usage = body.continuous_usage
-        annotations = {**body.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
-        return await svc.answer(request, [job], fmt, bool(body.stream), "chat", annotations)
+        return await answer(request, body.submission(params, svc.stamp(body.model)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest, limits)
-        params, prompts = body.params(), body.prompts()
-        limits.record_fields(body.user)
-        limits.sampling(params)
-        await svc.admit(body.model, body.budget(params, prompts))
-        jobs = [svc.new_job(body.model, body.timeout, body.background, params=params, prompt=prompt, input_ids=ids,
-                            suffix=body.suffix, priority=body.priority) for prompt, ids in prompts]
-        request.scope[errors.UID] = jobs[0].uid
-        fmt = CompletionFormat(f"cmpl-{jobs[0].uid}", body.model, int(jobs[0].created_at), len(jobs) * params.n,
-                               body.logprobs is not None, body.include_usage, echo=bool(body.echo),
-                               best_of=params.n, keep=body.n or 1)
-        fmt.continuous_usage = body.continuous_usage
-        annotations = {**body.annotations(), **({"echo": "1"} if body.echo else {})}
-        return await svc.answer(request, jobs, fmt, bool(body.stream), "completion", annotations)
+        params = body.checked(limits)
+        await svc.admit(body.model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(body.model)))
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
-        params = body.params()
-        limits.sampling(params, "sampling_params.")
+        params = body.checked(limits)
         model = body.model or _only_model(svc)
         await svc.admit(model, body.budget(params))
-        job = svc.new_job(model, None, False, params=params, prompt=body.text, input_ids=body.input_ids,
-                          priority=body.priority)
-        request.scope[errors.UID] = job.uid
-        fmt = GenerateFormat(job.uid, model, int(job.created_at))
-        return await svc.answer(request, [job], fmt, body.stream, "generate", endpoint="generate")
+        return await answer(request, body.submission(params, svc.stamp(model)))
 
     @app.get("/v1/models")
     async def models():
@@ -227,13 +195,6 @@ def create_app(settings: ApiSettings) -> Guard:
     async def metrics():
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/drain")
-    async def drain(wait: float = 0.0):
-        """preStop hook: stop taking new requests (and go unready), then give endpoints time to update."""
-        svc.draining = True
-        await asyncio.sleep(max(0.0, min(wait, 120.0)))
-        return {"draining": True, "inflight": len(svc.gateway.inflight)}
-
     return Guard(app, settings)
 
 
@@ -251,17 +212,6 @@ async def parse_body(request: Request, model: type[M], limits: Limits) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-
-
-def answer_parsing(model_info: dict, tools: bool) -> dict:
-    """How chat answers of this model are split (what its tokenizer detected): reasoning, and tool calls
-    when the request offers tools and lets the model call them."""
-    out: dict = {}
-    if model_info.get("reasoning_parser", "none") != "none":
-        out["reasoning"] = model_info["reasoning_parser"]
-    if tools and model_info.get("tool_call_parser", "none") != "none":
-        out["tools"] = model_info["tool_call_parser"]
-    return out
 
 
 def _only_model(svc: ApiService) -> str:

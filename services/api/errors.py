@@ -13,7 +13,7 @@ import traceback
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
@@ -49,6 +49,18 @@ class ApiError(Exception):
 def redis_down() -> ApiError:
     return ApiError(503, "the request broker (Redis) is unreachable; retry shortly", code="broker_unavailable",
                     retry_after=1)
+
+
+# Redis at its maxmemory (noeviction) refuses writes until the requests in it end and their keys expire: that
+# takes longer than a blip of the connection.
+BROKER_FULL_RETRY_S = 2
+
+
+def broker_full() -> ApiError:
+    """Redis refused a write for memory (OOM, `maxmemory` with `noeviction`): backpressure. Nothing of the
+    request was queued (services/api/request.py writes it in one transaction)."""
+    return ApiError(503, "the request broker (Redis) is full; retry shortly", code="broker_full",
+                    retry_after=BROKER_FULL_RETRY_S)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -93,7 +105,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _redis(_: Request, exc: RedisError) -> JSONResponse:
         log.warning("redis error: %s", exc)
-        return redis_down().response()
+        return (broker_full() if isinstance(exc, OutOfMemoryError) else redis_down()).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

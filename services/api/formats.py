@@ -1,9 +1,10 @@
 """Step 3 of a request's path (services/api/service.py `ApiService.answer`): ordered reply events -> the
 bodies sent, chat.completion(.chunk), text_completion, and SGLang's /generate (`GenerateFormat`).
 
-A format is built from the request (or, on reattach, from its record: `format_of_record`), counts tokens
-with the request's ordered replies (`counts`, set once the request is submitted) and turns each batch of
-events into chunk dicts (`chunks`), or all of them into one response (`add`, then `response`).
+A format is built from the request body (services/api/schemas.py `Submission`; on reattach, from its record:
+`format_of_record`) and turns each batch of events into chunk dicts (`chunks`, `batch_chunks` with the events'
+reply entry ids), or all of them into one response (`add`, then `response`). The usage comes from the request
+as it answers (services/api/request.py `counts`), given to each call that shows it.
 
 Keys OpenAI's schema requires but allows to be null are sent as null (`logprobs`, `message.refusal`,
 each chunk's `finish_reason` until the last). Events that arrive together are coalesced into one chunk
@@ -18,19 +19,21 @@ from typing import Any, Protocol
 import orjson
 
 from services.api.parsers import AnswerParser, Parsed
+from shared import streams
 from shared.messages import ReplyEvent, TokenLogprob
 
 
 class Counts(Protocol):
-    """Token counts of a request so far (shared/replies.py OrderedReplies, or a group's in fanout.py)."""
+    """Token counts of a request so far (shared/reply_order.py OrderedReplies, or a group's in request.py)."""
 
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
+    @property
+    def prompt_tokens(self) -> int: ...
 
+    @property
+    def completion_tokens(self) -> int: ...
 
-class NoCounts:
-    prompt_tokens = completion_tokens = cached_tokens = 0
+    @property
+    def cached_tokens(self) -> int: ...
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -83,22 +86,19 @@ class Format:
     object_chunk = ""
     object_full = ""
     event_ids = True  # each SSE event names the last reply entry it covers (Last-Event-ID, reattach)
-    times_first_token = True  # its first event is the request's time to first token (metrics, span)
 
     def __init__(self, rid: str, model: str, created: int, n: int, logprobs: bool, include_usage: bool):
         self.rid, self.model, self.created = rid, model, created
         self.want_logprobs, self.include_usage = logprobs, include_usage
         self.continuous_usage = False  # every chunk carries the usage so far
         self.choices = [Choice() for _ in range(n)]
-        self.counts: Counts = NoCounts()
 
     def record_fields(self) -> dict:
         """What a reattaching process needs to build this format again (`format_of_record`)."""
         return {"rid": self.rid, "created": self.created, "include_usage": int(self.include_usage),
                 "logprobs": int(self.want_logprobs)}
 
-    def _usage(self) -> dict:
-        c = self.counts
+    def _usage(self, c: Counts) -> dict:
         return usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -110,7 +110,19 @@ class Format:
                 c = self.choices[ev.index]
                 c.prompt, c.prompt_logprobs = ev.prompt_text, list(ev.prompt_logprobs or [])
 
-    def chunks(self, events: list[ReplyEvent]) -> list[dict]:
+    def batch_chunks(self, batch: list[tuple[str, ReplyEvent]], counts: Counts, replay_until: str | None = None
+                     ) -> tuple[list[dict], str | None]:
+        """A batch of a stream: its chunks and the id its events carry (the last reply entry they cover, if this
+        format names them). Entries up to `replay_until` (a reattach's Last-Event-ID) go into the format but
+        make no chunk: the client has them."""
+        if replay_until:
+            self.chunks([ev for eid, ev in batch if not streams.id_after(eid, replay_until)], counts)
+            batch = [(eid, ev) for eid, ev in batch if streams.id_after(eid, replay_until)]
+        if not batch:
+            return [], None
+        return self.chunks([ev for _, ev in batch], counts), batch[-1][0] if self.event_ids else None
+
+    def chunks(self, events: list[ReplyEvent], counts: Counts) -> list[dict]:
         self.note_prompts(events)
         out = []
         for index, (text, lps, finish) in sorted(group_by_choice(events).items()):
@@ -126,15 +138,15 @@ class Format:
             if self.include_usage:
                 body["usage"] = None
             if self.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
-                body["usage"] = self._usage()
+                body["usage"] = self._usage(counts)
             c.started = True
             out.append(body)
         return out
 
-    def usage_chunk(self) -> dict:
+    def usage_chunk(self, counts: Counts) -> dict:
         body = self._head(self.object_chunk)
         body["choices"] = []
-        body["usage"] = self._usage()
+        body["usage"] = self._usage(counts)
         return body
 
     def add(self, events: list[ReplyEvent]) -> None:
@@ -145,10 +157,10 @@ class Format:
             c.logprobs.extend(ev.logprobs or [])
             c.finish_reason = ev.finish_reason or c.finish_reason
 
-    def response(self) -> dict:
+    def response(self, counts: Counts) -> dict:
         body = self._head(self.object_full)
         body["choices"] = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
-        body["usage"] = self._usage()
+        body["usage"] = self._usage(counts)
         return body
 
     def chunk_choice(self, index: int, c: Choice, text: str, lps: list[TokenLogprob], finish: str | None
@@ -239,10 +251,10 @@ class CompletionFormat(Format):
         logprobs = _lp_text(lps, 0) if self.want_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    def response(self) -> dict:
+    def response(self, counts: Counts) -> dict:
         if self.best_of and self.keep and self.best_of > self.keep:
             self.choices = self._best()
-        return super().response()
+        return super().response(counts)
 
     def _best(self) -> list[Choice]:
         out = []
@@ -272,15 +284,15 @@ class GenerateFormat(Format):
             self.ids.extend(ev.ids)
             self.choice.finish_reason = ev.finish_reason or self.choice.finish_reason
 
-    def chunks(self, events: list[ReplyEvent]) -> list[dict]:
+    def chunks(self, events: list[ReplyEvent], counts: Counts) -> list[dict]:
         self.add(events)
-        return [self.response()]
+        return [self.response(counts)]
 
-    def response(self) -> dict:
+    def response(self, counts: Counts) -> dict:
         c = self.choice
         return {"text": "".join(c.text), "output_ids": self.ids,
                 "meta_info": {"id": self.rid, "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
-                              "prompt_tokens": self.counts.prompt_tokens, "completion_tokens": len(self.ids)}}
+                              "prompt_tokens": counts.prompt_tokens, "completion_tokens": len(self.ids)}}
 
 
 def format_of_record(record: dict, uid: str) -> Format:

@@ -36,9 +36,9 @@ class DrainingServer(uvicorn.Server):
         svc = self.service
         svc.draining = True
         deadline = time.monotonic() + self.settings.grace_period_s
-        log.info("draining: %d requests in flight, up to %.0fs", len(svc.gateway.inflight),
+        log.info("draining: %d requests in flight, up to %.0fs", len(svc.requests.inflight),
                  self.settings.grace_period_s)
-        while svc.gateway.inflight and time.monotonic() < deadline:
+        while svc.requests.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._end_streams()  # streams still open end (their requests are aborted unless in the background)
         self.should_exit = True

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from shared.consumer_group import GroupConsumer
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
 from shared.registry import WorkerInfo, complete, declared_models, live_workers, model_state, servable_models
-from shared.streams import GroupConsumer
 
 log = logging.getLogger(__name__)
 

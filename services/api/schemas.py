@@ -1,5 +1,9 @@
 """Request bodies at the HTTP edge (pydantic), and their translation into SamplingParams.
 
+Each body builds what it submits (`submission`: its jobs, one per prompt, the format of its answer and what the
+request record keeps), given what the server adds (`Stamp`), once its fields passed the server's limits
+(`checked`).
+
 Fields follow OpenAI's CreateChatCompletionRequest / CreateCompletionRequest, plus the extensions vLLM
 and SGLang accept (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, stop_token_ids,
 skip_special_tokens, add_generation_prompt, continue_final_message), `timeout` (seconds, capped by the
@@ -11,13 +15,21 @@ field we cannot honour is refused when set to anything but its no-op value.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.messages import ChatMessage, Guided, SamplingParams, ToolChoice
+from services.api.formats import ChatFormat, CompletionFormat, Format, GenerateFormat
+from shared.messages import ChatMessage, Guided, SamplingParams, TokenizeJob, ToolChoice
+
+if TYPE_CHECKING:
+    from services.api.limits import Limits
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request
@@ -105,6 +117,44 @@ class Budget:
     tokens_param: str = "max_tokens"
     choices_param: str = "n"
     logprobs_param: str = "logprobs"
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What the server adds to the jobs of a body it takes for `model`: its identity, uids its reply hub reads
+    (services/api/reply_hub.py `new_uid`), the cap on the deadline, and what the stages report of the model."""
+
+    model: str
+    pod: str
+    timeout_s: float  # --request-timeout-s: the longest a request lives, whatever its `timeout`
+    new_uid: Callable[[], str]
+    model_info: dict
+
+    def job(self, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
+        now = time.time()
+        return TokenizeJob(uid=self.new_uid(), model=self.model, pod=self.pod, created_at=now,
+                           deadline=now + (min(timeout, self.timeout_s) if timeout else self.timeout_s),
+                           background=bool(background), **fields)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a body submits: its jobs (one per prompt), the format of its answer, and the fields of its record
+    that say how it is answered (services/api/request.py writes them with each job)."""
+
+    jobs: list[TokenizeJob]
+    fmt: Format
+    record: dict
+    stream: bool
+    label: str  # how it is answered, in the metrics: stream, full, generate
+
+
+def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | None, label: str | None = None,
+               annotations: dict[str, str] | None = None) -> Submission:
+    """`kind`: the record's (chat, completion, generate); `annotations`: what the client tells about itself, and
+    what a reattach needs besides the format's fields; `label` by default says stream or full."""
+    record = {"kind": kind, "n": jobs[0].params.n, **fmt.record_fields(), **(annotations or {})}
+    return Submission(jobs, fmt, record, bool(stream), label or ("stream" if stream else "full"))
 
 
 class StreamOptions(BaseModel):
@@ -364,6 +414,37 @@ class ChatCompletionRequest(SamplingFields):
                              "last", "continue_final_message")
         return self
 
+    def checked(self, limits: Limits) -> SamplingParams:
+        """The sampling parameters, once every field is within the server's limits (a 400 naming the field)."""
+        params = self.params()
+        limits.record_fields(self.user, self.safety_identifier, self.metadata)
+        limits.sampling(params)
+        limits.chat_fields(self.tool_dicts, self.chat_template_kwargs)
+        return params
+
+    def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
+        job = stamp.job(self.timeout, self.background, params=params, messages=self.chat_messages(),
+                        add_generation_prompt=self.add_generation_prompt,
+                        continue_final_message=self.continue_final_message, tools=self.tool_dicts,
+                        tool_choice=self.tool_choice_struct(), chat_template_kwargs=self.chat_template_kwargs or {},
+                        priority=self.priority)
+        parse = self.answer_parsing(stamp.model_info)
+        fmt = ChatFormat(f"chatcmpl-{job.uid}", self.model, int(job.created_at), params.n, params.logprobs,
+                         self.include_usage, parse)
+        fmt.continuous_usage = self.continuous_usage
+        annotations = {**self.annotations(), **({"parse": orjson.dumps(parse).decode()} if parse else {})}
+        return submission([job], fmt, "chat", self.stream, annotations=annotations)
+
+    def answer_parsing(self, model_info: dict) -> dict:
+        """How this model's answers are split (what its tokenizer detected): reasoning, and tool calls when the
+        request offers tools and lets the model call them."""
+        out: dict = {}
+        if model_info.get("reasoning_parser", "none") != "none":
+            out["reasoning"] = model_info["reasoning_parser"]
+        if self.parses_tool_calls and model_info.get("tool_call_parser", "none") != "none":
+            out["tools"] = model_info["tool_call_parser"]
+        return out
+
     def params(self) -> SamplingParams:
         fmt = response_format_constraint(self.response_format)
         guided = self.guided((fmt,) if fmt else ())
@@ -387,6 +468,7 @@ class ChatCompletionRequest(SamplingFields):
             return ToolChoice("function", self.tool_choice.function["name"], parallel)
         return ToolChoice(self.tool_choice or "auto", None, parallel)
 
+    @cached_property
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
@@ -423,6 +505,28 @@ class CompletionRequest(SamplingFields):
                              "best_of")
         return self
 
+    def checked(self, limits: Limits) -> SamplingParams:
+        """The sampling parameters, once every field is within the server's limits (a 400 naming the field)."""
+        params = self.params()
+        self.prompt_list  # noqa: B018  (the prompts' own 400s come first, as they are read)
+        limits.record_fields(self.user)
+        limits.sampling(params)
+        return params
+
+    def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
+        jobs = [stamp.job(self.timeout, self.background, params=params, prompt=prompt, input_ids=ids,
+                          suffix=self.suffix, priority=self.priority) for prompt, ids in self.prompt_list]
+        fmt = CompletionFormat(f"cmpl-{jobs[0].uid}", self.model, int(jobs[0].created_at), len(jobs) * params.n,
+                               self.logprobs is not None, self.include_usage, echo=bool(self.echo),
+                               best_of=params.n, keep=self.n or 1)
+        fmt.continuous_usage = self.continuous_usage
+        annotations = {**self.annotations(), **({"echo": "1"} if self.echo else {})}
+        return submission(jobs, fmt, "completion", self.stream, annotations=annotations)
+
+    @cached_property
+    def prompt_list(self) -> list[tuple[str | None, list[int] | None]]:
+        return self.prompts()
+
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
         """The request's prompts, each as text or as token ids (OpenAI takes one or a list of either)."""
         p = self.prompt
@@ -441,8 +545,9 @@ class CompletionRequest(SamplingFields):
         """Choices the engine runs per prompt: best_of of them, of which the best n are returned."""
         return max(self.best_of or 1, self.n or 1)
 
-    def budget(self, params: SamplingParams, prompts: list[tuple[str | None, list[int] | None]]) -> Budget:
+    def budget(self, params: SamplingParams) -> Budget:
         """Logprobs count only when returned (best_of ranks choices by logprobs the answer leaves out)."""
+        prompts = self.prompt_list
         echoed = tuple(len(text.encode()) if text is not None else len(ids or ()) for text, ids in prompts)
         return Budget(len(prompts), params.n, params.max_tokens, self.logprobs,
                       echoed if self.echo and self.logprobs is not None else (),
@@ -472,6 +577,17 @@ class GenerateRequest(BaseModel):
         if (self.text is None) == (self.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         return self
+
+    def checked(self, limits: Limits) -> SamplingParams:
+        params = self.params()
+        limits.sampling(params, "sampling_params.")
+        return params
+
+    def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
+        job = stamp.job(None, False, params=params, prompt=self.text, input_ids=self.input_ids,
+                        priority=self.priority)
+        fmt = GenerateFormat(job.uid, stamp.model, int(job.created_at))
+        return submission([job], fmt, "generate", self.stream, "generate")
 
     def budget(self, params: SamplingParams) -> Budget:
         return Budget(1, 1, params.max_tokens, tokens_param="sampling_params")

@@ -1,5 +1,6 @@
-"""Step 4 of a request's path (services/api/service.py `ApiService.answer`): the bytes. `sse_event` frames
-each chunk, and every stream is sent with `SSEResponse`: a plain ASGI response, lean on the per-chunk path.
+"""Step 4 of a request's path (services/api/service.py `ApiService.answer`): the bytes. `answer_events` turns a
+request's ordered replies, through its format, into SSE events (`sse_event` frames each chunk), and every stream
+is sent with `SSEResponse`: a plain ASGI response, lean on the per-chunk path.
 
 Per chunk it does one `send` and nothing else: no task group, lock or cancel scope per send (sse-starlette's
 cost), and the send goes straight to the server, past the middleware stack's wrappers (`Guard` hands us the
@@ -20,12 +21,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import anyio
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from services.api.errors import log_unexpected
+from services.api.errors import ApiError, log_unexpected
+
+if TYPE_CHECKING:
+    from services.api.formats import Counts, Format
+    from services.api.request import Batch
 
 RAW_SEND = "rsinfer.raw_send"  # scope key: the server's own send (services/api/app.py Guard)
 HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -42,6 +49,29 @@ def sse_event(data: bytes, event_id: str | None = None) -> bytes:
 
 
 DONE = sse_event(b"[DONE]")
+
+
+async def answer_events(first: tuple[list[dict], str | None], rest: AsyncIterator[Batch], fmt: Format,
+                        counts: Counts, replay_until: str | None = None) -> AsyncIterator[bytes]:
+    """A stream's events: the first batch's chunks (formatted while the response was held back), then each batch
+    of ordered replies as it comes (`Format.batch_chunks`: entries up to `replay_until` are not sent again), the
+    usage if asked, and [DONE]. An end before the request finished (services/api/request.py EndedEarly) is one
+    event with the error's body."""
+    try:
+        chunks, event_id = first
+        for chunk in chunks:
+            yield sse_event(orjson.dumps(chunk), event_id)
+        async for batch in rest:
+            if not batch:
+                continue  # nothing arrived for a while (pings keep the connection)
+            chunks, event_id = fmt.batch_chunks(batch, counts, replay_until)
+            for chunk in chunks:
+                yield sse_event(orjson.dumps(chunk), event_id)
+        if fmt.include_usage:
+            yield sse_event(orjson.dumps(fmt.usage_chunk(counts)))
+    except ApiError as e:
+        yield sse_event(orjson.dumps(e.body()))
+    yield DONE
 
 
 class SSEResponse(Response):

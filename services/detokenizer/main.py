@@ -11,23 +11,32 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+import msgspec
+
 from services.detokenizer.incremental import Detokenizer, Rendered, merge_deltas
-from shared import records, streams
+from shared.consumer_group import Delivery
 from shared.keys import DETOKENIZER_GROUP
+from shared.lru import ByteLRU
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
 from shared.models import load_tokenizer
+from shared.request_states import EndReason, Finish, status_after
+from shared.request_store import RequestStore
 from shared.settings import DetokenizerSettings
-from shared.streams import Delivery
-from shared.worker import SubscribedWorker, run_stage
+from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
 REFRESH_EVERY_TOKENS = 64  # refresh TTLs and the record's token count this often on long requests
-STATUS_OF = {"stop": "finished", "length": "finished", "abort": "aborted", "error": "failed"}
 FINISHED_MEMORY = 50_000
+# Stop strings by uid (shared/messages.py TokenDelta): every request in flight with stop strings, whatever they
+# weigh (the API caps them; 32 MiB is 8k requests at 4 KiB each). A request dropped from here is read again from
+# its record.
+STOP_CACHE_ENTRIES = 50_000
+STOP_CACHE_BYTES = 32 * 2**20
+_STOPS = msgspec.json.Decoder(list[str])
 
 
-class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
+class DetokenizerWorker(PushWorker[DetokenizeBatch]):
     role = "detokenizer"
     group = DETOKENIZER_GROUP
     message_type = DetokenizeBatch
@@ -35,18 +44,19 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
     def __init__(self, settings: DetokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
         self.detok = Detokenizer(load_tokenizer(model_path, settings.trust_remote_code))
-        self.appender = streams.Appender(self.redis)
+        self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         # Where choices this replica ended, and by which scheduler's epoch: that scheduler's later steps (made
         # before it saw a stop string's flag) are dropped; earlier ones (a claimed entry handled after newer
         # ones) and a successor's (after a takeover) still rendered. Bounded; the API also ignores anything
         # after a choice's final entry.
         self.finished: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        self.stops: ByteLRU[str, list[str]] = ByteLRU(STOP_CACHE_ENTRIES, STOP_CACHE_BYTES)
 
     def load(self) -> dict:
-        return {**super().load(), "finished_tracked": len(self.finished)}
+        return {**super().load(), "finished_tracked": len(self.finished), "stops_cached": len(self.stops)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
-        items = [it for d in batch for it in d.msg.items if not self._after_end(it)]
+        items = await self._with_stops([it for d in batch for it in d.msg.items if not self._after_end(it)])
         # Claimed entries are rendered one step at a time: a dead peer may have written some of them
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
@@ -58,8 +68,7 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             rendered = await asyncio.to_thread(self.detok.render, items) if items else []
             async with self.redis.pipeline(transaction=False) as pipe:
                 pairs = list(zip(items, rendered, strict=True))
-                records.replies(pipe, self.appender, self.keys, [self._event(it, r) for it, r in pairs], self.ttl,
-                                self.maxlen)
+                self.requests.replies(pipe, [self._event(it, r) for it, r in pairs])
                 for it, r in pairs:
                     self._record(pipe, it, r)
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
@@ -69,10 +78,36 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
             for span in spans:
                 span.end()
 
+    async def _with_stops(self, items: list[TokenDelta]) -> list[TokenDelta]:
+        """Each delta with its request's stop strings: from a choice's first delta, this replica's cache, or (one
+        round trip for the whole read) the request records, which the scheduler wrote before any delta. Every
+        replica renders a range with the same stop strings, however it learns them."""
+        known: dict[str, list[str]] = {}
+        for it in items:
+            if it.stop and it.stops:
+                known[it.uid] = it.stop
+                self.stops.put(it.uid, it.stop, sum(len(x) for x in it.stop) + 64)
+        wanted = [it for it in items if it.stops and not it.stop]
+        if not wanted:
+            return items
+        for uid in {it.uid for it in wanted} - known.keys():
+            if (cached := self.stops.get(uid)) is not None:
+                known[uid] = cached
+        missing = sorted({it.uid for it in wanted} - known.keys())
+        if missing:
+            found = await self.requests.field(missing, "stop")
+            for uid in missing:
+                raw = (found[uid] or "").encode()
+                known[uid] = _STOPS.decode(raw) if raw else []
+                if not known[uid]:  # the record is gone (the scheduler drops such a request within a second)
+                    log.warning("uid=%s: stop strings not found in its record; rendered without them", uid)
+                self.stops.put(uid, known[uid], len(raw) + 64)
+        return [msgspec.structs.replace(it, stop=known[it.uid]) if it.stops and not it.stop else it for it in items]
+
     def _event(self, it: TokenDelta, r: Rendered) -> tuple[str, ReplyEvent, bool]:
         """The reply entry for `it`, and whether it refreshes the stream's TTL (a request's first and last
         entries, and one every REFRESH_EVERY_TOKENS tokens: not one EXPIRE per token)."""
-        finish = "stop" if r.stopped else it.finish
+        finish = Finish.STOP if r.stopped else it.finish
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
                            index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
@@ -86,26 +121,28 @@ class DetokenizerWorker(SubscribedWorker[DetokenizeBatch]):
 
     def _record(self, pipe, it: TokenDelta, r: Rendered) -> None:
         """The request record (and, on a stop string, the engine) after `it`'s entry."""
-        finish = "stop" if r.stopped else it.finish
+        finish = Finish.STOP if r.stopped else it.finish
         end = it.start + len(it.ids)
         mark = self._marks(it, finish)
         if finish is not None:
-            records.set_status(pipe, self.keys, it.uid, self.ttl, STATUS_OF.get(finish, "finished"),
-                               finish_reason=finish, completion_tokens=end)
+            self.requests.set_status(pipe, it.uid, status_after(finish), finish_reason=finish,
+                                     completion_tokens=end)
             self._remember(it, end)
+            if it.n == 1:  # its last range (one redone later reads the record again)
+                self.stops.pop(it.uid)
             if r.stopped and it.finish is None:
                 log.info("uid=%s choice=%d stop string at token %d", it.uid, it.index, end)
                 self._stop_engine(pipe, it)
         elif mark and it.start:  # the scheduler wrote the record as the request started
-            records.set_status(pipe, self.keys, it.uid, self.ttl, completion_tokens=end)
+            self.requests.set_status(pipe, it.uid, completion_tokens=end)
 
     def _stop_engine(self, pipe, it: TokenDelta) -> None:
         """Tell the scheduler to stop spending compute on this choice: the request's abort flag with reason
         "stop" when it has one choice, else the choice's own stop flag (one flag would stop them all)."""
         if it.n == 1:
-            records.abort(pipe, self.keys, it.uid, "stop", self.ttl, self.model_name)
+            self.requests.abort(pipe, it.uid, EndReason.STOP, self.model_name)
         else:
-            records.stop_choice(pipe, self.keys, it.uid, it.index, self.ttl, self.model_name)
+            self.requests.stop_choice(pipe, it.uid, it.index, self.model_name)
 
     def _after_end(self, it: TokenDelta) -> bool:
         epoch, end = self.finished.get((it.uid, it.index), (-1, 0))

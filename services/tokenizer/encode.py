@@ -9,11 +9,15 @@ from __future__ import annotations
 import msgspec
 
 from services.tokenizer import tools
+from shared.context_limits import LengthError, completion_limit
 from shared.grammars import check
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
 # Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+# Normalizers that may shorten text before it is split into tokens (compatibility forms, stripped accents or
+# spaces): with one, a prompt's bytes bound its tokens less tightly, so the byte bound below is widened.
+SHRINKING_NORMALIZERS = ("NFKC", "NFKD", "Strip", "StripAccents", "BertNormalizer", "Precompiled")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ReplyError:
@@ -29,6 +33,7 @@ class PromptEncoder:
         self.tool_parser = tools.tool_parser_for(template, tool_call_parser)
         self.reasoning_parser = tools.reasoning_parser_for(template, reasoning_parser)
         vocab = tokenizer.get_vocab()
+        self.max_prompt_bytes = max_context * self._bytes_per_token_bound(vocab)
         self.fim = next((names for names in FIM_TOKENS if all(t in vocab for t in names)), None)
         self.call_tokens = all(len(tokenizer.encode(m, add_special_tokens=False)) == 1
                                for m in (tools.HERMES_OPEN, tools.HERMES_CLOSE))
@@ -38,6 +43,37 @@ class PromptEncoder:
             self.think_close = tokenizer.encode(tools.THINK_CLOSE, add_special_tokens=False)
             opening = tokenizer.encode(tools.THINK_OPEN, add_special_tokens=False)
             self.think_open = opening[0] if len(opening) == 1 else -1
+
+    def _bytes_per_token_bound(self, vocab: dict[str, int]) -> int:
+        """The most bytes of text one token can stand for: a vocabulary string is at least as long in UTF-8 as
+        the bytes it decodes to (byte-level BPE spells each byte as one character, SentencePiece a space as
+        `▁`, byte fallback `<0x41>`), so its longest is a bound, computed once. A prompt of more bytes than
+        the context times this cannot fit, whatever it tokenizes to."""
+        longest = max((len(t.encode()) for t in vocab), default=1)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalizer = repr(getattr(backend, "normalizer", None)) if backend is not None else "unknown"
+        if normalizer != "None" and any(n in normalizer for n in (*SHRINKING_NORMALIZERS, "unknown")):
+            longest *= 4  # a normalized character may be up to 4 bytes shorter than what the client sent
+        return longest
+
+    def too_long(self, text: str, param: str) -> ReplyError | None:
+        """A 400 for a prompt whose bytes cannot fit the context, before any time is spent tokenizing it."""
+        if len(text) <= self.max_prompt_bytes // 4:  # a character is at most 4 bytes: no need to count
+            return None
+        size = len(text.encode())
+        if size <= self.max_prompt_bytes:
+            return None
+        return invalid(f"This model's maximum context length is {self.max_context} tokens; a prompt of {size} bytes "
+                       f"cannot fit it (a token of this model stands for at most "
+                       f"{self.max_prompt_bytes // self.max_context} bytes).", param, "context_length_exceeded")
+
+    @staticmethod
+    def job_bytes(job: TokenizeJob) -> int:
+        """About how much text a job has to render and tokenize (characters): what makes it slow."""
+        size = len(job.prompt or "") + len(job.suffix or "") + len(job.input_ids or ())
+        for m in job.messages or ():
+            size += len(m.content) + len(m.reasoning_content or "")
+        return size
 
     @property
     def parsers(self) -> dict[str, str]:
@@ -61,6 +97,8 @@ class PromptEncoder:
                 results[i] = self._from_ids(job, job.input_ids)
             elif job.messages is not None:
                 rendered = self._render_chat(job)
+                if not isinstance(rendered, ReplyError):
+                    rendered = self.too_long(rendered, "messages") or rendered
                 if isinstance(rendered, ReplyError):
                     results[i] = rendered
                 else:
@@ -68,10 +106,14 @@ class PromptEncoder:
                     jobs[i] = self._answer_after_thinking(job, rendered)
             elif job.suffix is not None:
                 fim = self._fill_in_the_middle(job)
+                if not isinstance(fim, ReplyError):
+                    fim = self.too_long(fim, "prompt") or fim
                 if isinstance(fim, ReplyError):
                     results[i] = fim
                 else:
                     plain[i] = fim
+            elif (refused := self.too_long(job.prompt or "", "prompt")) is not None:
+                results[i] = refused
             else:
                 plain[i] = job.prompt or ""
         for texts, special in ((chat, False), (plain, True)):
@@ -133,26 +175,17 @@ class PromptEncoder:
     def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
         """Refuse a request that cannot fit the context. An omitted max_tokens stays None: it means up to
         the context, and only the engine knows how much of that its KV cache can hold."""
-        n, limit, p = len(ids), self.max_context, job.params
-        if n == 0:
+        p = job.params
+        if not ids:
             return invalid("the prompt is empty after tokenization", "prompt")
-        if n >= limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                           f"has {n} tokens.", "messages", "context_length_exceeded")
-        if p.max_tokens is not None and n + p.max_tokens > limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{n + p.max_tokens} tokens ({n} in the prompt, {p.max_tokens} for the completion). "
-                           "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        try:
+            completion_limit(len(ids), p.max_tokens, p.min_tokens, self.max_context)
+        except LengthError as e:
+            return invalid(str(e), e.param or "messages", e.code)
         bad_bias = next((t for t in p.logit_bias if t >= self.vocab_size), None)
         if bad_bias is not None:
             return invalid(f"logit_bias names token {bad_bias}, outside the vocabulary (size {self.vocab_size})",
                            "logit_bias")
-        if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-            return invalid(f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})", "min_tokens")
-        if n + p.min_tokens > limit:
-            return invalid(f"This model's maximum context length is {limit} tokens. However, you requested at "
-                           f"least {n + p.min_tokens} tokens ({n} in the prompt, min_tokens {p.min_tokens}).",
-                           "min_tokens", "context_length_exceeded")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
                            deadline=job.deadline, params=p, input_ids=ids, background=job.background,
                            priority=job.priority, trace=job.trace)

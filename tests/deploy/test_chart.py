@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 import shutil
@@ -157,11 +158,13 @@ def test_commands_probes_and_env_match_the_cli(render, case):
         SETTINGS[role](**{k.removeprefix("RSINFER_").lower(): v for k, v in env.items()
                           if k in fields and k != "RSINFER_REDIS_URL"})
         if role != "api":
-            for probe in ("startupProbe", "livenessProbe"):
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 cmd = c[probe]["exec"]["command"]
                 assert cmd[:2] == ["rsinfer", "healthcheck"], cmd
                 args = parser.parse_args(cmd[1:])
                 assert args.role == role, shlex.join(cmd)
+                # liveness never asks Redis (an outage must restart no worker); readiness does
+                assert args.ready == (probe == "readinessProbe"), shlex.join(cmd)
 
 
 # ---------- api ----------
@@ -173,11 +176,15 @@ def test_api_service_probes_and_graceful_shutdown(render):
     (c,) = spec["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]  # inside the pod: /drain takes loopback callers only
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]  # inside the pod: the API's control socket in /tmp
     assert pre_stop[:3] == ["rsinfer", "drain", "--wait"]
+    build_parser().parse_args(pre_stop[1:])
     drain = float(pre_stop[3])
     grace = float(config(docs)["api.RSINFER_GRACE_PERIOD_S"])
     assert spec["terminationGracePeriodSeconds"] > drain + grace
+    # a drain SIGTERM does not follow within the pod's grace period is undone (back in service)
+    assert float(config(docs)["api.RSINFER_DRAIN_TIMEOUT_S"]) == spec["terminationGracePeriodSeconds"]
+    assert all(p.get("httpGet", {}).get("path") != "/drain" for p in (c["readinessProbe"], c["livenessProbe"]))
     assert c["ports"][0]["containerPort"] == int(config(docs)["api.RSINFER_PORT"]) == 8000
     # the HPA owns the replica count; the PDB keeps some pods through node drains
     assert "replicas" not in api["spec"]
@@ -213,6 +220,10 @@ def test_termination_grace_must_cover_drain_and_grace(render):
     docs = render(sets=["api.terminationGracePeriodSeconds=120"])
     assert kube.pod_spec(kube.by_kind(docs, "Deployment")["rs-rsinfer-api"])[
         "terminationGracePeriodSeconds"] == 120
+    assert config(docs)["api.RSINFER_DRAIN_TIMEOUT_S"] == "120"
+    assert config(render(sets=["api.settings.drain_timeout_s=300"]))["api.RSINFER_DRAIN_TIMEOUT_S"] == "300"
+    with pytest.raises(helmbin.RenderError, match="drain_timeout_s"):
+        render(sets=["api.settings.drain_timeout_s=5"])  # undone before the hook's 10 s are over
 
 
 # ---------- metrics and tracing ----------
@@ -605,7 +616,7 @@ def test_in_chart_redis(render):
     assert api_env["RSINFER_REDIS_PASSWORD"] == "also-change-me"
     assert api_env["RSINFER_API_KEY"] == "change-me"
 
-    # no password given: a generated one, the same for Redis and every client
+    # no password given: one made for this release, the same for Redis and every client
     docs = render([])
     (sts,) = kube.by_kind(docs, "StatefulSet").values()
     redis_pw = kube.resolve_env(kube.pod_spec(sts)["containers"][0], docs, "redis-0")["REDIS_PASSWORD"]
@@ -614,6 +625,105 @@ def test_in_chart_redis(render):
     api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
     assert api_env["RSINFER_REDIS_PASSWORD"] == redis_pw
     assert "RSINFER_API_KEY" not in api_env
+
+
+def redis_password(docs: list[dict]) -> str:
+    (sts,) = kube.by_kind(docs, "StatefulSet").values()
+    return kube.resolve_env(kube.pod_spec(sts)["containers"][0], docs, "redis-0")["REDIS_PASSWORD"]
+
+
+def pod_annotations(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"].get("annotations", {}) for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def test_gitops_renders_keep_the_redis_password(helm_bin):
+    """Rendered without a cluster (helm template, as Argo CD does; lookup sees nothing) and no password given:
+    every render gives the same password (a random one per render would change the Secret under running pods on
+    every sync, and pods started after it could not log in), one of its own per release; the Secret says where
+    it came from. Not cached renders: each one is a new `helm template`."""
+    first, second = helmbin.render([]), helmbin.render([])
+    assert redis_password(first) == redis_password(second)
+    assert redis_password(helmbin.render([], release="other")) != redis_password(first)
+    (secret,) = kube.by_kind(first, "Secret").values()
+    assert secret["metadata"]["annotations"]["rsinfer.io/redis-password"] == "derived"
+    assert pod_annotations(first) == pod_annotations(second), "a re-render must not roll any pod"
+    docs = helmbin.render([CI / "internal-redis-values.yaml"])
+    (secret,) = kube.by_kind(docs, "Secret").values()
+    assert secret["metadata"]["annotations"]["rsinfer.io/redis-password"] == "values"
+
+
+def test_pod_annotations_carry_no_hash_of_a_secret(render):
+    """checksum/secret covers what is known of the secrets without them; auth.secretRevision (or Reloader) rolls
+    the pods when a secret changes. Neither a secret nor a sha256 of any combination of them appears outside
+    the Secret."""
+    api_key, password = "change-me", "also-change-me"
+    docs = render(VALUES["internal-redis"])
+    digests = {hashlib.sha256(x.encode()).hexdigest() for x in (
+        api_key, password, f"{api_key}|{password}", f"{password}|{api_key}", f"{api_key}{password}")}
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            continue
+        text = yaml.safe_dump(doc)
+        assert api_key not in text and password not in text, doc["metadata"]["name"]
+        assert not [d for d in digests if d in text], doc["metadata"]["name"]
+    before = pod_annotations(docs)
+    assert all("checksum/secret" in a for a in before.values())
+    assert pod_annotations(render(VALUES["internal-redis"], sets=["auth.secretRevision=2024-06-01"])) != before
+    assert pod_annotations(render(VALUES["internal-redis"], sets=["auth.apiKey="])) != before, "key on/off rolls"
+
+    docs = render(sets=["auth.reloader=true"])
+    for kind in ("Deployment", "StatefulSet"):
+        for dep in kube.by_kind(docs, kind).values():
+            assert dep["metadata"]["annotations"]["secret.reloader.stakater.com/reload"] == "rs-rsinfer"
+    assert all("annotations" not in d["metadata"] for d in kube.by_kind(render([]), "Deployment").values())
+
+
+def test_redis_only_reachable_from_the_pipeline(render):
+    """The NetworkPolicy selects the in-chart Redis's pod only, and lets in exactly this release's rsinfer pods
+    (every Deployment's, on the redis port), plus KEDA's namespace when a stage uses KEDA."""
+    docs = render([])
+    (policy,) = kube.by_kind(docs, "NetworkPolicy").values()
+    (sts,) = kube.by_kind(docs, "StatefulSet").values()
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert selects(spec["podSelector"], sts["spec"]["template"])
+    deployments = kube.by_kind(docs, "Deployment").values()
+    assert not [d for d in deployments if selects(spec["podSelector"], d["spec"]["template"])]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+    assert "redis" in {p["name"] for p in kube.pod_spec(sts)["containers"][0]["ports"]}
+    (peer,) = rule["from"]
+    pods = [d["spec"]["template"] for d in kube.by_kind(docs, "Deployment").values()]
+    assert len(pods) == 4 and all(selects(peer["podSelector"], p) for p in pods)
+    assert not selects(peer["podSelector"], sts["spec"]["template"])
+    other_release = {"metadata": {"labels": {**pods[0]["metadata"]["labels"], "app.kubernetes.io/instance": "x"}}}
+    assert not selects(peer["podSelector"], other_release)
+    assert "namespaceSelector" not in peer, "this namespace only"
+
+    (policy,) = kube.by_kind(render(VALUES["keda"]), "NetworkPolicy").values()
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in peers
+    assert not kube.by_kind(render(VALUES["external-redis"]), "NetworkPolicy"), "no in-chart Redis, no policy"
+    assert not kube.by_kind(render(sets=["networkPolicy.enabled=false"]), "NetworkPolicy")
+    extra = render(set_json=['networkPolicy.extraFrom=[{"podSelector":{"matchLabels":{"app":"exporter"}}}]'])
+    (policy,) = kube.by_kind(extra, "NetworkPolicy").values()
+    assert {"podSelector": {"matchLabels": {"app": "exporter"}}} in policy["spec"]["ingress"][0]["from"]
+
+
+def test_redis_memory_is_bounded_with_noeviction(render):
+    for case, bound in (("defaults", "1536mb"), ("internal-redis", "4gb")):
+        (sts,) = kube.by_kind(render(VALUES[case]), "StatefulSet").values()
+        args = kube.pod_spec(sts)["containers"][0]["args"]
+        assert args[args.index("--maxmemory") + 1] == bound
+        assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+        assert args.count("--maxmemory") == 1
+    (sts,) = kube.by_kind(render(sets=["redis.internal.maxmemory=0"]), "StatefulSet").values()
+    assert "--maxmemory" not in kube.pod_spec(sts)["containers"][0]["args"]
+    with pytest.raises(helmbin.RenderError, match="maxmemory"):
+        render(set_json=['redis.internal.extraArgs=["--maxmemory-policy","allkeys-lru"]'])
+    with pytest.raises(helmbin.RenderError, match="maxmemory"):
+        render(sets=["redis.internal.maxmemory=lots"])
 
 
 def test_in_chart_redis_command_runs(render, tmp_path):
@@ -637,6 +747,7 @@ def test_in_chart_redis_command_runs(render, tmp_path):
         wait_until_up(client, proc)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("maxmemory") == {"maxmemory": str(4 << 30)}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
     finally:

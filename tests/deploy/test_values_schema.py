@@ -58,6 +58,12 @@ BAD_VALUES = [
      "metrics_port"),
     ("otlp-endpoint-without-scheme", {"tracing": {"otlpEndpoint": "otel-collector:4318"}}, "otlpEndpoint"),
     ("otlp-endpoint-as-setting", {"settings": {"otlp_endpoint": "http://otel:4318"}}, "otlp_endpoint"),
+    ("redis-maxmemory-unit", {"redis": {"internal": {"maxmemory": "2 GiB"}}}, "maxmemory"),
+    ("redis-eviction-policy", {"redis": {"internal": {"extraArgs": ["--maxmemory-policy", "allkeys-lru"]}}},
+     "maxmemory"),
+    ("network-policy-typo", {"networkPolicy": {"enable": True}}, "enable"),
+    ("reloader-not-bool", {"auth": {"reloader": "yes"}}, "reloader"),
+    ("drain-timeout-below-drain", {"api": {"settings": {"drain_timeout_s": 5}}}, "drain_timeout_s"),
     # the chart's `fail` checks: what a schema cannot say
     ("duplicate-pool-name", {"modelPools": [POOL, {**POOL, "servedModelName": "other"}]}, "used twice"),
     ("duplicate-served-name", {"modelPools": [POOL, {**POOL, "name": "other"}]}, "used twice"),

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
-from tests.e2e.helpers import engines_idle, raw_post, sse_payloads, wait_for
+from tests.support.helpers import engines_idle, raw_post, sse_payloads, wait_for
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3500,

@@ -34,8 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.redis_server import free_port
-from tests.e2e.chaos_kit import (
+from tests.support.chaos_kit import (
     Chaos,
     Clients,
     Delivered,
@@ -48,8 +47,8 @@ from tests.e2e.chaos_kit import (
     reference_texts,
     settled_problems,
 )
-from tests.e2e.conftest import LIFECYCLE_ENV, Stack, new_stack
-from tests.e2e.helpers import api_ready, engines_idle, live_names, wait_for, workers
+from tests.support.helpers import engines_idle, live_names, wait_for, workers
+from tests.support.stack import LIFECYCLE_ENV, Stack, new_stack, start_replicas
 
 LONG = os.environ.get("RSINFER_CHAOS_LONG") == "1"
 pytestmark = pytest.mark.timeout(3600 if LONG else 300)
@@ -77,20 +76,6 @@ def make_jobs(keys: range, timeout: float) -> list[Job]:
     return [Job(key=k, kind=KINDS[k % 3], n=2 if k % 5 == 1 else 1,
                 max_tokens=300 if k % 4 == 0 else 60 + (k * 53) % 150, api=int(k % 7 in (2, 5)),
                 background=k % 7 in (2, 5) or k % 6 == 0, timeout=timeout) for k in keys]
-
-
-def start_stack(s: Stack) -> list[int]:
-    ports = [free_port(), free_port()]
-    s.port = ports[0]
-    for name, role in [("tokenizer1", "tokenizer"), ("tokenizer2", "tokenizer"), ("scheduler1", "scheduler"),
-                       ("scheduler2", "scheduler"), ("scheduler3", "scheduler"), ("detokenizer1", "detokenizer"),
-                       ("detokenizer2", "detokenizer")]:
-        s.start(name, role, **ENV)
-    s.start("api1", "api", RSINFER_PORT=str(ports[0]), **ENV)
-    s.start("api2", "api", RSINFER_PORT=str(ports[1]), **ENV)
-    s.wait_ready(180)
-    wait_for(lambda: api_ready(f"http://127.0.0.1:{ports[1]}"), timeout=120)
-    return ports
 
 
 class Run:
@@ -227,7 +212,6 @@ class Run:
             return wall
         finally:
             self.recorder.close()
-            await self.clients.close()
             await self.chaos.close()
 
 
@@ -298,7 +282,7 @@ def _round(x: float | None) -> float | None:
 def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_path):
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "chaos")
     try:
-        ports = start_stack(s)
+        ports = start_replicas(s, {"tokenizer": 2, "scheduler": 3, "detokenizer": 2}, apis=2, **ENV)
         timeout = 300.0 if LONG else 75.0
         jobs = make_jobs(range(320 if LONG else 80), timeout)
         wave2 = [] if LONG else make_jobs(range(80, 100), timeout)
@@ -331,7 +315,7 @@ def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_
         print(json.dumps(figures, indent=1))
         (tmp_path / "chaos.json").write_text(json.dumps(figures, indent=1))
         (tmp_path / "outcomes.json").write_text(json.dumps(  # what each client saw, next to replies.json
-            [{**vars(o), "job": vars(o.job), "reference": reference.get(o.job.key)} for o in outcomes]))
+            [{**o.record(), "reference": reference.get(o.job.key)} for o in outcomes]))
         if LONG:
             (ROOT / "bench" / "results" / "chaos.json").write_text(json.dumps(figures, indent=1) + "\n")
 

@@ -12,7 +12,7 @@ the chart generated. Only these differ from the pods:
 Then the API must turn ready on its own (no worker yet) and list the pool's model, the workers must come
 up, the API must answer a chat completion through the official openai client, every
 process must export the request's spans, every worker must serve its /metrics, and every worker's
-rendered liveness probe must pass; the preStop hook must turn the API unready. A flag or setting
+rendered startup, liveness and readiness probes must pass; the preStop hook must turn the API unready. A flag or setting
 renamed in the code but not in the chart breaks this test.
 """
 
@@ -36,8 +36,8 @@ import redis
 from shared.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
-from tests.e2e.helpers import wait_for
 from tests.e2e.test_observability import SERVICES, Collector
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -244,10 +244,11 @@ def test_rendered_deployments_serve_a_chat_completion(manifests, local_redis, de
                         "detokenizer": 'rsinfer_stage_published_entries_total{role="detokenizer",stream="reply"}'}
             assert expected[w.role] in text, f"{w.name} /metrics:\n{text[-2000:]}"
 
-        # the workers' rendered liveness probes (rsinfer healthcheck) pass against the live workers
+        # the workers' rendered probes (rsinfer healthcheck; --ready for readiness) pass against the live workers
         for w in workers:
-            probe = w.exec_probe("livenessProbe")
-            assert probe.returncode == 0, f"{w.name} liveness: {probe.stdout}{probe.stderr}"
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                probe = w.exec_probe(kind)
+                assert probe.returncode == 0, f"{w.name} {kind}: {probe.stdout}{probe.stderr}"
 
         # the preStop hook: the API stops being ready before SIGTERM
         hook = api.exec_hook("preStop")

@@ -10,9 +10,7 @@ undisturbed text or ends with an error event, none outlives its deadline, and ne
 
 from __future__ import annotations
 
-import json
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,12 +18,14 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import LocalCluster, free_port
+from rsinfer.launcher import api_ready
+from shared.redis_server import free_port
 from tests.e2e import test_concurrency, test_crash, test_openai_api, test_operator, test_resume
-from tests.e2e.conftest import MODEL, Stack, start_pipeline
-from tests.e2e.helpers import api_ready, engines_idle, wait_for
-from tests.e2e.test_crash import body, reference
 from tests.e2e.test_operator import LongStream
+from tests.support.helpers import engines_idle, wait_for
+from tests.support.redis_cluster import LocalCluster
+from tests.support.stack import MODEL, Stack, start_pipeline
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(180)
 # Heartbeats outlive a failover (about 3 s with a 2 s node timeout), else schedulers would take the requests of an
@@ -144,39 +144,6 @@ def test_the_keys_of_the_run_are_spread_over_every_primary(stack, cluster):
     assert all(records > 0 for _, records in counts.values()), counts
 
 
-class TimedStream(threading.Thread):
-    """Streams one request; keeps its text, its error event if any, and when each chunk arrived."""
-
-    def __init__(self, base_url: str, payload: dict):
-        super().__init__(daemon=True)
-        self.url, self.payload = base_url, {**payload, "stream": True}
-        self.text, self.finish, self.error, self.arrivals = "", None, None, []
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=self.payload, timeout=90) as resp:
-                if resp.status_code != 200:
-                    self.error = {"status": resp.status_code, "body": resp.read().decode()}
-                    return
-                for line in resp.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    self.arrivals.append(time.monotonic())
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                        continue
-                    for c in chunk["choices"]:
-                        self.text += c["delta"].get("content") or ""
-                        self.finish = c["finish_reason"] or self.finish
-        except httpx.HTTPError as e:
-            self.error = repr(e)
-
-    def longest_gap(self) -> float:
-        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)), default=0.0)
-
-
 def test_a_primary_killed_under_load_fails_over(stack, cluster):
     """kill -9 of the primary that holds the busiest stage stream (detokenize: one entry per engine step) during
     32 concurrent generations; its replica is promoted and every process finds it by itself. The pause clients
@@ -184,7 +151,7 @@ def test_a_primary_killed_under_load_fails_over(stack, cluster):
     s = stack
     bodies = [body(i, 200, timeout=DEADLINE_S) for i in range(100, 132)]
     expected = reference(s, bodies)
-    runs = [TimedStream(s.base_url, b) for b in bodies]
+    runs = [Streamer(s.base_url, b) for b in bodies]
     wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
     victim = cluster.primary_of(s.keys.detokenize(MODEL))
     failover = cluster.fail_over(victim)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 

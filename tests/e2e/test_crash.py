@@ -10,82 +10,18 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
+from rsinfer.launcher import api_ready
 from shared.redis_server import free_port
-from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, running_pipeline
-from tests.e2e.helpers import api_ready, engines_idle, sse_payloads, wait_for, workers
+from tests.support.helpers import engines_idle, live_names, sse_payloads, wait_for
+from tests.support.stack import LIFECYCLE_ENV, MODEL, running_pipeline
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def body(i: int, max_tokens: int = 100, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"crash test {i}"}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}
-
-
-def reference(stack, bodies: list[dict]) -> list[str]:
-    """What each request gives when nothing goes wrong (greedy text does not depend on the batch)."""
-    out: list[str] = [""] * len(bodies)
-
-    def one(i: int) -> None:
-        out[i] = httpx.post(f"{stack.base_url}/v1/chat/completions", json=bodies[i], timeout=60).json()[
-            "choices"][0]["message"]["content"]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-class Streamer(threading.Thread):
-    """Streams one request (chat, or `path` /v1/completions) and records its text, event ids and finish reason."""
-
-    def __init__(self, base_url: str, payload: dict, path: str = "/v1/chat/completions"):
-        super().__init__(daemon=True)
-        self.url, self.payload, self.path = base_url, {**payload, "stream": True}, path
-        self.text, self.finish, self.ids, self.uid, self.error = "", None, [], None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.url}{self.path}", json=self.payload, timeout=90) as resp:
-                if resp.status_code != 200:  # refused before the stream started: a JSON body, no events
-                    resp.read()
-                    self.error = {"status": resp.status_code, **resp.json()["error"]}
-                    return
-                for line in resp.iter_lines():
-                    if line.startswith("id: "):
-                        self.ids.append(line[4:])
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                        continue
-                    self.uid = chunk["id"].partition("-")[2]  # chatcmpl-<uid> or cmpl-<uid>
-                    for c in chunk["choices"]:
-                        self.text += (c["delta"].get("content") if "delta" in c else c.get("text")) or ""
-                        self.finish = c["finish_reason"] or self.finish
-        except httpx.HTTPError as e:
-            self.error = repr(e)
-
-    def result(self, timeout: float = 60) -> str:
-        self.join(timeout)
-        assert not self.is_alive(), "stream did not end"
-        assert self.error is None, self.error
-        assert self.finish == "length"
-        return self.text
-
-
-def live(stack, role: str) -> list[str]:
-    return [w.name for w in workers(stack, role)]
 
 
 def test_scheduler_killed_mid_generation_is_resumed_by_a_peer(pipeline):
@@ -93,12 +29,12 @@ def test_scheduler_killed_mid_generation_is_resumed_by_a_peer(pipeline):
     bodies = [body(i) for i in range(6)]
     expected = reference(s, bodies)
     assert len(set(expected)) > 1
-    [old] = live(s, "scheduler")
+    [old] = live_names(s, "scheduler")
     runs = [Streamer(s.base_url, b) for b in bodies]
     wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=30)
     s.procs[old].send_signal(signal.SIGSTOP)  # it holds every request and will never finish them
     s.start("scheduler2", "scheduler", **LIFECYCLE_ENV)
-    wait_for(lambda: "scheduler2" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler2" in live_names(s, "scheduler"), timeout=60)
     s.kill(old)
     assert [r.result() for r in runs] == expected
     records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
@@ -114,7 +50,7 @@ def test_a_killed_schedulers_requests_are_resumed_long_before_its_claim_idle(red
     env = {"RSINFER_CLAIM_IDLE_MS": "30000"}
     with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "gone", **env) as s:
         s.start("scheduler2", "scheduler", **{**LIFECYCLE_ENV, **env})
-        wait_for(lambda: len(live(s, "scheduler")) == 2, timeout=60)
+        wait_for(lambda: len(live_names(s, "scheduler")) == 2, timeout=60)
         bodies = [body(i, 800) for i in range(70, 76)]
         expected = reference(s, bodies)
         runs = [Streamer(s.base_url, b) for b in bodies]
@@ -138,12 +74,12 @@ def test_a_constrained_request_resumed_by_a_peer_keeps_its_grammar_state(pipelin
     bodies = [body(i, 100, regex=regex, min_tokens=100, temperature=0.8, seed=i) for i in range(50, 53)]
     expected = reference(s, bodies)
     assert all(re.fullmatch(regex, text) for text in expected)
-    [old] = live(s, "scheduler")
+    [old] = live_names(s, "scheduler")
     runs = [Streamer(s.base_url, b) for b in bodies]
     wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=30)
     s.procs[old].send_signal(signal.SIGSTOP)
     s.start("scheduler3", "scheduler", **LIFECYCLE_ENV)
-    wait_for(lambda: "scheduler3" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler3" in live_names(s, "scheduler"), timeout=60)
     s.kill(old)
     assert [r.result() for r in runs] == expected
     records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
@@ -155,12 +91,12 @@ def test_tokenizer_killed_with_pending_entries(pipeline):
     s = pipeline
     bodies = [body(i, 20) for i in range(10, 18)]
     expected = reference(s, bodies)
-    [old] = live(s, "tokenizer")
+    [old] = live_names(s, "tokenizer")
     s.procs[old].send_signal(signal.SIGSTOP)
     runs = [Streamer(s.base_url, b) for b in bodies]
     wait_for(lambda: s.redis().xpending(s.keys.tokenize(MODEL), "tokenizer")["pending"] > 0, timeout=10)
     s.start("tokenizer2", "tokenizer", **LIFECYCLE_ENV)
-    wait_for(lambda: "tokenizer2" in live(s, "tokenizer"), timeout=60)
+    wait_for(lambda: "tokenizer2" in live_names(s, "tokenizer"), timeout=60)
     s.kill(old)
     assert [r.result() for r in runs] == expected
 
@@ -169,12 +105,12 @@ def test_detokenizer_killed_with_pending_entries(pipeline):
     s = pipeline
     bodies = [body(i, 80) for i in range(20, 24)]
     expected = reference(s, bodies)
-    [old] = live(s, "detokenizer")
+    [old] = live_names(s, "detokenizer")
     runs = [Streamer(s.base_url, b) for b in bodies]
     wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
     s.procs[old].send_signal(signal.SIGSTOP)
     s.start("detokenizer2", "detokenizer", **LIFECYCLE_ENV)
-    wait_for(lambda: "detokenizer2" in live(s, "detokenizer"), timeout=60)
+    wait_for(lambda: "detokenizer2" in live_names(s, "detokenizer"), timeout=60)
     s.kill(old)
     assert [r.result() for r in runs] == expected
 

@@ -17,8 +17,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import MODEL, Stack, new_stack
-from tests.e2e.helpers import engines_idle, raw_post, wait_for
+from tests.support.helpers import engines_idle, raw_post, wait_for
+from tests.support.stack import MODEL, Stack, new_stack
 
 pytestmark = pytest.mark.timeout(120)
 HELLO = [{"role": "user", "content": "hi"}]

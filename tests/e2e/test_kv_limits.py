@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, running_pipeline
+from tests.support.stack import MODEL, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 KV_TOKENS = 256  # the demo model's context is 4096

@@ -14,9 +14,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, running_pipeline
-from tests.e2e.helpers import engines_idle, raw_post, wait_for, workers
-from tests.e2e.test_crash import Streamer, body, reference
+from tests.support.helpers import engines_idle, raw_post, wait_for, workers
+from tests.support.stack import MODEL, running_pipeline
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(180)
 REQUEST_TTL_S = 6

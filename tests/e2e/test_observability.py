@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.e2e.conftest import MODEL, Stack, running_pipeline
-from tests.e2e.helpers import wait_for
+from tests.support.helpers import wait_for
+from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 HELLO = [{"role": "user", "content": "Hello there"}]

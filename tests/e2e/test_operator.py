@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(90)
 

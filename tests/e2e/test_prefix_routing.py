@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from shared.routing import prompt_pages
-from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, Stack, new_stack
-from tests.e2e.helpers import wait_for, worker_name, workers
-from tests.e2e.test_crash import Streamer
+from tests.support.helpers import wait_for, worker_name, workers
+from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
+from tests.support.streaming import Streamer
 
 pytestmark = pytest.mark.timeout(300)
 PAGE = 16

@@ -17,9 +17,9 @@ import pytest
 
 from shared.keys import STAGES
 from shared.redis_server import RedisServer
-from tests.e2e.chaos_kit import Clients, Job, Outcome, reference_texts
-from tests.e2e.conftest import MODEL, Stack, new_stack, start_pipeline
-from tests.e2e.helpers import engines_idle, wait_for
+from tests.support.chaos_kit import Clients, Job, Outcome, reference_texts
+from tests.support.helpers import engines_idle, wait_for
+from tests.support.stack import MODEL, Stack, new_stack, start_pipeline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,23 +38,20 @@ async def through_a_restart(s: Stack, server: RedisServer, jobs: list[Job], outa
     """Stream `jobs`; once every one has text, stop Redis and start it again `outage_s` later. The outcomes, how
     many were in flight when Redis stopped, each reply stream's length then, and the outage's length."""
     clients = Clients([s.base_url])
-    try:
-        tasks = [asyncio.create_task(clients.run(j)) for j in jobs]
-        deadline = time.monotonic() + 30
-        while not (len(clients.outcomes) == len(jobs) and all(len(o.texts[0]) > 5 for o in clients.outcomes)):
-            assert time.monotonic() < deadline, "the streams did not start"
-            await asyncio.sleep(0.02)
-        r = s.redis()
-        lengths = {o.uid: r.xlen(s.keys.reply(o.uid)) for o in clients.outcomes}
-        began = time.monotonic()
-        await asyncio.to_thread(server.stop)
-        in_flight = sum(not o.done for o in clients.outcomes)
-        await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
-        server.start(timeout=30)  # from this thread (RedisServer.start says why)
-        outage = time.monotonic() - began
-        return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
-    finally:
-        await clients.close()
+    tasks = [asyncio.create_task(clients.run(j)) for j in jobs]
+    deadline = time.monotonic() + 30
+    while not (len(clients.outcomes) == len(jobs) and all(len(o.texts[0]) > 5 for o in clients.outcomes)):
+        assert time.monotonic() < deadline, "the streams did not start"
+        await asyncio.sleep(0.02)
+    r = s.redis()
+    lengths = {o.uid: r.xlen(s.keys.reply(o.uid)) for o in clients.outcomes}
+    began = time.monotonic()
+    await asyncio.to_thread(server.stop)
+    in_flight = sum(not o.done for o in clients.outcomes)
+    await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
+    server.start(timeout=30)  # from this thread (RedisServer.start says why)
+    outage = time.monotonic() - began
+    return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
 
 
 @pytest.mark.parametrize("outage_s", [1.0, 4.0])

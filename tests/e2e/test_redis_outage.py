@@ -9,11 +9,11 @@ import time
 import httpx
 import pytest
 
-from rsinfer.up import serving
+from rsinfer.launcher import serving
 from shared.redis_server import RedisServer
-from tests.e2e.conftest import MODEL, new_stack, start_pipeline
-from tests.e2e.helpers import wait_for
-from tests.e2e.test_crash import Streamer, body, reference
+from tests.support.helpers import wait_for
+from tests.support.stack import MODEL, new_stack, start_pipeline
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from rsinfer.launcher import api_ready
 from shared.redis_server import free_port
 from shared.streams import id_after
-from tests.e2e.conftest import MODEL, Stack
-from tests.e2e.helpers import api_ready, engines_idle, sse_payloads, wait_for
+from tests.support.helpers import engines_idle, sse_payloads, wait_for
+from tests.support.stack import MODEL, Stack
 
 pytestmark = pytest.mark.timeout(90)
 PING_S, WINDOW_S = 0.2, 1.5

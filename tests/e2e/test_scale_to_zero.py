@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from rsinfer.up import serving
-from tests.e2e.conftest import LIFECYCLE_ENV, MODEL, Stack, new_stack
-from tests.e2e.helpers import wait_for, workers
+from rsinfer.launcher import serving
+from tests.support.helpers import wait_for, workers
+from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
 
 pytestmark = pytest.mark.timeout(180)
 PING_S = 1.0  # keep-alive period: the response starts (200 and pings) once no entry came for this long

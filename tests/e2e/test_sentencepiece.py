@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared.messages import ReplyEvent, ScheduleJob, decode
-from tests.e2e.conftest import MODEL, Stack, running_pipeline
 from tests.metaspace_tokenizer import completion_reference, metaspace_tokenizer
+from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 WEIGHTS = ("config.json", "generation_config.json", "model.safetensors")

@@ -3,17 +3,24 @@ drains its open streams; a rolling restart of every stage under load loses no re
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import stat
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from rsinfer.launcher import api_ready
+from services.api.admin import admin_socket_path
 from shared.redis_server import free_port
-from tests.e2e.conftest import LIFECYCLE_ENV
-from tests.e2e.helpers import api_ready, engines_idle, wait_for
-from tests.e2e.test_crash import Streamer, body, live, reference
+from tests.support.helpers import engines_idle, live_names, wait_for
+from tests.support.stack import LIFECYCLE_ENV
+from tests.support.streaming import Streamer, body, reference
 
 pytestmark = pytest.mark.timeout(180)
 NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-back can move work
@@ -21,20 +28,20 @@ NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-
 
 def test_sigterm_scheduler_hands_requests_to_a_peer_at_once(pipeline):
     s = pipeline
-    [current] = live(s, "scheduler")
+    [current] = live_names(s, "scheduler")
     # No grace at all: with two requests the tiny model makes hundreds of tokens a second, and any grace
     # would let the old scheduler finish them itself.
     s.start("scheduler-old", "scheduler", **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "0"})
     bodies = [body(i, 600) for i in range(50, 52)]
     expected = reference(s, bodies)
-    wait_for(lambda: "scheduler-old" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler-old" in live_names(s, "scheduler"), timeout=60)
     s.procs[current].send_signal(signal.SIGTERM)
     assert s.procs.pop(current).wait(30) == 0
     runs = [Streamer(s.base_url, b) for b in bodies]  # the old scheduler is the only one: it takes both
     wait_for(lambda: all(len(r.text) > 5 for r in runs), timeout=30)
     s.procs["scheduler-old"].send_signal(signal.SIGSTOP)  # hold the generation mid-way while the peer starts
     s.start("scheduler-peer", "scheduler", **NO_CLAIMS)
-    wait_for(lambda: "scheduler-peer" in live(s, "scheduler"), timeout=60)
+    wait_for(lambda: "scheduler-peer" in live_names(s, "scheduler"), timeout=60)
     t0 = time.monotonic()
     s.procs["scheduler-old"].send_signal(signal.SIGCONT)
     s.procs["scheduler-old"].send_signal(signal.SIGTERM)  # no grace: hand back at once
@@ -64,6 +71,40 @@ def test_sigterm_api_lets_open_streams_finish(pipeline):
     assert s.procs.pop("api-drain").wait(30) == 0
 
 
+def test_drain_is_the_pods_own_and_is_undone_without_sigterm(pipeline):
+    """`rsinfer drain` (the preStop hook) drains through the API's control socket, which only this user on this
+    machine can open; no HTTP request drains, from loopback or with the key. A drain that no SIGTERM follows
+    within --drain-timeout-s is undone: the API goes back in service."""
+    s = pipeline
+    port = free_port()
+    env = {**LIFECYCLE_ENV, "RSINFER_PORT": str(port), "RSINFER_DRAIN_TIMEOUT_S": "4", "RSINFER_API_KEY": "k"}
+    s.start("api-drained", "api", **env)
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    wait_for(lambda: api_ready(url), timeout=60)
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{url}/drain?wait=1", headers=key, timeout=5).status_code in (404, 405)
+    assert api_ready(url), "an HTTP request drained the API"
+    sock = admin_socket_path("", port)
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and stat.S_IMODE(os.stat(sock.parent).st_mode) == 0o700
+
+    hook = subprocess.run([sys.executable, "-m", "rsinfer.cli", "drain", "--wait", "0"], env=s.env(**env),
+                          capture_output=True, text=True, timeout=30)
+    assert hook.returncode == 0, hook.stdout + hook.stderr
+    assert json.loads(hook.stdout)["draining"] is True
+    t0 = time.monotonic()
+    assert httpx.get(f"{url}/ready", timeout=5).status_code == 503
+    refused = httpx.post(f"{url}/v1/chat/completions", json=body(62, 5), headers=key, timeout=5)
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    wait_for(lambda: api_ready(url), timeout=15)  # nobody sent SIGTERM: back in service
+    assert time.monotonic() - t0 >= 3
+    served = httpx.post(f"{url}/v1/chat/completions", json=body(62, 5), headers=key, timeout=30)
+    assert served.status_code == 200
+    proc = s.procs.pop("api-drained")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not sock.exists(), "the control socket is removed on exit"
+
+
 def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
     s = pipeline
     prompts = [body(i, 40) for i in range(70, 76)]
@@ -85,12 +126,12 @@ def test_rolling_restart_of_every_stage_under_load_loses_nothing(pipeline):
         c.start()
     time.sleep(2)
     new_port = free_port()
-    old = {role: live(s, role) for role in ("tokenizer", "scheduler", "detokenizer")}
+    old = {role: live_names(s, role) for role in ("tokenizer", "scheduler", "detokenizer")}
     for role in old:
         s.start(f"{role}-new", role, **LIFECYCLE_ENV)
     s.start("api-new", "api", RSINFER_PORT=str(new_port), **LIFECYCLE_ENV)
     new_url = f"http://127.0.0.1:{new_port}"
-    wait_for(lambda: api_ready(new_url) and all(f"{r}-new" in live(s, r) for r in old), timeout=90)
+    wait_for(lambda: api_ready(new_url) and all(f"{r}-new" in live_names(s, r) for r in old), timeout=90)
     for names in old.values():  # one stage at a time, as a Deployment's rolling update does
         for name in names:
             s.procs[name].send_signal(signal.SIGTERM)

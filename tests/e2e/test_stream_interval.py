@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import MODEL, Stack, running_pipeline
+from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 INTERVAL = 4
@@ -64,3 +64,20 @@ def test_a_stop_string_inside_a_merged_range_ends_the_text_where_it_would(stack,
     got, _ = streamed(merged, stop=[stop], **body)
     assert got[0]["text"] == want[0]["text"] == text[:text.index(stop)]
     assert got[0]["finish"] == want[0]["finish"] == "stop"
+
+
+def test_stop_strings_spanning_merged_ranges_cut_each_choice_where_they_would(stack, merged):
+    """Stop strings travel on a choice's first delta only (the detokenizer keeps them): with merged steps, n = 2
+    and a stop string of about a dozen tokens that spans several merged ranges, each choice ends where it would
+    with a delta per step."""
+    body = dict(prompt="Once upon a time", temperature=0.8, seed=3, n=2, max_tokens=60, ignore_eos=True)
+    full, _ = streamed(stack, **body)
+    long_stop = full[0]["text"][15:55]
+    stops = [long_stop, full[1]["text"][30:36]]
+    want, _ = streamed(stack, stop=stops, **body)
+    got, _ = streamed(merged, stop=stops, **body)
+    assert got == want
+    for i in (0, 1):
+        text = full[i]["text"]
+        assert want[i]["text"] == text[:min(text.find(x) for x in stops if x in text)]
+        assert want[i]["finish"] == "stop"

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 HELLO = [{"role": "user", "content": "Answer in JSON"}]
@@ -162,3 +162,38 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(stack, extra, param
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
         assert err["param"] == param and says in err["message"], err
+
+
+def test_grammar_bombs_are_400s_and_other_streams_go_on(stack):
+    """`(a{1000}){1000}` is 15 bytes; its first mask cost 1-5 s on the engine's step thread, froze every stream
+    of the scheduler and ended as a 500. Now the tokenizer's check (llguidance's limits, its first masks over the
+    bytes) refuses it, and a victim stream running meanwhile keeps its pace."""
+    import threading
+    import time
+
+    gaps: list[float] = []
+
+    def victim() -> None:
+        last = None
+        with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=90, json={
+                "model": MODEL, "prompt": "victim", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+    t = threading.Thread(target=victim)
+    t.start()
+    time.sleep(0.5)
+    for bomb in ("(a{1000}){1000}", "(b{1000}){999}", "(c{999}){1000}"):  # distinct: no cache
+        for stream in (False, True):
+            resp = httpx.post(f"{stack.base_url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 4, "regex": bomb + ("" if not stream else "?"),
+                "stream": stream})
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["param"] == "regex"
+    t.join(90)
+    assert len(gaps) > 50 and max(gaps) < 1.0, max(gaps)  # (tokens ready together share a chunk)

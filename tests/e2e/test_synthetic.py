@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from services.scheduler.engine.factory import build_engine
 from shared.settings import SchedulerSettings
-from tests.e2e.conftest import MODEL, running_pipeline
-from tests.e2e.helpers import wait_for, workers
+from tests.support.helpers import wait_for, workers
+from tests.support.stack import MODEL, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 

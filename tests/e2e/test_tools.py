@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

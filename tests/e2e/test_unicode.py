@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from shared import streams
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenDelta, decode, encode
-from tests.e2e.conftest import MODEL
+from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 TEXT = "你好，世界 🌍 KV Cache 是什么？ Redis 流 🚀 works with 中文 and emoji 🤖🧠 together."

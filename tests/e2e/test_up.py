@@ -1,5 +1,6 @@
-"""`rsinfer up` on its own: starts an embedded redis-server, prints its URL, serves, and on SIGTERM
-stops every child and the redis-server."""
+"""`rsinfer up` on its own: starts an embedded redis-server (bounded, with a random password kept out of `ps`),
+prints how to reach it, serves on loopback, and on SIGTERM stops every child and the redis-server. With an API
+key (from a file or the environment) it becomes ready and shows the key to no `ps`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -19,25 +22,66 @@ import redis
 from shared.keys import Keys
 from shared.redis_server import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
+
+
+def start_up(port: int, model_dir, *args: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
+    """`rsinfer up` and its output up to "ready on" (an assertion error with the lines if it exits first)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+    proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
+                             str(model_dir), "--served-model-name", "demo", *args],
+                            env={**base, "OMP_NUM_THREADS": "1", "RSINFER_THREADS": "1", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    lines: list[str] = []
+    while not any("ready on" in line for line in lines):
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise AssertionError(f"rsinfer up exited early: {lines}")
+        lines.append(line)
+    return proc, lines
+
+
+def cmdlines(pid: int) -> list[str]:
+    """The command lines of `pid` and its children, as `ps` shows them."""
+    out = []
+    for p in [pid, *_children(pid)]:
+        with contextlib.suppress(OSError):
+            out.append(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_up_with_embedded_redis(demo_model_dir, tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
-    env.update(OMP_NUM_THREADS="1", RSINFER_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
-                             str(demo_model_dir), "--served-model-name", "demo"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc, lines = start_up(port, demo_model_dir)
     try:
-        lines = []
-        while not any("ready on" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line, f"rsinfer up exited early: {lines}"
-            lines.append(line)
-        url = re.search(r"redis-cli -u (\S+)\)", "".join(lines)).group(1)
-        r = redis.Redis.from_url(url)
+        text = "".join(lines)
+        # the printed recipe works: the password comes from a 0600 file, the URL carries none
+        url = re.search(r"redis-cli -u (\S+)\)", text).group(1)
+        password_path = Path(re.search(r"password in (\S+):", text).group(1))
+        assert stat.S_IMODE(os.stat(password_path).st_mode) == 0o600
+        password = password_path.read_text().strip()
+        assert len(password) >= 24 and password not in text
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()
+        r = redis.Redis.from_url(url, password=password)
         assert r.ping()
+        assert r.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        cli = subprocess.run(["redis-cli", "-u", url, "PING"], env={**os.environ, "REDISCLI_AUTH": password},
+                             capture_output=True, text=True, timeout=10)
+        assert cli.stdout.strip() == "PONG", cli
+        assert not [c for c in cmdlines(proc.pid) if password in c], "the Redis password shows in ps"
+        # loopback only: 127.0.0.2 is this machine too, but not the address the API listens on
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port), timeout=2):
+            pass
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=3).usage.completion_tokens == 3
@@ -47,22 +91,47 @@ def test_up_with_embedded_redis(demo_model_dir, tmp_path):
         assert proc.wait(60) == 0
         time.sleep(0.2)
         with pytest.raises(redis.ConnectionError):
-            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            redis.Redis.from_url(url, password=password, socket_connect_timeout=1).ping()
+        assert not password_path.exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)
+
+
+def test_up_with_an_api_key_becomes_ready_and_keeps_it_out_of_ps(demo_model_dir, tmp_path):
+    """The key from a file (or RSINFER_API_KEY): `up` polls its own API with it, and no process shows it."""
+    key = "sk-up-0123456789abcdef"
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    port = free_port()
+    proc, lines = start_up(port, demo_model_dir, "--api-key-file", str(key_file))
+    try:
+        assert f"ready on http://127.0.0.1:{port}" in "".join(lines)
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        reply = openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        assert not [c for c in cmdlines(proc.pid) if key in c], "the API key shows in ps"
+    finally:
+        stop(proc)
+    port = free_port()
+    proc, lines = start_up(port, demo_model_dir, RSINFER_API_KEY=key)
+    try:
+        assert f"ready on http://127.0.0.1:{port}" in "".join(lines)
+    finally:
+        stop(proc)
 
 
 def _children(pid: int) -> list[int]:
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
+            out.append(int(proc_stat.parent.name))
     return out
 
 

@@ -123,6 +123,12 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
   {{- end }}
 {{- end }}
 
+{{/* The API pod's terminationGracePeriodSeconds: given, or its preStop drain + open streams' grace + 10 s. */}}
+{{- define "rsinfer.apiTerminationGrace" -}}
+{{- $api := .Values.api }}
+{{- $api.terminationGracePeriodSeconds | default (add (int $api.drainSeconds) (int (default 20 $api.settings.grace_period_s)) 10) | int | toString }}
+{{- end }}
+
 {{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
 
 {{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
@@ -162,6 +168,10 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
+{{- /* a drain (the preStop hook) not followed by SIGTERM within the pod's grace period is undone */}}
+{{- if not (hasKey .Values.api.settings "drain_timeout_s") }}
+{{- $_ := set $api "RSINFER_DRAIN_TIMEOUT_S" (include "rsinfer.apiTerminationGrace" .) }}
+{{- end }}
 {{- /* the API takes requests for every pool's model even while its stages are scaled to zero */}}
 {{- $served := list }}
 {{- range .Values.modelPools }}
@@ -280,14 +290,56 @@ call with (dict "root" $ "pool" $pool "cfg" <the pool's scheduler stage>) */}}
 {{/* Pod template annotations that roll pods when their configuration changes. */}}
 {{- define "rsinfer.checksums" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
-{{- with include "rsinfer.secretChecksum" . }}
-{{ . }}
+{{ include "rsinfer.secretChecksum" . }}
+{{- end }}
+
+{{/* A checksum of what is known of the secrets without them: which Secret, where the Redis password comes from,
+whether there is an API key, and auth.secretRevision (bump it when you change a secret). A hash of the secrets
+themselves in the pod annotations, which anyone who can read a Deployment sees, would let them test guesses of a
+weak key offline. auth.reloader leaves rolling on every change of the Secret to Stakater Reloader. */}}
+{{- define "rsinfer.secretChecksum" -}}
+checksum/secret: {{ printf "%s|%s|%s|%s" (include "rsinfer.secretName" .) (include "rsinfer.redisPasswordOrigin" .) (ternary "keyed" "open" (not (empty .Values.auth.apiKey))) (toString .Values.auth.secretRevision) | sha256sum }}
+{{- end }}
+
+{{/* Workload metadata annotations: Stakater Reloader's, when auth.reloader (it rolls the pods whenever the Secret
+changes, an existingSecret included). */}}
+{{- define "rsinfer.workloadAnnotations" -}}
+{{- if .Values.auth.reloader -}}
+secret.reloader.stakater.com/reload: {{ include "rsinfer.secretName" . | quote }}
 {{- end }}
 {{- end }}
 
-{{- define "rsinfer.secretChecksum" -}}
-{{- if not .Values.auth.existingSecret -}}
-checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPassword | sha256sum }}
+{{/* "true" when rendered against a cluster (helm install/upgrade): lookup sees it. Under `helm template` and
+GitOps renders (Argo CD) lookup sees nothing. */}}
+{{- define "rsinfer.online" -}}
+{{- if lookup "v1" "Secret" .Release.Namespace "" }}true{{ end }}
+{{- end }}
+
+{{/* Where the Redis password comes from (never the password): existing-secret, values, none (an external Redis
+without one), generated (rendered against the cluster: random at install, kept by lookup on upgrades) or
+derived (rendered without a cluster and none given: from the release's identity, the same at every render, so
+no sync changes it under running pods; it keeps out nobody who knows the release's name: give
+auth.existingSecret or auth.redisPassword for GitOps). */}}
+{{- define "rsinfer.redisPasswordOrigin" -}}
+{{- if .Values.auth.existingSecret }}existing-secret
+{{- else if .Values.auth.redisPassword }}values
+{{- else if ne .Values.redis.mode "internal" }}none
+{{- else if include "rsinfer.online" . }}generated
+{{- else }}derived
+{{- end }}
+{{- end }}
+
+{{- define "rsinfer.derivedRedisPassword" -}}
+{{- printf "rsinfer-redis-password|%s|%s" .Release.Namespace (include "rsinfer.fullname" .) | sha256sum | trunc 32 }}
+{{- end }}
+
+{{/* "true" when any stage of any pool is scaled by KEDA (whose operator then connects to Redis). */}}
+{{- define "rsinfer.kedaEnabled" -}}
+{{- range $pool := .Values.modelPools }}
+{{- range $stage := list "tokenizer" "scheduler" "detokenizer" }}
+{{- $cfg := include "rsinfer.stage" (dict "root" $ "pool" $pool "stage" $stage) | fromYaml }}
+{{- if $cfg.keda.enabled }}true{{ end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -336,6 +388,11 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- $_ := set $names .name true }}
 {{- $_ := set $served .servedModelName true }}
 {{- end }}
+{{- range .Values.redis.internal.extraArgs }}
+{{- if has (toString .) (list "--maxmemory" "--maxmemory-policy") }}
+{{- fail (printf "redis.internal.extraArgs: %s is the chart's (redis.internal.maxmemory; the policy is always noeviction: an evicting Redis would drop requests' streams and records silently)" .) }}
+{{- end }}
+{{- end }}
 {{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) }}
 {{- fail "redis.mode is external: set redis.external.url (redis://host:6379/0 or rediss://...)" }}
 {{- end }}
@@ -358,6 +415,11 @@ checksum/secret: {{ printf "%s|%s" .Values.auth.apiKey .Values.auth.redisPasswor
 {{- if gt (int $cfg.keda.minReplicaCount) (int $cfg.keda.maxReplicaCount) }}
 {{- fail (printf "modelPools %s, %s: keda.minReplicaCount (%v) exceeds keda.maxReplicaCount (%v)" $pool.name $stage $cfg.keda.minReplicaCount $cfg.keda.maxReplicaCount) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.api.settings.drain_timeout_s }}
+{{- if le (float64 .) (float64 $.Values.api.drainSeconds) }}
+{{- fail (printf "api.settings.drain_timeout_s (%v) must exceed api.drainSeconds (%v): the preStop hook's drain would be undone before SIGTERM" . $.Values.api.drainSeconds) }}
 {{- end }}
 {{- end }}
 {{- with .Values.api.terminationGracePeriodSeconds }}

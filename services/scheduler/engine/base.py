@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shared.context_limits import LengthError, completion_limit
 from shared.messages import SamplingParams
 
 
@@ -21,6 +22,14 @@ class RequestRejected(Exception):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+def allowed_completion(prompt: int, params: SamplingParams, context: int, kv_tokens: int | None = None) -> int:
+    """shared/context_limits.py `completion_limit` for an engine: what it refuses, as RequestRejected."""
+    try:
+        return completion_limit(prompt, params.max_tokens, params.min_tokens, context, kv_tokens)
+    except LengthError as e:
+        raise RequestRejected(str(e), e.code or "invalid_request", e.param) from None
 
 
 @dataclass
@@ -46,6 +55,8 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status the error maps to: 400 when the request itself is at fault
+    error_param: str | None = None  # the request field at fault, if one is
     # On a choice's first output only: prompt tokens read from the prefix cache, and (when asked, echo)
     # the logprob and top alternatives of each prompt token after the first.
     cached_tokens: int = 0

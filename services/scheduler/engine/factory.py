@@ -153,7 +153,8 @@ def grammar_cache(settings: SchedulerSettings, model_path: str, model, eos: set[
     """Structured outputs: grammars over the model's (padded) vocabulary, compiled off the step thread."""
     from services.scheduler.engine.grammar import GrammarCache
 
-    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code)
+    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code,
+                        settings.grammar_mask_budget_ms)
 
 
 def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory: DeviceMemory | None = None,

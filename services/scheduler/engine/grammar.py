@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from shared.grammars import grammar_text
+from shared.grammars import grammar_text, limits
+from shared.lru import ByteLRU
 from shared.messages import Guided
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256  # prepared grammars kept (least recently used dropped)
+# Prepared grammars kept (least recently used dropped), keyed by spec text: bounded by that text's bytes too (a
+# spec may be as big as the API's body limit). A matcher's own memory is bounded by shared/grammars.py `limits`.
+CACHE_ENTRIES, CACHE_BYTES = 256, 64 * 2**20
 
 
 class GrammarError(Exception):
@@ -39,11 +41,13 @@ class GrammarError(Exception):
 
 class Prepared:
     """A grammar ready for matchers: the model's token trie and one matcher to copy. `specials`: the
-    tokens llguidance treats as special (every added token, `<think>` and `<tool_call>` included)."""
+    tokens llguidance treats as special (every added token, `<think>` and `<tool_call>` included);
+    `budget_s`: the CPU time one choice's mask may take in a step (`apply_masks`)."""
 
-    def __init__(self, matcher: Any, specials: list[int]):
+    def __init__(self, matcher: Any, specials: list[int], budget_s: float = float("inf")):
         self.matcher = matcher
         self.specials = specials
+        self.budget_s = budget_s
 
     def new_matcher(self) -> Any:
         return self.matcher.deep_copy()
@@ -52,11 +56,13 @@ class Prepared:
 class GrammarCache:
     """Grammars of one model's vocabulary, prepared in a background thread."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: set[int], trust_remote_code: bool = False):
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: set[int], trust_remote_code: bool = False,
+                 mask_budget_ms: float = 20.0):
         self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
         self.eos_ids, self.trust_remote_code = sorted(eos_ids), trust_remote_code
+        self.budget_s = mask_budget_ms / 1000
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self._prepared: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._prepared: ByteLRU[tuple[str, str], Future] = ByteLRU(CACHE_ENTRIES, CACHE_BYTES)
         self._tokenizer = None  # built in the executor's thread on first use
         self._specials: list[int] = []
         self.compile_ms: list[float] = []  # of the last preparations, for stats
@@ -66,28 +72,53 @@ class GrammarCache:
         key = (guided.kind, guided.spec)
         future = self._prepared.get(key)
         if future is None:
-            future = self._prepared[key] = self._executor.submit(self._prepare, guided)
-            while len(self._prepared) > CACHE_SIZE:
-                self._prepared.popitem(last=False)
-        else:
-            self._prepared.move_to_end(key)
+            future = self._executor.submit(self._prepare, guided)
+            self._prepared.put(key, future, len(guided.spec) + len(guided.kind) + 256)
         return future
 
     def _prepare(self, guided: Guided) -> Prepared:
+        """Compile within llguidance's limits, then compute the first masks here, off the step thread: the
+        prototype's, then a copy's (what each choice pays in its first step) and the next one after the first
+        admitted token. A grammar past the limits fails here, and so does one whose mask would take more than a
+        step's budget: both are the client's errors, refused before the request joins the batch."""
         from llguidance import LLMatcher
 
         started = time.perf_counter()
         tokenizer = self._llm_tokenizer()
+        field = guided.param or guided.kind
         try:
-            matcher = LLMatcher(tokenizer, grammar_text(guided), log_level=0)
+            matcher = LLMatcher(tokenizer, grammar_text(guided), log_level=0, limits=limits())
         except (ValueError, TypeError) as e:
-            raise GrammarError(f"`{guided.param or guided.kind}`: {e}") from None
+            raise GrammarError(f"`{field}`: {e}") from None
         if matcher.is_error():
-            raise GrammarError(f"`{guided.param or guided.kind}`: {matcher.get_error()}")
+            raise GrammarError(f"`{field}`: {matcher.get_error()}")
+        prepared = Prepared(matcher, self._specials, self.budget_s)
+        self._first_masks(prepared, field)
         ms = (time.perf_counter() - started) * 1e3
         self.compile_ms = [*self.compile_ms[-63:], ms]
         log.info("prepared a %s grammar in %.1f ms", guided.kind, ms)
-        return Prepared(matcher, self._specials)
+        return prepared
+
+    def _first_masks(self, prepared: Prepared, field: str) -> None:
+        words = (self.vocab_size + 31) // 32
+        mask = np.empty((words,), dtype=np.int32)
+        prepared.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+        probe = prepared.new_matcher()
+        for step in range(2):
+            began = time.thread_time()
+            probe.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+            took = time.thread_time() - began
+            if probe.is_error():
+                raise GrammarError(f"`{field}`: {_first_line(probe.get_error())}")
+            if took > self.budget_s:
+                raise GrammarError(f"`{field}` is too expensive: a token mask took {took * 1e3:.0f} ms, more than "
+                                   f"the {self.budget_s * 1e3:.0f} ms a step allows it")
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+            token = next((int(t) for t in allowed if t not in self.eos_ids), None)
+            if step or token is None or not probe.consume_token(token):
+                break
+        if probe.is_error():
+            raise GrammarError(f"`{field}`: {_first_line(probe.get_error())}")
 
     def _llm_tokenizer(self):
         if self._tokenizer is None:
@@ -105,6 +136,11 @@ class GrammarCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.split("\n<state>")[0].strip() or error.strip()
+
+
 class SeqGrammar:
     """One choice's grammar state. A reasoning model's thinking is free: with `think`, the first token
     may open it instead of starting the answer; with `after` alone the prompt opened it. From the end
@@ -115,6 +151,7 @@ class SeqGrammar:
         self.matcher = prepared.new_matcher()
         self.active = not self.after or think >= 0
         self.seen = 0  # completion tokens fed
+        self.failure = ""  # why the request must fail (its mask went past the step's budget)
         for k in range(len(completion)):  # a resumed or preempted choice replays what it produced
             if not self.accept(completion[:k + 1]):
                 raise GrammarError("the tokens already produced do not match the grammar")
@@ -129,7 +166,9 @@ class SeqGrammar:
         return self.seen == 0 and self.think >= 0
 
     def accept(self, completion: list[int]) -> bool:
-        """Feed the completion's last token; False if the grammar does not admit it."""
+        """Feed the completion's last token; False if the grammar does not admit it (or failed: `refusal`)."""
+        if self.failure:
+            return False
         self.seen += 1
         tok = completion[-1]
         if self.seen == 1 and self.think >= 0 and tok == self.think:
@@ -150,6 +189,15 @@ class SeqGrammar:
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
+    @property
+    def refusal(self) -> str:
+        """Why a token was not accepted: the client's grammar (or its params) at fault, a 400."""
+        if self.failure:
+            return self.failure
+        if self.error:
+            return f"structured output: {_first_line(self.error)}"
+        return "structured output: the grammar admits no token the request allows"
+
 
 def apply_masks(logits: torch.Tensor, grammars: list[SeqGrammar | None]) -> None:
     """Set to -inf, in place, every token the grammar of an active constrained row does not admit."""
@@ -160,8 +208,14 @@ def apply_masks(logits: torch.Tensor, grammars: list[SeqGrammar | None]) -> None
     words = (vocab + 31) // 32
     bitmask = np.empty((len(rows), words), dtype=np.int32)
     for j, i in enumerate(rows):
-        m = grammars[i].matcher  # type: ignore[union-attr]
-        m.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        g = grammars[i]
+        assert g is not None
+        began = time.thread_time()  # CPU time: a busy machine's waits are not the grammar's
+        g.matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        took = time.thread_time() - began
+        if took > g.prepared.budget_s:  # it fails now, before it costs the batch another step
+            g.failure = (f"structured output: the grammar is too expensive: a token mask took {took * 1e3:.0f} ms, "
+                         f"more than the {g.prepared.budget_s * 1e3:.0f} ms a step allows it")
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab].view(np.bool_)
     for j, i in enumerate(rows):
         g = grammars[i]

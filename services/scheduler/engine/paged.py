@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.engine.attention import AttentionBackend, RowSpec
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
@@ -165,6 +165,10 @@ class PagedEngine:
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        # What room() answers: the scheduler asks from its event loop while a step runs in its thread (it reads
+        # new requests then), so room is computed only by whoever mutates the queues (the step thread in a step;
+        # add and abort, between steps) and published as one int, never read off the queues.
+        self._room = self._free_room()
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
 
@@ -192,6 +196,7 @@ class PagedEngine:
             seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
                       compiling=compiling)
             self.scheduler.waiting.append(seq)
+            self._room = self._free_room()
             return max_tokens
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
@@ -202,6 +207,7 @@ class PagedEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.scheduler.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _compile(self, p: SamplingParams) -> Future | None:
@@ -228,7 +234,8 @@ class PagedEngine:
                 failed.setdefault(seq.uid, f"structured output: {e}")
         outputs = []
         for uid, error in failed.items():
-            outputs += self._fail([s for s in self.scheduler.waiting if s.uid == uid][:1], error)
+            seqs = [s for s in self.scheduler.waiting if s.uid == uid][:1]
+            outputs += self._fail(seqs, error, 400, self._guided_param(seqs))
         return outputs
 
     def _prepare_adapters(self) -> list[StepOutput]:
@@ -240,6 +247,11 @@ class PagedEngine:
             if not seq.ended:
                 outputs += self._fail([seq], error)
         return outputs
+
+    @staticmethod
+    def _guided_param(seqs: list[Seq]) -> str | None:
+        guided = seqs[0].req.params.guided if seqs else None
+        return (guided.param or None) if guided is not None else None
 
     def _wait_for_grammars(self) -> None:
         """Nothing to run: wait a little for a grammar compiling or an adapter loading instead of spinning."""
@@ -260,52 +272,35 @@ class PagedEngine:
             raise RequestRejected(f"input token ids must be in [0, {vocab})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
-        if len(prompt) >= self.max_context:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        kv_tokens = self.pool.usable * self.config.page_size
-        if len(prompt) >= kv_tokens:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) does not fit the KV cache of {kv_tokens} "
-                                  "tokens with room for a completion", code="context_length_exceeded")
-        if p.max_tokens is None:
-            return self._default_max_tokens(p, len(prompt))
-        if p.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-        if len(prompt) + p.max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if len(prompt) + p.max_tokens > kv_tokens:
-            raise RequestRejected(f"prompt plus max_tokens ({len(prompt) + p.max_tokens} tokens) exceeds the KV "
-                                  f"cache of {kv_tokens} tokens", code="context_length_exceeded", param="max_tokens")
-        if p.min_tokens > p.max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
-                                  param="min_tokens")
-        return p.max_tokens
+        max_tokens = allowed_completion(len(prompt), p, self.max_context, self.pool.usable * self.config.page_size)
+        return max_tokens if p.max_tokens is not None else self._default_max_tokens(p, len(prompt))
 
     def _default_max_tokens(self, p: SamplingParams, prompt_len: int) -> int:
         """An omitted max_tokens: up to the context, as far as the KV pool can ever hold the request. That
         is all n choices side by side (they share the prompt's full pages) where they fit, else one
-        choice alone (the others wait their turn, preempted); never less than min_tokens."""
+        choice alone (the others wait their turn, preempted); never less than min_tokens (which
+        `allowed_completion` checked fits one choice alone)."""
         ps, usable = self.config.page_size, self.pool.usable
         context_left = self.max_context - prompt_len
         alone = usable * ps - prompt_len
         shared = prompt_len // ps
         together = (shared + (usable - shared) // p.n) * ps - prompt_len
-        most = min(context_left, alone)
-        if p.min_tokens > most:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {most} completion tokens that the "
-                                  f"model's context and the KV cache leave after the prompt ({prompt_len} tokens)",
-                                  code="context_length_exceeded", param="min_tokens")
         return max(p.min_tokens, min(context_left, together if together >= 1 else alone))
 
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self._pending)
         self._pending = [o for o in self._pending if not (o.uid == uid and index in (None, o.index))]
-        return bool(self.scheduler.drop(uid, index)) or len(self._pending) != before
+        dropped = bool(self.scheduler.drop(uid, index))
+        self._room = self._free_room()
+        return dropped or len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, or when the free pages are down to the reserve."""
+        """New requests to pull now (safe to call while a step runs in another thread: see `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, or when the free pages are down to the reserve; else the free running slots.
+        Only on the thread that mutates the queues."""
         s = self.scheduler
         if any(q.ready for q in s.waiting) or self.pool.available() <= s.watermark + len(s.running):
             return 0
@@ -354,6 +349,7 @@ class PagedEngine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
         self._pending.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
         if self.lora is not None:
@@ -362,6 +358,12 @@ class PagedEngine:
     # ---- the step
 
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self._room = self._free_room()
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._prepare_grammars()
         outputs += self._prepare_adapters()
@@ -369,6 +371,7 @@ class PagedEngine:
         if self._inflight is not None and (not batch or self._needs_host_tokens(batch)):
             outputs += self._resolve()
             batch = [sc for sc in batch if not sc.seq.ended]  # they stopped on the token just read
+        self._room = self._free_room()  # what a read during this step's forward may take
         if not batch:
             if not outputs:
                 self._wait_for_grammars()
@@ -522,10 +525,12 @@ class PagedEngine:
             if finish:
                 del seq.tokens[at + 1:]  # a token launched after this one is not the request's
                 self.scheduler.finish(seq)
-        if refused:
+        if refused:  # the client's grammar (or its params) at fault: a 400
             gone = {s.uid for s in refused}
             outputs = [o for o in outputs if o.uid not in gone]
-            outputs += self._fail(refused, "structured output: the grammar admits no token the request allows")
+            for seq in refused:
+                assert seq.grammar is not None
+                outputs += self._fail([seq], seq.grammar.refusal, 400, self._guided_param([seq]))
         return outputs
 
     def _finish_reason(self, seq: Seq, tok: int, produced: int, length: int) -> str | None:
@@ -539,12 +544,13 @@ class PagedEngine:
             return "length"
         return None
 
-    def _fail(self, seqs: list[Seq], error: str) -> list[StepOutput]:
+    def _fail(self, seqs: list[Seq], error: str, status: int = 500, param: str | None = None) -> list[StepOutput]:
         outputs, failed = [], set()
         for seq in seqs:
             if seq.uid not in failed:  # the whole request fails, with every choice
                 failed.add(seq.uid)
                 for s in self.scheduler.drop(seq.uid):
                     for index in range(s.index, s.index + s.forks + 1):  # unforked choices fail too
-                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error))
+                        outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error,
+                                                  error_status=status, error_param=param))
         return outputs

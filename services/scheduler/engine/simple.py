@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.sampling import Sampler, SampleRow
 
@@ -37,25 +37,21 @@ class SimpleEngine:
         self.seqs: list[_Seq] = []
         self.sampler = Sampler(eos_ids, next(model.parameters()).device)
         self.grammars: GrammarCache | None = None  # structured outputs; set by the factory
+        self._room = self._free_room()
 
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
-        p, prompt_len = req.params, len(req.input_ids)
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_context - prompt_len
+        p = req.params
         if req.adapter is not None:
             raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "
                                   "does, with --max-loras)", code="model_not_found", param="model")
-        if max_tokens < 1 or prompt_len + max_tokens > self.max_context:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                  f"context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if p.min_tokens > max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+        max_tokens = allowed_completion(len(req.input_ids), p, self.max_context)
         seqs = [_Seq(req, i, max_tokens, list(req.output_ids[i]) if i < len(req.output_ids) else [])
                 for i in range(p.n)]
         if p.guided is not None:
             self._constrain(seqs)
         self.seqs.extend(seqs)
+        self._room = self._free_room()
         return max_tokens
 
     def _constrain(self, seqs: list[_Seq]) -> None:
@@ -73,9 +69,14 @@ class SimpleEngine:
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.seqs)
         self.seqs = [s for s in self.seqs if not (s.req.uid == uid and index in (None, s.index))]
+        self._room = self._free_room()
         return len(self.seqs) != before
 
     def room(self) -> int:
+        """Published by whoever last changed the batch (services/scheduler/engine/paged.py `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
         return max(0, self.max_running - len({s.req.uid for s in self.seqs}))
 
     def has_work(self) -> bool:
@@ -98,6 +99,7 @@ class SimpleEngine:
 
     def close(self) -> None:
         self.seqs.clear()
+        self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
 
@@ -124,8 +126,9 @@ class SimpleEngine:
             p = s.req.params
             finish = None
             if s.grammar is not None and not s.grammar.accept(s.out):
-                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error",
-                                          error="structured output: the grammar admits no token the request allows"))
+                guided = p.guided
+                outputs.append(StepOutput(s.req.uid, start, [], s.index, "error", error=s.grammar.refusal,
+                                          error_status=400, error_param=(guided.param or None) if guided else None))
                 continue
             ended = s.grammar is not None and s.grammar.done
             if ended or (len(s.out) >= p.min_tokens and (
@@ -139,4 +142,5 @@ class SimpleEngine:
             if finish is None:
                 keep.append(s)
         self.seqs = keep
+        self._room = self._free_room()
         return outputs

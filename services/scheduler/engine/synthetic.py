@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput
+from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class SyntheticEngine:
         self.waiting: deque[_Seq] = deque()
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a step (resumed requests already done)
+        self._room = self._free_room()
 
     # ---- the tokens
 
@@ -128,6 +129,7 @@ class SyntheticEngine:
                 self._pending.append(StepOutput(req.uid, len(prior), [], i, done))
             else:
                 self.waiting.append(seq)
+        self._room = self._free_room()
         return max_tokens
 
     def _validate(self, req: EngineRequest) -> int:
@@ -146,26 +148,7 @@ class SyntheticEngine:
         if p.prompt_logprobs is not None:
             raise RequestRejected("the synthetic engine does not score prompts (echo with logprobs)",
                                   param="logprobs")
-        context_left = self.max_context - len(prompt)
-        if context_left < 1:
-            raise RequestRejected(f"the prompt ({len(prompt)} tokens) leaves no room for a completion in the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded")
-        if p.max_tokens is None:
-            if p.min_tokens > context_left:
-                raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds the {context_left} completion tokens "
-                                      "the model's context leaves after the prompt", code="context_length_exceeded",
-                                      param="min_tokens")
-            return context_left
-        if p.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-        if p.max_tokens > context_left:
-            raise RequestRejected(f"prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-                                  f"model's context of {self.max_context} tokens", code="context_length_exceeded",
-                                  param="max_tokens")
-        if p.min_tokens > p.max_tokens:
-            raise RequestRejected(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})",
-                                  param="min_tokens")
-        return p.max_tokens
+        return allowed_completion(len(prompt), p, self.max_context)
 
     def abort(self, uid: str, index: int | None = None) -> bool:
         before = len(self.running) + len(self.waiting) + len(self._pending)
@@ -176,10 +159,16 @@ class SyntheticEngine:
         self.running = [s for s in self.running if not ours(s.uid, s.index)]
         self.waiting = deque(s for s in self.waiting if not ours(s.uid, s.index))
         self._pending = [o for o in self._pending if not ours(o.uid, o.index)]
+        self._room = self._free_room()
         return len(self.running) + len(self.waiting) + len(self._pending) != before
 
     def room(self) -> int:
-        """New requests to pull now: none while some wait, else the free running slots."""
+        """New requests to pull now, as published by whoever last changed the queues: the scheduler asks from
+        its event loop while a step runs in its thread (services/scheduler/engine/paged.py `_room`)."""
+        return self._room
+
+    def _free_room(self) -> int:
+        """None while some wait, else the free running slots."""
         if self.waiting:
             return 0
         return max(0, self.max_running - len(self.running))
@@ -217,6 +206,7 @@ class SyntheticEngine:
         self.running.clear()
         self.waiting.clear()
         self._pending.clear()
+        self._room = self._free_room()
 
     # ---- the step
 
@@ -227,6 +217,7 @@ class SyntheticEngine:
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
         if not self.running:
+            self._room = self._free_room()
             return outputs
         self.steps += 1
         still = []
@@ -235,6 +226,7 @@ class SyntheticEngine:
             if outputs[-1].finish_reason is None:
                 still.append(seq)
         self.running = still
+        self._room = self._free_room()  # what a read during the rest of the step may take
         self.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         return outputs
 

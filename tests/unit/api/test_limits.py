@@ -11,8 +11,8 @@ import pytest
 
 from services.api.app import BodyReader, create_app
 from services.api.errors import ApiError
-from services.api.flow import StageFailed, ended_early
 from services.api.limits import Limits, depth_over
+from services.api.request import StageFailed, ended_early
 from services.api.schemas import Budget
 from shared.messages import Guided, ReplyError, SamplingParams
 from shared.settings import ApiSettings
@@ -132,9 +132,8 @@ async def test_the_body_reader_counts_bytes_as_they_arrive():
 
 def test_a_stage_refusal_keeps_its_status():
     """A 4xx ReplyError (a grammar the engine could not build, say) is the client's error, not a 500."""
-    flight = type("F", (), {"end_reason": ""})()
-    err = ended_early(flight, StageFailed(ReplyError("bad regex", 400, "invalid_request_error", param="regex")))
-    assert (err.status, err.type, err.param, flight.end_reason) == (400, "invalid_request_error", "regex", "rejected")
+    err = ended_early(StageFailed(ReplyError("bad regex", 400, "invalid_request_error", param="regex")))
+    assert (err.status, err.type, err.param, err.reason) == (400, "invalid_request_error", "regex", "rejected")
 
 
 async def test_field_limits_come_before_anything_needs_redis():

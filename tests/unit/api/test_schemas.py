@@ -1,11 +1,11 @@
-"""Request bodies -> SamplingParams; what we cannot honour is refused, not ignored."""
+"""Request bodies -> SamplingParams and what they submit; what we cannot honour is refused, not ignored."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from services.api.schemas import BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.schemas import BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest, Stamp
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -76,3 +76,29 @@ def test_structured_output_fields_become_one_constraint():
     assert g.kind == "json_schema"
     g = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, guided_choice=["a", "b"])).params().guided
     assert (g.kind, g.spec) == ("choice", '["a", "b"]')
+
+
+def stamp(model: str = "m", timeout_s: float = 600.0) -> Stamp:
+    uids = iter(["u1", "u2", "u3"])
+    return Stamp(model, "pod-1", timeout_s, lambda: next(uids), {"reasoning_parser": "qwen3"})
+
+
+def test_a_chat_body_builds_its_job_format_and_record():
+    body = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, timeout=5, user="me", stream=True,
+                                                     stream_options={"include_usage": True}))
+    sub = body.submission(body.params(), stamp())
+    [job] = sub.jobs
+    assert (job.uid, job.pod, job.model) == ("u1", "pod-1", "m")
+    assert job.deadline == pytest.approx(job.created_at + 5) and job.messages[0].content == "hi"
+    assert (sub.fmt.rid, sub.stream, sub.label) == ("chatcmpl-u1", True, "stream")
+    assert sub.record == {"kind": "chat", "n": 1, "rid": "chatcmpl-u1", "created": int(job.created_at),
+                            "include_usage": 1, "logprobs": 0, "user": "me", "parse": '{"reasoning":"qwen3"}'}
+
+
+def test_a_timeout_is_capped_and_each_prompt_is_a_job():
+    body = CompletionRequest(model="m", prompt=["a", "b"], n=2, timeout=900, echo=True)
+    sub = body.submission(body.params(), stamp(timeout_s=60))
+    assert [j.uid for j in sub.jobs] == ["u1", "u2"] and [j.prompt for j in sub.jobs] == ["a", "b"]
+    assert all(j.deadline == pytest.approx(j.created_at + 60) for j in sub.jobs)
+    assert (sub.fmt.rid, len(sub.fmt.choices), sub.label) == ("cmpl-u1", 4, "full")
+    assert sub.record["echo"] == "1" and sub.record["n"] == 2 and sub.record["kind"] == "completion"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 from services.detokenizer.incremental import Detokenizer, merge_deltas
+from services.scheduler.book import CONTEXT_TOKENS, Running
 from services.scheduler.engine.base import StepOutput
-from services.scheduler.main import CONTEXT_TOKENS, Running
 from shared.messages import SamplingParams, ScheduleJob, TokenDelta
 from tests.metaspace_tokenizer import SPECIALS, completion_reference, metaspace_tokenizer
 
@@ -34,7 +35,10 @@ def peer_delta(prompt: list[int], done: list[int], new: list[int], final: bool, 
     job = ScheduleJob(uid="u", model="m", pod="p", created_at=0.0, deadline=0.0,
                       params=SamplingParams(**params), input_ids=prompt)
     run = Running("0-0", job, [list(done)])
-    return run.delta(StepOutput("u", len(done), new, finish_reason="length" if final else None))
+    delta = run.delta(StepOutput("u", len(done), new, finish_reason="length" if final else None))
+    assert delta.stops == len(job.params.stop) and delta.stop == (job.params.stop if not done else [])
+    # only a choice's first delta carries the stop strings: the worker fills them in (main.py `_with_stops`)
+    return msgspec.structs.replace(delta, stop=job.params.stop)
 
 
 def stream(tok, prompt: list[int], completion: list[int], steps: list[int], **params) -> tuple[list[str], bool]:

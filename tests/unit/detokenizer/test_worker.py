@@ -7,9 +7,10 @@ import uuid
 import pytest
 
 from services.detokenizer.main import DetokenizerWorker
+from shared.consumer_group import Delivery
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta, decode
 from shared.settings import DetokenizerSettings
-from shared.streams import FIELD, Delivery
+from shared.streams import FIELD
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,3 +55,40 @@ async def test_a_successors_steps_after_a_taken_over_schedulers_end_still_render
     await worker.handle([Delivery("3-0", late)], claimed=False)
     entries = await worker.redis.xrange(worker.keys.reply("u"))
     assert [(e.start, e.epoch) for e in (decode(f[FIELD], ReplyEvent) for _, f in entries)] == [(2, 1)]
+
+
+async def test_a_replica_that_never_saw_the_first_delta_reads_the_stop_strings_from_the_record(worker, demo_model_dir):
+    """Stop strings travel on a choice's first delta only; a replica that gets a later one (a peer rendered the
+    first, it restarted, or a successor resumed the request) reads them from the record the scheduler wrote,
+    with one round trip per read, then keeps them: it cuts the text where any replica would."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = tok.encode("hello world, and more", add_special_tokens=False)
+    cut = len(tok.encode("hello", add_special_tokens=False))
+    await worker.redis.hset(worker.keys.request("u"), mapping={"stop": '["world"]', "status": "running"})
+    commands = []
+    execute = type(worker.redis.pipeline()).execute
+
+    async def counted(pipe, *a, **kw):
+        commands.append([c[0][0] for c in pipe.command_stack])
+        return await execute(pipe, *a, **kw)
+
+    import unittest.mock
+
+    later = TokenDelta(uid="u", start=cut, ids=ids[cut:], prompt_tokens=3, context=ids[:cut], stops=1)
+    with unittest.mock.patch.object(type(worker.redis.pipeline()), "execute", counted):
+        await worker.handle([Delivery("1-0", DetokenizeBatch("s", 1, [later]))], claimed=True)
+    assert ["HGET"] in commands  # the record, read once for the read
+    entries = await worker.redis.xrange(worker.keys.reply("u"))
+    ev = decode(entries[-1][1][FIELD], ReplyEvent)
+    assert ev.finish_reason == "stop" and "world" not in ev.text, ev
+    assert worker.stops.get("u") is None  # its last range: forgotten (a redone range reads the record again)
+    # another request's later delta, its stop strings cached from its first delta: no lookup
+    first = TokenDelta(uid="v", start=0, ids=ids[:1], prompt_tokens=3, stop=["zzz"], stops=1)
+    second = TokenDelta(uid="v", start=1, ids=ids[1:2], prompt_tokens=3, context=ids[:1], stops=1)
+    commands.clear()
+    with unittest.mock.patch.object(type(worker.redis.pipeline()), "execute", counted):
+        await worker.handle([Delivery("2-0", DetokenizeBatch("s", 2, [first]))], claimed=False)
+        await worker.handle([Delivery("3-0", DetokenizeBatch("s", 3, [second]))], claimed=False)
+    assert not any("HGET" in c for c in commands) and worker.stops.get("v") == ["zzz"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -262,3 +263,48 @@ def test_prefix_tree_under_pressure_keeps_no_page_behind_a_gap(engine_model):
         extend_digests(digests, sent[uid] + out, 4, 1000)
         cached = [d in cache.page_of for d in digests]
         assert cached == sorted(cached, reverse=True), f"{uid}: a page cached behind a gap {cached}"
+
+
+def test_room_is_safe_to_ask_while_a_step_runs_in_its_thread(engine_model, monkeypatch):
+    """The scheduler asks room() on its event loop while the step thread runs (services/scheduler/main.py
+    `work`: it reads new requests during the forward). Here the step thread admits a waiting sequence exactly
+    while room() is part-way through the waiting queue: iterating it there raised "deque mutated during
+    iteration", which nothing caught, and the scheduler exited."""
+    from concurrent.futures import Future
+
+    from services.scheduler.engine.sequence import Seq
+
+    eng = engine(engine_model, max_running=4)
+    for uid in "abc":
+        eng.add(EngineRequest(uid, [5, 6, 7], greedy(8)))
+    eng.scheduler.waiting[0].compiling = Future()  # not ready (its grammar "compiles"): room() looks further
+    on_loop, in_room, stepped = threading.get_ident(), threading.Event(), threading.Event()
+    ready = Seq.ready.fget
+
+    def observed_ready(seq):
+        if threading.get_ident() == on_loop and not in_room.is_set():
+            in_room.set()  # room() is iterating the queue: let the step thread change it now
+            stepped.wait(10)
+        return ready(seq)
+
+    monkeypatch.setattr(Seq, "ready", property(observed_ready))
+
+    def step_thread():
+        in_room.wait(10)
+        eng.step()  # admits "b" and "c": waiting.remove()
+        stepped.set()
+
+    thread = threading.Thread(target=step_thread)
+    thread.start()
+    try:
+        room = eng.room()
+    finally:
+        in_room.set()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert room == 0  # sequences were waiting to be admitted when it was asked
+    assert eng.room() == 2  # b and c run (two free slots of four); a waits for its grammar
+    eng.abort("b")
+    assert eng.room() == 3
+    monkeypatch.undo()
+    eng.close()

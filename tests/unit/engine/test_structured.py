@@ -8,6 +8,7 @@ import re
 import time
 
 import jsonschema
+import msgspec
 import pytest
 
 from services.scheduler.engine.base import EngineRequest
@@ -153,3 +154,90 @@ def test_a_reasoning_model_may_think_before_a_constrained_answer(eng, tok):
     assert g.accept([*thinking, digit]) and not g.accept([*thinking, digit, start])  # constrained now
     direct = SeqGrammar(prepared, [end], [digit], think=start)  # answered at once: constrained from token 1
     assert direct.active and not direct.may_open_thinking
+
+
+BOMB = "(a{1000}){1000}"  # 15 bytes: llguidance's default limits took 1-5 s for its first mask
+
+
+def test_the_tokenizers_check_refuses_a_grammar_bomb_within_the_limits():
+    started = time.thread_time()
+    problem = check(Guided("regex", BOMB))
+    assert problem and "too many expressions" in problem, problem
+    assert time.thread_time() - started < 2.0  # ~0.2 s of CPU here
+    assert check(Guided("regex", "(a{100}){100}")) is None  # large, and within them
+    assert check(Guided("lark", 'start: <tool_call> "x"')) is None  # special tokens: not probed over bytes
+
+
+def test_a_grammar_bomb_fails_in_the_grammar_thread_as_a_400_and_the_batch_keeps_stepping(demo_model, demo_model_dir,
+                                                                                         tok):
+    """Its first mask is computed when the grammar is prepared, off the step thread: it fails there as the
+    request's error (400 naming its field) while a free request's steps stay short."""
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    e = engine(clone_model(demo_model), eos=eos, num_pages=128)
+    e.grammars = GrammarCache(str(demo_model_dir), demo_model.config.vocab_size, eos)
+    try:
+        e.add(EngineRequest("free", tok("Go")["input_ids"], sampled(400, None, ignore_eos=True)))
+        e.add(EngineRequest("bomb", tok("Go")["input_ids"], sampled(8, Guided("regex", BOMB, param="regex"))))
+        out, longest = {}, 0.0
+        while e.has_work():
+            began = time.perf_counter()
+            for o in e.step():
+                out.setdefault(o.uid, []).append(o)
+            longest = max(longest, time.perf_counter() - began)
+        [failed] = out["bomb"]
+        assert failed.finish_reason == "error" and failed.error_status == 400 and failed.error_param == "regex"
+        # past llguidance's limits, or its copy's first mask past the step's budget: the client's grammar at fault
+        assert "`regex`" in failed.error and ("too many expressions" in failed.error
+                                              or "too expensive" in failed.error), failed.error
+        assert len(tokens(out["free"])) == 400
+        assert longest < 1.0, f"a step took {longest:.2f} s"
+    finally:
+        e.close()
+
+
+def test_a_mask_over_the_step_budget_fails_its_request_not_the_batch(eng, tok):
+    """Past the grammar thread's check, every step bounds each constrained choice's mask by CPU time: one over
+    the budget fails its request with a 400 after that step; the others in the batch go on."""
+    from services.scheduler.engine.grammar import Prepared, SeqGrammar, apply_masks
+
+    guided = Guided("regex", "[a-z]{2,40}")
+    prepared = eng.grammars.get(guided).result()
+    cheap = SeqGrammar(prepared, [], [])
+    costly = SeqGrammar(Prepared(prepared.matcher, prepared.specials, budget_s=0.0), [], [])
+    import torch
+
+    logits = torch.zeros(2, eng.runner.vocab_size)
+    apply_masks(logits, [cheap, costly])
+    assert not cheap.failure and "too expensive" in costly.failure and "0 ms a step allows" in costly.failure
+    allowed = int(torch.isfinite(logits[0]).to(torch.int8).argmax())
+    assert cheap.accept([allowed]) and not costly.accept([allowed])
+    assert costly.refusal == costly.failure
+    # in the engine: a budget no mask fits fails the constrained request with a 400 at its first step
+    budget, eng.grammars.budget_s = eng.grammars.budget_s, 0.0
+    try:
+        out = drain(eng, {0: [EngineRequest("over", tok("Go")["input_ids"], sampled(8, Guided("regex", "[0-9]{5}"))),
+                              EngineRequest("ok", tok("Go")["input_ids"], sampled(8, None))]})
+    finally:
+        eng.grammars.budget_s = budget
+    [failed] = out[("over", 0)]
+    assert failed.error_status == 400 and "too expensive" in failed.error
+    assert len(tokens(out[("ok", 0)])) == 8 or out[("ok", 0)][-1].finish_reason == "stop"
+
+
+def test_grammar_caches_are_bounded_by_bytes(demo_model_dir):
+    """Both caches keyed by spec text (the tokenizer's checks, the engine's prepared grammars) drop entries
+    past a byte budget, not only past a count: a spec can be as large as a request body."""
+    from services.scheduler.engine import grammar as engine_grammar
+    from shared import grammars
+
+    big = Guided("json_schema", json.dumps({"type": "object", "description": "x" * (4 * 2**20)}))
+    for _ in range(12):  # 48 MiB of specs through a cache of 32 MiB
+        check(msgspec.structs.replace(big, spec=big.spec.replace("x", "y", 1) + " " * _))
+    assert grammars._checked.bytes <= grammars.CHECK_CACHE_BYTES and len(grammars._checked) <= 8
+    cache = GrammarCache(str(demo_model_dir), 1030, {0})
+    try:
+        for k in range(20):  # 80 MiB through a cache of 64 MiB
+            cache.get(msgspec.structs.replace(big, spec=big.spec + " " * k))
+        assert cache._prepared.bytes <= engine_grammar.CACHE_BYTES and len(cache._prepared) <= 16
+    finally:
+        cache.close()

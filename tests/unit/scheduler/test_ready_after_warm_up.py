@@ -1,5 +1,5 @@
-"""A scheduler reports ready (its heartbeat, what every probe and the API read) only after its engine
-warmed up: with a real redis-server, the demo model and the very check the chart's probes run."""
+"""A scheduler reports ready (its liveness file and its heartbeat, what the probes and the API read) only after
+its engine warmed up: with a real redis-server, the demo model and the very check the chart's probes run."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis
                                                                           monkeypatch):
     settings = SchedulerSettings(redis_url=redis_server.url, namespace=f"warm{uuid.uuid4().hex[:6]}",
                                  worker_id="scheduler-warm", threads=1, max_kv_tokens=1024, page_size=8)
-    probe = argparse.Namespace(role="scheduler", max_stall_s=60.0)
+    probe = argparse.Namespace(role="scheduler", max_stall_s=60.0, ready=False)
+    ready = argparse.Namespace(role="scheduler", max_stall_s=60.0, ready=True)
     during_warm_up: list[int] = []
     forward = ModelRunner.forward
 
     def probing_forward(self, *args, **kw):  # runs in the engine-building thread, which has no event loop
-        during_warm_up.append(asyncio.run(healthcheck(settings, probe)))
+        during_warm_up.append(healthcheck(settings, probe))
         return forward(self, *args, **kw)
 
     monkeypatch.setattr(ModelRunner, "forward", probing_forward)
@@ -30,9 +31,11 @@ async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis
     monkeypatch.undo()
     try:
         assert during_warm_up, "no forward ran while the worker was built: the first request would warm it up"
-        assert set(during_warm_up) == {1}, "the probe must fail (no heartbeat) while the engine warms up"
+        assert set(during_warm_up) == {1}, "the probe must fail (no liveness file) while the engine warms up"
         await worker.start()
-        assert await healthcheck(settings, probe) == 0
+        assert await asyncio.to_thread(healthcheck, settings, probe) == 0
+        assert await asyncio.to_thread(healthcheck, settings, ready) == 0  # its heartbeat is in Redis too
         assert not worker.engine.has_work() and worker.engine.stats()["steps"] == 0
     finally:
         await worker.close()
+    assert healthcheck(settings, probe) == 1, "a stopped worker's liveness file is gone"

@@ -8,14 +8,14 @@ import asyncio
 import uuid
 
 import pytest
+from shared.replies import OrderedReplies, ProducedTokens
 
 from services.detokenizer.main import DetokenizerWorker
 from services.scheduler.main import build_worker
 from shared import records, streams
+from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
-from shared.replies import OrderedReplies, ProducedTokens
 from shared.settings import DetokenizerSettings, SchedulerSettings
-from shared.streams import Delivery
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,7 +88,7 @@ async def test_a_duplicate_schedule_entry_is_acknowledged_not_resumed(make):
     await owner.admit(await owner.source.read(1, None), claimed=False)
     dup = await streams.add(owner.redis, owner.source.key, job("u1", 50))
     await peer.admit([Delivery(dup.decode(), job("u1", 50))], claimed=True)
-    assert "u1" not in peer.running and "u1" in owner.running
+    assert "u1" not in peer.book.running and "u1" in owner.book.running
     pending = await owner.redis.xpending_range(owner.source.key, "scheduler", "-", "+", 10)
     assert dup.decode() not in {p["message_id"].decode() for p in pending}  # acknowledged
 
@@ -104,15 +104,15 @@ async def test_a_takeover_fences_the_old_owner_and_resumes_past_the_cap(make):
         await owner.work()
         await owner.flush()
         await detokenize(detok)
-    entry = owner.running["u2"].entry_id
+    entry = owner.book.running["u2"].entry_id
     info = await owner.redis.xinfo_stream(owner.keys.reply("u2"))
     assert streams.was_trimmed(info) and info["length"] <= 40  # the head is gone
-    written = list(owner.running["u2"].outputs[0])
+    written = list(owner.book.running["u2"].outputs[0])
     await asyncio.sleep(0.3)  # the owner stalls (no keep-alive): the peer claims its entry
     [claimed] = await peer.source.claim(200, 1)
     assert claimed.entry_id == entry
     await peer.admit([claimed], claimed=True)
-    resumed = peer.running["u2"]
+    resumed = peer.book.running["u2"]
     assert resumed.epoch == 1 and resumed.outputs[0] == written  # the ranges reached the last token made
     await owner.work()  # the stalled owner's last steps, made before it noticed ...
     await owner.flush()
@@ -134,18 +134,18 @@ async def test_a_successor_resumes_where_the_client_stands_not_at_a_checkpoint_a
     await streams.add(owner.redis, owner.source.key, job("u4", 160, n=2))
     await owner.admit(await owner.source.read(1, None), claimed=False)
     while True:
-        checkpointed = owner.running["u4"].checkpointed
+        checkpointed = owner.book.running["u4"].checkpointed
         await owner.work()
         await owner.flush()
-        if owner.running["u4"].checkpointed > checkpointed:
+        if owner.book.running["u4"].checkpointed > checkpointed:
             break  # this step's checkpoint is in the reply stream; its ranges are not
         await detokenize(detok)
-    made = [list(o) for o in owner.running["u4"].outputs]
+    made = [list(o) for o in owner.book.running["u4"].outputs]
     await asyncio.sleep(0.3)
     [claimed] = await peer.source.claim(200, 1)
     await peer.admit([claimed], claimed=True)
     client = delivered(await replies(peer, "u4"), n=2)
-    assert peer.running["u4"].outputs == [o[:k] for o, k in zip(made, client.next, strict=True)]
+    assert peer.book.running["u4"].outputs == [o[:k] for o, k in zip(made, client.next, strict=True)]
     assert client.next == [len(o) - 1 for o in made]  # one token each is in the detokenizer's hands
     await detokenize(detok)  # the owner's step lands after the fence: refused
     await run_until_idle(peer)
@@ -166,10 +166,10 @@ async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
         records.stop_choice(pipe, w.keys, "u3", 0, 60, "demo")  # as the detokenizer does for choice 0
         await pipe.execute()
     await w.work()
-    assert w.running["u3"].done == {0}
+    assert w.book.running["u3"].done == {0}
     assert {s.index for s in w.engine.running if s.uid == "u3"} == {1}  # choice 0 no longer generated
     await run_until_idle(w)
-    assert "u3" not in w.running and w.engine.stats()["running"] == 0
+    assert "u3" not in w.book.running and w.engine.stats()["running"] == 0
 
 
 async def pump(w, detok: DetokenizerWorker) -> None:
@@ -191,10 +191,10 @@ async def running_for(w, detok: DetokenizerWorker, uid: str, steps: int) -> None
 
 
 async def a_peer_took_over_and_died(w, uid: str, to: str | None = "ghost") -> None:
-    """What a peer does before it records itself as the owner (services/scheduler/main.py `_take_over`): claim the
+    """What a peer does before it records itself as the owner (services/scheduler/recovery.py `take_over`): claim the
     entry (unless `to` is None), raise the epoch, fence. Then it is SIGKILLed."""
     if to is not None:
-        await w.redis.xclaim(w.source.key, "scheduler", to, 0, [w.running[uid].entry_id], justid=True)
+        await w.redis.xclaim(w.source.key, "scheduler", to, 0, [w.book.running[uid].entry_id], justid=True)
     epoch = await w.redis.hincrby(w.keys.request(uid), "epoch", 1)
     async with w.redis.pipeline(transaction=False) as pipe:
         records.reply(pipe, w.keys, uid, ReplyFence(epoch=epoch, scheduler="ghost"), w.ttl, w.maxlen)
@@ -211,7 +211,7 @@ async def test_an_owner_that_claims_back_its_own_entry_resumes_it_under_a_new_ep
     await asyncio.sleep(0.3)
     [claimed] = await owner.source.claim(200, 1)
     await owner.admit([claimed], claimed=True)
-    assert owner.running["u5"].epoch == 2
+    assert owner.book.running["u5"].epoch == 2
     await pump(owner, detok)
     client = delivered(await replies(owner, "u5"))
     assert client.done and client.next == [60]
@@ -225,7 +225,7 @@ async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(m
     await a_peer_took_over_and_died(owner, "u6", to=None)
     owner._last.pop("sweep", None)  # the once-a-second sweep is due
     await owner.work()
-    assert "u6" not in owner.running
+    assert "u6" not in owner.book.running
     await asyncio.sleep(0.3)
     [claimed] = await owner.source.claim(200, 1)
     await owner.admit([claimed], claimed=True)
@@ -247,7 +247,31 @@ async def test_the_sweep_refreshes_a_running_requests_ttls_a_few_times_per_ttl_n
     w._last.pop("sweep", None)
     await w.work()
     assert [0 < await w.redis.ttl(k) <= 100 for k in keys] == [True, True]  # checked (owner, epoch), not refreshed
-    w.running["u7"].refreshed -= 61
+    w.book.running["u7"].refreshed -= 61
     w._last.pop("sweep", None)
     await w.work()
     assert [await w.redis.ttl(k) > 500 for k in keys] == [True, True]
+
+
+async def test_an_engine_step_that_raises_fails_its_requests_and_the_scheduler_serves_on(make):
+    """The engine cannot say whose fault a failed step was: its requests get a 500 each, the worker stays up
+    (a process that exits would have a peer claim the same requests, and fail the same way)."""
+    w = await make("s-step")
+    for uid in ("a1", "a2"):
+        await streams.add(w.redis, w.source.key, job(uid, 500))
+    await w.admit(await w.source.read(2, None), claimed=False)
+    real = w.engine.step
+    w.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("kernel fault"))
+    await w.work()
+    await w.flush()
+    assert not w.book.running and not w.engine.has_work()
+    for uid in ("a1", "a2"):
+        [(_, fields)] = [e for e in await w.redis.xrange(w.keys.reply(uid))]
+        err = decode(streams.payload(fields), Reply)
+        assert err.status == 500 and "kernel fault" in err.message
+        assert (await w.redis.hget(w.keys.request(uid), "status")) == b"failed"
+    w.engine.step = real
+    await streams.add(w.redis, w.source.key, job("b1", 5))
+    await w.admit(await w.source.read(1, None), claimed=False)
+    await run_until_idle(w)
+    assert not w.book.running and await w.source.pending_ids() == []  # served to its end and acknowledged

@@ -1,6 +1,7 @@
-"""A scheduler's side of prefix-aware routing against a real redis-server: the paged engine's cached pages are
-published on the step pipeline (the same digests the tokenizer computes), its own stream is read and handed back,
-and a departed scheduler's stream, read or not, is drained by a peer and then ended; a live one's is left alone."""
+"""A scheduler's side of prefix-aware routing against a real redis-server: off until a tokenizer routes (one
+XREADGROUP, nothing published), then the paged engine's cached pages are published on the step pipeline (the same
+digests the tokenizer computes), its own stream is read and handed back, and a departed scheduler's stream, read
+or not, is drained by a peer and then ended; a live one's is left alone."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 
 from services.scheduler.main import build_worker
 from shared import streams
+from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
-from shared.routing import prompt_pages
+from shared.routing import Router, prompt_pages
 from shared.settings import SchedulerSettings
-from shared.streams import GroupConsumer
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "demo"
@@ -44,10 +45,17 @@ def job(uid: str, max_tokens: int, ids: list[int] | None = None) -> ScheduleJob:
                        params=SamplingParams(max_tokens=max_tokens), input_ids=ids or [5, 6, 7])
 
 
+async def a_tokenizer_routes(w) -> None:
+    """What a tokenizer with --prefix-routing does with every heartbeat: set the model's routing flag."""
+    async with w.redis.pipeline(transaction=False) as pipe:
+        Router(w.redis, w.keys, MODEL, heartbeat_ttl_s=60, load_tokens=64).on_beat(pipe)
+        await pipe.execute()
+
+
 async def ran(w, uid: str) -> bool:
     """The worker admitted the request and it has ended there (its entry acknowledged)."""
     owner = await w.redis.hget(w.keys.request(uid), "scheduler")
-    return owner == w.id.encode() and uid not in w.running
+    return owner == w.id.encode() and uid not in w.book.running
 
 
 async def until(check, timeout: float = 20.0) -> None:
@@ -57,8 +65,55 @@ async def until(check, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def test_a_plain_scheduler_reads_with_one_xreadgroup_and_publishes_nothing(make, monkeypatch):
+    w = await make("plain", synthetic=False, max_kv_tokens=1024, page_size=8)
+    await w.start()
+    assert w.load()["prefix_page_size"] == 0 and w.source.lanes == {}  # no tokenizer routes to it
+    ordered_reads = []
+    monkeypatch.setattr(GroupConsumer, "_read_lanes", lambda *a: ordered_reads.append(a))
+    await streams.add(w.redis, w.source.key, job("q1", 4, list(range(40, 81))))
+    w._last.pop("claim", None)  # a claim round (and its adopt) is due too
+    batch, claimed = await w.work(receive=True)
+    assert [d.msg.uid for d in batch] == ["q1"] and not ordered_reads
+    await w.admit(batch, claimed)
+    while w.engine.has_work():
+        await w.work()
+    await w.flush()
+    assert await ran(w, "q1") and w.engine.stats()["cached_pages"] > 0
+    assert not await w.redis.exists(w.keys.cached_pages(MODEL, w.id), w.keys.scheduler_stream(MODEL, w.id))
+    assert await w.redis.smembers(w.keys.routed(MODEL)) == set()
+
+
+async def test_a_running_scheduler_joins_routing_when_a_tokenizer_starts_routing(make):
+    w = await make("joins", synthetic=False, max_kv_tokens=1024, page_size=8)
+    await w.start()
+    prompt = list(range(40, 81))
+    await streams.add(w.redis, w.source.key, job("j1", 4, prompt))
+    batch, claimed = await w.work(receive=True)
+    await w.admit(batch, claimed)
+    while w.engine.has_work():
+        await w.work()
+    await w.flush()
+    await a_tokenizer_routes(w)
+    await w.heartbeat.beat()  # its heartbeat's pipeline sees the flag ...
+    w._last.pop("claim", None)
+    await w.receive(block_ms=None)  # ... and the next claim round joins
+    assert w.source.lanes == {w.id: True} and w.load()["prefix_page_size"] == 8
+    assert await w.redis.smembers(w.keys.routed(MODEL)) == {w.id.encode()}
+    await streams.add(w.redis, w.keys.scheduler_stream(MODEL, w.id), job("j2", 2, [1, 2, 3]))
+    batch, claimed = await w.work(receive=True)
+    assert [d.msg.uid for d in batch] == ["j2"]  # read from its own stream
+    await w.admit(batch, claimed)
+    while w.engine.has_work():
+        await w.work()
+    await w.flush()
+    published = {d.decode() for d in await w.redis.smembers(w.keys.cached_pages(MODEL, w.id))}
+    assert set(prompt_pages(prompt, 8)) <= published  # what it cached before it joined: published at once
+
+
 async def test_the_pages_a_step_caches_are_published_on_its_pipeline_as_the_tokenizer_names_them(make):
     w = await make("paged", synthetic=False, max_kv_tokens=1024, page_size=8)
+    await a_tokenizer_routes(w)
     await w.start()
     assert w.load()["prefix_page_size"] == 8
     assert w.source.lanes == {w.id: True}  # its own stream, read before the shared one
@@ -118,6 +173,7 @@ async def test_a_departed_schedulers_stream_is_drained_by_a_peer_then_ended(make
 
 async def test_on_shutdown_what_it_holds_of_its_own_stream_is_handed_back_and_a_peer_ends_it(make):
     leaving, peer = await make("leaving", synthetic=False, max_kv_tokens=2048), await make("peer")
+    await a_tokenizer_routes(leaving)
     await leaving.start()
     await peer.start()
     r, keys = leaving.redis, leaving.keys
@@ -134,7 +190,7 @@ async def test_on_shutdown_what_it_holds_of_its_own_stream_is_handed_back_and_a_
 
     async def taken() -> bool:
         await peer.iteration()
-        return "h1" in peer.running
+        return "h1" in peer.book.running
 
     await until(taken)
     assert (await r.hgetall(keys.request("h1")))[b"scheduler"] == peer.id.encode()

@@ -11,13 +11,13 @@ import uuid
 import pytest
 
 from shared import streams
+from shared.consumer_group import GroupConsumer
 from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob
 from shared.pages import chain_digest
 from shared.redis_conn import connect
 from shared.routing import MAX_SCORED_PAGES, Candidate, Router, SchedulerLanes, choose, leading, prompt_pages
 from shared.slots import key_slot
-from shared.streams import GroupConsumer
 
 pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
@@ -44,6 +44,7 @@ def test_routing_keys_share_the_slot_of_the_models_schedule_stream():
         assert key_slot(keys.scheduler_stream(model, "sched@1.ab")) == slot
         assert key_slot(keys.cached_pages(model, "sched@1.ab")) == slot
         assert key_slot(keys.routed(model)) == slot
+        assert key_slot(keys.prefix_routing(model)) == slot
         assert keys.scheduler_stream(model, "a") != keys.scheduler_stream(model, "b")
 
 
@@ -129,36 +130,74 @@ def _json(d: dict) -> str:
 # ---- what a scheduler publishes
 
 
+async def beat(redis, hook) -> None:
+    """One heartbeat's pipeline with `hook`'s commands on it (shared/registry.py Heartbeat.extra)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.ping()  # the heartbeat's own commands come first
+        then = hook(pipe)
+        replies = await pipe.execute()
+    if then is not None:
+        then(replies[1:])
+
+
+async def test_a_scheduler_joins_routing_only_once_a_tokenizer_routes(env):
+    """Without the flag a routing tokenizer sets with its heartbeat, a scheduler opens no stream of its own, says
+    no page size and publishes nothing; it joins at its first adopt after a beat that sees the flag, or at start."""
+    redis, keys = env
+    c = consumer(redis, keys, "s1")
+    lanes = SchedulerLanes(redis, keys, MODEL, "s1", c, page_size=16, heartbeat_ttl_s=5)
+    await lanes.start()
+    await lanes.adopt()
+    asked: list[bool] = []
+    assert not lanes.joined and lanes.advertised_page_size == 0 and c.lanes == {}
+    assert lanes.pages_due(lambda: asked.append(True) or ([b"\x01" * 16], []), lambda: []) is None
+    assert asked == []  # the engine's changes are not even asked for
+    assert await redis.smembers(keys.routed(MODEL)) == set()
+    await beat(redis, Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16, tokenizer_id="t1").on_beat)
+    assert 0 < await redis.pttl(keys.prefix_routing(MODEL)) <= 5000  # the flag lives as long as that heartbeat
+    await beat(redis, lanes.on_beat)
+    assert not lanes.joined  # joined by the next adopt, in the loop, not in the heartbeat
+    await lanes.adopt()
+    assert lanes.joined and lanes.advertised_page_size == 16 and c.lanes == {"s1": True}
+    assert await redis.smembers(keys.routed(MODEL)) == {b"s1"}
+    later = SchedulerLanes(redis, keys, MODEL, "s2", consumer(redis, keys, "s2"), page_size=16, heartbeat_ttl_s=5)
+    await later.start()  # a scheduler that starts while a tokenizer routes joins before its first heartbeat
+    assert later.joined and await redis.smembers(keys.routed(MODEL)) == {b"s1", b"s2"}
+    cacheless = SchedulerLanes(redis, keys, MODEL, "s3", consumer(redis, keys, "s3"), page_size=0,
+                               heartbeat_ttl_s=5)
+    await cacheless.start()  # no prefix cache: nothing to route to it, but it drains departed peers' streams
+    assert not cacheless.joined and cacheless.others
+
+
 async def test_a_scheduler_publishes_its_cache_changes_with_a_ttl_and_again_after_the_set_is_lost(env):
     redis, keys = env
     c = consumer(redis, keys, "s1")
+    await redis.set(keys.prefix_routing(MODEL), "t1")
     lanes = SchedulerLanes(redis, keys, MODEL, "s1", c, page_size=16, heartbeat_ttl_s=5)
     await lanes.start()
     assert await redis.smembers(keys.routed(MODEL)) == {b"s1"}
     a, b, d = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
 
-    async def send(write) -> None:
+    def due(cached: list[bytes], evicted: list[bytes], everything: list[bytes]):
+        return lanes.pages_due(lambda: (cached, evicted), lambda: everything)
+
+    async def send(changes) -> None:
         async with redis.pipeline(transaction=False) as pipe:
-            write(pipe)
+            lanes.write_pages(pipe, changes)
             await pipe.execute()
 
-    async def beat() -> None:
-        async with redis.pipeline(transaction=False) as pipe:
-            then = lanes.on_beat(pipe)
-            replies = await pipe.execute()
-        then(replies)
-
-    await beat()  # no set yet (nothing cached): a resync of nothing writes nothing
-    assert lanes.publish([], [], lambda: []) is None
-    await send(lanes.publish([a, b], [], lambda: []))
+    assert due([], [], []) is None  # joined: the whole cache is due, and it is empty
+    await beat(redis, lanes.on_beat)  # no set yet (nothing cached): a resync of nothing writes nothing
+    assert due([], [], []) is None
+    await send(due([a, b], [], []))
     assert await redis.smembers(lanes.pages_key) == {a.hex().encode(), b.hex().encode()}
     assert 0 < await redis.pttl(lanes.pages_key) <= 5000
-    await send(lanes.publish([d], [a], lambda: []))
+    await send(due([d], [a], []))
     assert await redis.smembers(lanes.pages_key) == {b.hex().encode(), d.hex().encode()}
-    assert lanes.publish([], [], lambda: []) is None  # nothing changed: nothing on the step's pipeline
+    assert due([], [], []) is None  # nothing changed: nothing on the step's pipeline
     await redis.delete(lanes.pages_key)  # Redis lost it (restarted empty, or the TTL passed in a partition)
-    await beat()
-    await send(lanes.publish([], [], lambda: [b, d]))
+    await beat(redis, lanes.on_beat)
+    await send(due([], [], [b, d]))
     assert await redis.smembers(lanes.pages_key) == {b.hex().encode(), d.hex().encode()}
     await lanes.release()
     assert not await redis.exists(lanes.pages_key, keys.scheduler_stream(MODEL, "s1"))

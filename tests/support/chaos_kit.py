@@ -1,8 +1,8 @@
 """Chaos machinery shared by tests/e2e/test_chaos.py and bench/soak.py, against real processes (a `Stack`).
 
-- `Clients`: streaming chat requests over httpx that record text per choice, event ids and chunk times; when
-  the API process of a `background` request dies mid-stream they reattach to another one with Last-Event-ID
-  (or resubmit, when the stream broke before its first chunk gave them the request's id).
+- `Clients`: streaming chat requests (rsinfer/sse_client.py) that record text per choice, event ids and chunk
+  times; when the API process of a `background` request dies mid-stream they reattach to another one with
+  Last-Event-ID (or resubmit, when the stream broke before its first chunk gave them the request's id).
 - `ReplyRecorder`: a process that reads every entry of every new request's reply stream as it is written,
   before the reply-stream cap (MAXLEN) trims it, so that whole replies can be checked afterwards.
 - `deliverable`: what the API would deliver from those entries, applying epoch fencing, and every token index
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -33,9 +34,11 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
+from rsinfer.launcher import api_ready
+from rsinfer.sse_client import Reply, Request, stream
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, STAGES, TOKENIZER_GROUP, Keys
-from tests.e2e.conftest import MODEL, Stack
-from tests.e2e.helpers import api_ready, sse_lines, worker_name, workers
+from tests.support.helpers import worker_name, workers
+from tests.support.stack import MODEL, Stack
 
 GROUPS = {"tokenizer": TOKENIZER_GROUP, "scheduler": SCHEDULER_GROUP, "detokenizer": DETOKENIZER_GROUP}
 HANDOFF = "handoff"  # shared/worker.py HANDOFF_CONSUMER: not a process; entries handed back wait there
@@ -77,18 +80,42 @@ class Job:
 @dataclass
 class Outcome:
     job: Job
-    started: float
-    texts: list[str]
-    finish: list[str | None]
-    uid: str | None = None
-    last_event: str | None = None
-    times: list[float] = field(default_factory=list)  # time.time() of every content chunk
+    reply: Reply = field(default_factory=Reply)  # what its streams delivered (a reattach carries it on)
     errors: list[str] = field(default_factory=list)
     reattached: int = 0
     resubmitted: int = 0  # its API died before the first chunk told the request's id: sent again
     rerouted: int = 0  # its API was down when sent: sent to another, as a load balancer would
-    done: bool = False  # `data: [DONE]` seen
     ended: float = 0.0
+
+    @property
+    def started(self) -> float:
+        return self.reply.sent
+
+    @property
+    def texts(self) -> list[str]:
+        return self.reply.texts + [""] * (self.job.n - len(self.reply.texts))
+
+    @property
+    def finish(self) -> list[str | None]:
+        return self.reply.finish + [None] * (self.job.n - len(self.reply.finish))
+
+    @property
+    def uid(self) -> str | None:
+        return self.reply.uid
+
+    @property
+    def last_event(self) -> str | None:
+        return self.reply.ids[-1] if self.reply.ids else None
+
+    @property
+    def done(self) -> bool:
+        """`data: [DONE]` seen."""
+        return self.reply.done
+
+    @property
+    def times(self) -> list[float]:
+        """time.time() of every chunk."""
+        return [self.reply.wall(t) for t in self.reply.arrivals]
 
     @property
     def complete(self) -> bool:
@@ -100,34 +127,38 @@ class Outcome:
         marks = [self.started, *self.times]
         return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
 
+    def record(self) -> dict:
+        """What the client saw, as JSON."""
+        return {"job": vars(self.job), "started": self.started, "texts": self.texts, "finish": self.finish,
+                "uid": self.uid, "last_event": self.last_event, "times": self.times, "errors": self.errors,
+                "reattached": self.reattached, "resubmitted": self.resubmitted, "rerouted": self.rerouted,
+                "done": self.done, "ended": self.ended}
+
     def gap_at(self, at: float) -> float | None:
         """The wait that spans time `at` (time.time()): from the last chunk before it (or the submission) to
         the first one after it; None if the stream had ended by then or had not started."""
-        if at < self.started or (self.times and self.times[-1] < at):
+        times = self.times
+        if at < self.started or (times and times[-1] < at):
             return None
-        before = max((t for t in self.times if t < at), default=self.started)
-        return min(t for t in self.times if t >= at) - before if self.times else None
+        before = max((t for t in times if t < at), default=self.started)
+        return min(t for t in times if t >= at) - before if times else None
 
 
 class Clients:
-    """Streams jobs through the API processes at `urls`. New requests go around the ones in `unready` (a load
-    balancer routes only to ready instances); one that refuses connections is left for another at once."""
+    """Streams jobs through the API processes at `urls` (rsinfer/sse_client.py). New requests go around the
+    ones in `unready` (a load balancer routes only to ready instances); one that refuses connections is left
+    for another at once."""
 
     def __init__(self, urls: list[str]):
         self.urls = urls
         self.unready: set[int] = set()
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
-                                      limits=httpx.Limits(max_connections=2000, max_keepalive_connections=400))
         self.outcomes: list[Outcome] = []
-
-    async def close(self) -> None:
-        await self.http.aclose()
 
     def _other(self, api: int) -> int:
         return (api + 1) % len(self.urls)
 
     async def run(self, job: Job) -> Outcome:
-        out = Outcome(job, time.time(), [""] * job.n, [None] * job.n)
+        out = Outcome(job)
         self.outcomes.append(out)
         api = job.api
         try:
@@ -148,14 +179,12 @@ class Clients:
         if out.uid is None:
             if api in self.unready and len(self.unready) < len(self.urls):
                 api = self._other(api)
-            try:
-                await self._stream(out, "POST", f"{self.urls[api]}/v1/chat/completions", json=job.body())
-            except httpx.ConnectError:
+            failure = await self._stream(out, Request(self.urls[api], job.body(), "/v1/chat/completions"))
+            if failure == "connect":
                 out.rerouted += 1
                 await asyncio.sleep(0.2)
                 return self._other(api)
-            except httpx.TransportError:
-                pass  # the API process died mid-stream
+            # else the stream ended, or the API process died mid-stream
             if out.done or out.errors:
                 return api
             if not job.background:
@@ -165,38 +194,22 @@ class Clients:
             return self._other(api)
         out.reattached += 1
         headers = {"Last-Event-ID": out.last_event} if out.last_event else {}
-        try:
-            await self._stream(out, "GET", f"{self.urls[api]}/v1/requests/{out.uid}/stream", headers=headers)
-        except httpx.TransportError:
+        if await self._stream(out, Request(self.urls[api], path=f"/v1/requests/{out.uid}/stream", method="GET",
+                                           headers=headers)):
             await asyncio.sleep(0.2)
         return api if out.done else self._other(api)
 
-    async def _stream(self, out: Outcome, method: str, url: str, **kw) -> None:
-        async with self.http.stream(method, url, **kw) as resp:
-            if resp.status_code != 200:
-                out.errors.append(f"{method} {url}: {resp.status_code} {(await resp.aread())[:300]!r}")
-                return
-            event_id = None
-            async for line in sse_lines(resp):
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: "):
-                    if line == "data: [DONE]":
-                        out.done = True
-                        return
-                    self._chunk(out, json.loads(line[6:]), event_id)
-
-    def _chunk(self, out: Outcome, chunk: dict, event_id: str | None) -> None:
-        if "error" in chunk:
-            out.errors.append(json.dumps(chunk["error"])[:300])
-            return
-        out.uid = out.uid or chunk["id"].removeprefix("chatcmpl-")
-        for c in chunk["choices"]:
-            out.texts[c["index"]] += c["delta"].get("content") or ""
-            out.finish[c["index"]] = c["finish_reason"] or out.finish[c["index"]]
-        out.times.append(time.time())
-        if event_id:
-            out.last_event = event_id
+    async def _stream(self, out: Outcome, request: Request) -> str:
+        """Stream into the outcome's reply (a connection quiet for 30 s has failed); what the transport did wrong
+        ("" if nothing). A refusal or an error event is one of the outcome's errors."""
+        reply = await stream(dataclasses.replace(request, idle_timeout=30), out.reply)
+        if reply.failure:
+            return reply.failure
+        if reply.status != 200:
+            out.errors.append(f"{request.method} {request.url}{request.path}: {json.dumps(reply.error)[:300]}")
+        elif reply.error is not None:
+            out.errors.append(json.dumps(reply.error)[:300])
+        return ""
 
 
 async def reference_texts(url: str, jobs: list[Job]) -> dict[int, list[str]]:
@@ -324,7 +337,7 @@ class Delivered:
 
 
 def deliverable(entries: list[dict], n: int) -> Delivered:
-    """Apply fencing as services/api/flow.py's OrderedReplies does: an entry whose `epoch` is below that of a
+    """Apply fencing as shared/reply_order.py's OrderedReplies does: an entry whose `epoch` is below that of a
     fence, or of any entry, before it in the stream is stale and refused (entries without an epoch are epoch
     0), and when the epoch rises the ranges of an older one still held behind a gap are forgotten (the successor
     resumed from what lay before the gap). Then each choice's ranges are delivered in token order: early ones

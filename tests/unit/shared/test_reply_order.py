@@ -1,9 +1,9 @@
-"""Reading a reply stream in order with fences and checkpoints (shared/replies.py)."""
+"""Reading a reply stream in order with fences and checkpoints (shared/reply_order.py)."""
 
 from __future__ import annotations
 
 from shared.messages import ReplyCheckpoint, ReplyEvent, ReplyFence
-from shared.replies import OrderedReplies, ProducedTokens
+from shared.reply_order import OrderedReplies, ProducedTokens
 
 
 def ev(start: int, ids: list[int], epoch: int = 0, finish: str | None = None, index: int = 0) -> ReplyEvent:

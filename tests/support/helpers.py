@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
-
-import httpx
 
 from shared.registry import WorkerInfo
 
@@ -34,17 +32,6 @@ def raw_post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> soc
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
-
-
-async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
-    """The lines of a streamed SSE response, split at "\n" only. httpx's aiter_lines also splits at U+2028,
-    U+0085 and the other str.splitlines breaks, which JSON leaves unescaped inside strings (and the demo model's
-    text contains); a line cut short when the connection drops is not yielded."""
-    buffer = b""
-    async for data in resp.aiter_bytes():
-        *lines, buffer = (buffer + data).split(b"\n")
-        for line in lines:
-            yield line.decode().removesuffix("\r")
 
 
 def sse_payloads(raw: str) -> list[str]:
@@ -78,10 +65,3 @@ def engines_idle(stack) -> bool:
     loads = [w.load for w in workers(stack, "scheduler")]
     return bool(loads) and all(ld["requests"] == 0 and ld["running"] == 0 and ld["waiting"] == 0
                                and ld["free_pages"] == ld["total_pages"] for ld in loads)
-
-
-def api_ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from services.api.replies import ReplyHub
+from services.api.reply_hub import ReplyHub
 from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode

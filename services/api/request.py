@@ -1,0 +1,479 @@
+"""A request this API process answers, one object from the moment it is opened to its close
+(services/api/service.py answers it; `ApiRequest` is what the service needs of one):
+
+- `Requests.open` submits a body's jobs: per job the record, the tokenize job and the reply subscription in one
+  round trip (`SingleRequest.open`); a completion's several prompts are one request each, answered as one
+  (`RequestGroup`). `Requests.attach` follows a request submitted by any API process (reattach).
+- `replies()` yields its reply entries in order, in batches of what arrived together: shared/reply_order.py's
+  OrderedReplies delivers each choice's ranges in token order, each once, and nothing of a scheduler that was
+  taken over once its successor's fence is in the stream. A reply that ends before the request finished (an
+  error reply, the deadline, Redis gone) is raised as `EndedEarly`, the HTTP error, with why it ended noted in
+  `end_reason`. The first batch with tokens is the request's time to first token (metrics, span).
+- `close(reason)` ends it exactly once whatever happens (finish, client gone, deadline, error, server
+  shutdown), shielded from the caller's cancellation: it leaves the hub, is counted (metrics, span) on the
+  process that submitted it, and unless it finished decides whether to abort it everywhere (`_leave`):
+
+  - a stage already ended it (an error reply): nothing to do;
+  - a `background` request is never aborted by its client going away, only by DELETE, an operator's abort
+    key, its deadline (which every stage enforces) or an error;
+  - a stream whose client disconnected is aborted only if no client has reattached (from any API process,
+    counted in the record's `attached` field) within `resume_window_s`; 0 aborts at once;
+  - anything else (a non-stream client gone, a deadline, a slow client, shutdown) is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import anyio
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from shared.replies import OrderedReplies
+
+from services.api.errors import ApiError, redis_down
+from services.api.formats import Counts
+from services.api.metrics import Metrics
+from services.api.reply_hub import HubError, ReplyHub, Subscription
+from shared import records, streams
+from shared.keys import Keys
+from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
+from shared.redis_conn import barrier
+from shared.settings import ApiSettings
+from shared.tracing import NO_SPAN, Span, Tracer
+
+log = logging.getLogger(__name__)
+
+Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
+
+CLIENT_GONE = "client_disconnected"
+STAGE_ENDED = ("rejected", "failed")  # end reasons of requests a stage already ended with an error
+LEFT_RUNNING = (CLIENT_GONE, "slow_client", "server_shutdown", "broker_unavailable")  # kept by background
+UID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def bare_uid(uid: str) -> str:
+    """The request's uid from a response id (`chatcmpl-<uid>`, `cmpl-<uid>`) or the uid itself."""
+    for prefix in UID_PREFIXES:
+        uid = uid.removeprefix(prefix)
+    return uid
+
+
+class ApiRequest(Protocol):
+    """A request being answered: one job's (`SingleRequest`) or several prompts' as one (`RequestGroup`)."""
+
+    uid: str
+    model: str
+    end_reason: str  # why it ended early, if it ends before its replies finished
+
+    @property
+    def counts(self) -> Counts: ...  # its usage so far (services/api/formats.py takes it)
+
+    @property
+    def done(self) -> bool: ...
+
+    def replies(self, idle_s: float | None = None) -> AsyncIterator[Batch]: ...
+
+    async def close(self, reason: str | None = None) -> None: ...
+
+
+class EndedEarly(ApiError):
+    """The replies ended before the request finished: the HTTP error for its client, and the end `reason`."""
+
+    def __init__(self, reason: str, error: ApiError):
+        super().__init__(error.status, error.message, param=error.param, code=error.code, type=error.type,
+                         retry_after=error.retry_after)
+        self.reason = reason
+
+
+class StageFailed(Exception):
+    """A stage sent an error reply for this request."""
+
+    def __init__(self, error: ReplyError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
+    if isinstance(e, StageFailed):
+        # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
+        err = e.error
+        reason = "timeout" if err.code == "request_timeout" else "rejected" if 400 <= err.status < 500 else "failed"
+        return EndedEarly(reason, ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code))
+    if isinstance(e, DeadlineExceeded):
+        return EndedEarly("timeout", ApiError(504, "the request did not finish before its deadline",
+                                              code="request_timeout"))
+    return EndedEarly("broker_unavailable", redis_down())
+
+
+class Requests:
+    """What the requests of this process share (Redis, the reply hub, metrics, traces), and the ones it submitted
+    that are still open (`inflight`: a drain waits for them)."""
+
+    def __init__(self, settings: ApiSettings, redis: Redis, hub: ReplyHub, keys: Keys, pod: str, tracer: Tracer,
+                 metrics: Metrics):
+        self.settings, self.redis, self.hub, self.keys, self.pod = settings, redis, hub, keys, pod
+        self.tracer, self.metrics = tracer, metrics
+        self.inflight: dict[str, SingleRequest] = {}
+        self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
+
+    async def open(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
+        """Submit a body's jobs; `label` names how it is answered in the metrics (stream, full, generate)."""
+        if len(jobs) == 1:
+            return await SingleRequest.open(self, jobs[0], record, stream, label)
+        return await RequestGroup.open(self, jobs, record, stream, label)
+
+    async def attach(self, uid: str, record: dict, last_event_id: str | None) -> SingleRequest:
+        return await SingleRequest.attach(self, uid, record, last_event_id)
+
+    def abort_unless_reattached(self, uid: str, delay: float) -> None:
+        task = asyncio.create_task(self._abort_unless_reattached(uid, delay))
+        self.awaiting_reattach[task] = uid
+        task.add_done_callback(self.awaiting_reattach.pop)
+
+    async def _abort_unless_reattached(self, uid: str, delay: float) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(delay)
+        attached, status, model = await self.redis.hmget(self.keys.request(uid), ["attached", "status", "model"])
+        if int(attached or 0) > 0 or status is None or status.decode() in records.TERMINAL:
+            return
+        log.info("uid=%s ended early: %s (no client reattached)", uid, CLIENT_GONE)
+        await records.abort_now(self.redis, self.keys, uid, CLIENT_GONE, self.settings.request_ttl_s,
+                                model.decode() if model else None)
+
+    async def close(self) -> None:
+        """Shutdown: every open request ends (`server_shutdown`), and those waiting for a reattach are decided
+        now (nobody here will wait any longer)."""
+        for req in list(self.inflight.values()):
+            await req.close("server_shutdown")
+        tasks = list(self.awaiting_reattach)
+        for task in tasks:
+            task.cancel()  # ends the wait, not the check
+        for task in tasks:
+            with contextlib.suppress(RedisError, OSError, asyncio.CancelledError):
+                await task
+
+
+class SingleRequest:
+    """One job's request: its reply subscription and order, its deadline, its accounting and its end."""
+
+    def __init__(self, ctx: Requests, uid: str, n: int, deadline: float, model: str, *, owner: bool = True,
+                 resume_window: float = 0.0, background: bool = False, label: str = "", span: Span = NO_SPAN):
+        self.ctx, self.uid, self.deadline, self.model = ctx, uid, deadline, model
+        self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
+        self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
+        self.background, self.label, self.span = background, label, span
+        self.order = OrderedReplies(n)
+        self.sub: Subscription = ctx.hub.register(uid)
+        self.closed = False
+        self.end_reason = CLIENT_GONE
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.times_first_token = True  # a group's members leave it to the group
+
+    @property
+    def counts(self) -> OrderedReplies:
+        return self.order
+
+    @property
+    def done(self) -> bool:
+        return self.order.done
+
+    # -- open or attach ---------------------------------------------------------------------------------
+    @classmethod
+    async def open(cls, ctx: Requests, job: TokenizeJob, record: dict, stream: bool, label: str) -> SingleRequest:
+        """Subscribe to the reply stream, write the record and the job and wake the reply reader, all in one round
+        trip; its trace (if tracing) starts here. Nothing is left behind if Redis fails."""
+        span = ctx.tracer.start("request", root=True, uid=job.uid, model=job.model, kind=record.get("kind", ""),
+                                stream=stream)
+        if span.traceparent:
+            job = msgspec.structs.replace(job, trace=span.traceparent)
+        req = cls(ctx, job.uid, job.params.n, job.deadline, job.model, label=label, span=span,
+                  resume_window=ctx.settings.resume_window_s if stream else 0.0, background=job.background)
+        try:
+            # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
+            # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
+            async with ctx.redis.pipeline(transaction=True) as pipe:
+                records.set_status(pipe, ctx.keys, job.uid, ctx.settings.request_ttl_s, "queued",
+                                   model=job.model, pod=ctx.pod, created_at=f"{job.created_at:.3f}",
+                                   deadline=f"{job.deadline:.3f}", background=int(job.background),
+                                   attached=1, **record)
+                barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
+                streams.add(pipe, ctx.keys.tokenize(job.model), job)
+                req.sub.shard.wake_in(pipe)
+                await pipe.execute()
+        except BaseException as e:
+            ctx.hub.unsubscribe(req.sub)
+            span.end(error=repr(e))
+            raise
+        ctx.inflight[job.uid] = req
+        ctx.metrics.inflight.labels(job.model).inc()
+        log.info("uid=%s queued for %s", job.uid, job.model)
+        return req
+
+    @classmethod
+    async def attach(cls, ctx: Requests, uid: str, record: dict, last_event_id: str | None) -> SingleRequest:
+        """Follow an existing request's reply stream (resumable streams), given its record. It counts as a
+        client of the request: one that leaves is treated like the submitter's stream leaving (resume window).
+        A 410 if the stream was trimmed past what the client has; else, if its head was trimmed, the reply
+        is read headless (shared/reply_order.py)."""
+        bare = bare_uid(uid)
+        kept_from = await streams.trimmed_head(ctx.redis, ctx.keys.reply(bare))
+        if kept_from is not None and (last_event_id is None or streams.id_after(kept_from, last_event_id)):
+            raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last_event_id or 'its start'} (it "
+                           f"keeps the last --reply-maxlen entries); what came before {kept_from} is gone",
+                           param="Last-Event-ID", code="reply_trimmed")
+        deadline = float(record.get("deadline", time.time() + ctx.settings.request_timeout_s))
+        req = cls(ctx, bare, int(record.get("n", 1)), deadline, record.get("model", ""), owner=False,
+                  resume_window=ctx.settings.resume_window_s, background=bool(int(record.get("background", 0))),
+                  label="reattach")
+        try:
+            async with ctx.redis.pipeline(transaction=False) as pipe:
+                records.attach(pipe, ctx.keys, bare, +1)
+                req.sub.shard.wake_in(pipe)
+                await pipe.execute()
+        except BaseException:
+            ctx.hub.unsubscribe(req.sub)
+            raise
+        if kept_from is not None:
+            req.order.start_headless()
+        else:
+            req.order.head_unsure = True  # MAXLEN may still trim it before the hub's first read (`_ordered`)
+        return req
+
+    # -- its replies ------------------------------------------------------------------------------------
+    async def replies(self, idle_s: float | None = None) -> AsyncIterator[Batch]:
+        """Every batch of ordered events until each choice finished. With `idle_s`, an empty batch whenever
+        nothing arrived for that long (the caller may start its response). Raises EndedEarly."""
+        try:
+            async for batch in self._ordered(idle_s):
+                if batch and self.first_token_at is None and self.times_first_token:
+                    self.first_token()
+                yield batch
+        except (StageFailed, DeadlineExceeded, HubError) as e:
+            error = ended_early(e)
+            self.end_reason = error.reason
+            raise error from None
+
+    async def _ordered(self, idle_s: float | None) -> AsyncIterator[Batch]:
+        sub, order = self.sub, self.order
+        while not order.done:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise DeadlineExceeded()
+            wait = remaining if idle_s is None else min(remaining, idle_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
+            # as an entry arrives, and a request whose client left would then never be aborted.
+            try:
+                async with asyncio.timeout(wait):
+                    first = await sub.get()
+            except TimeoutError:
+                if wait < remaining:
+                    yield []
+                    continue
+                raise DeadlineExceeded() from None
+            batch: Batch = []
+            for entry_id, raw in [first, *sub.drain()]:
+                try:
+                    msg = decode(raw, Reply)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.error("uid=%s unreadable reply entry %s: %s", self.uid, entry_id, e)
+                    continue
+                if isinstance(msg, ReplyError):
+                    if batch:
+                        yield batch
+                    raise StageFailed(msg)
+                if isinstance(msg, ReplyFence):
+                    order.fence(msg.epoch)
+                elif not isinstance(msg, ReplyCheckpoint):  # checkpoints are for a resuming scheduler
+                    if order.head_unsure and await self._head_trimmed_since(msg):
+                        order.start_headless()
+                    batch.extend((entry_id, ev) for ev in order.accept(msg))
+            if batch:
+                yield batch
+
+    async def _head_trimmed_since(self, ev: ReplyEvent) -> bool:
+        """A reattach found the stream whole (`attach`), but MAXLEN may trim its head before the first read: then
+        a choice's first range starts past 0. Only that (or a range redone out of order) explains such a first
+        range, so ask Redis once, then."""
+        order = self.order
+        if not 0 <= ev.index < len(order.next) or order.next[ev.index] or ev.start == 0:
+            return False
+        order.head_unsure = False
+        try:
+            return await streams.trimmed_head(self.ctx.redis, self.sub.key) is not None
+        except (RedisError, OSError):
+            return False  # read on as a whole stream; a Redis outage shows in the next read
+
+    def first_token(self) -> None:
+        self.first_token_at = time.monotonic()
+        self.span.event("first_token")
+        self.ctx.metrics.ttft.labels(self.model).observe(self.first_token_at - self.started)
+
+    # -- its end ----------------------------------------------------------------------------------------
+    async def close(self, reason: str | None = None) -> None:
+        """Idempotent; `reason` overrides the end reason noted so far. Shielded, so it completes even while the
+        caller is being cancelled; counted after."""
+        if self.closed:
+            return
+        self.closed = True
+        if reason:
+            self.end_reason = reason
+        with anyio.CancelScope(shield=True):
+            self.ctx.hub.unsubscribe(self.sub)
+            if self.owner:
+                self.ctx.inflight.pop(self.uid, None)
+            if not self.done:
+                try:
+                    await self._leave()
+                except (RedisError, OSError) as e:
+                    log.warning("uid=%s could not set abort flag: %s", self.uid, e)
+        if self.owner:
+            self._count()
+
+    async def _leave(self) -> None:
+        """A client stopped following this unfinished request: abort it now, later, or never (module doc)."""
+        ctx, uid, reason = self.ctx, self.uid, self.end_reason
+        if reason in STAGE_ENDED:
+            return
+        if self.background and reason in LEFT_RUNNING:
+            log.info("uid=%s left running in the background (%s)", uid, reason)
+            return
+        if reason == CLIENT_GONE and self.resume_window > 0:
+            await records.attach(ctx.redis, ctx.keys, uid, -1)
+            ctx.abort_unless_reattached(uid, self.resume_window)
+            log.info("uid=%s client left; aborting unless a client reattaches within %.1fs", uid,
+                     self.resume_window)
+            return
+        if not self.owner:
+            return  # a follower's deadline or shutdown: the submitter's process or the stages decide
+        log.info("uid=%s ended early: %s", uid, reason)
+        await records.abort_now(ctx.redis, ctx.keys, uid, reason, ctx.settings.request_ttl_s, self.model)
+
+    def _count(self) -> None:
+        metrics, model, order = self.ctx.metrics, self.model, self.order
+        status = "ok" if self.done else self.end_reason
+        self.span.set(status=status, completion_tokens=order.completion_tokens)
+        self.span.end(error=None if self.done else status)  # after the last byte was sent
+        metrics.inflight.labels(model).dec()
+        metrics.requests.labels(model, self.label, status).inc()
+        metrics.duration.labels(model).observe(time.monotonic() - self.started)
+        metrics.prompt_tokens.labels(model).inc(order.prompt_tokens)
+        metrics.generated_tokens.labels(model).inc(order.completion_tokens)
+
+
+class GroupCounts:
+    """The usage of a whole group."""
+
+    def __init__(self, members: list[SingleRequest]):
+        self.members = members
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(m.order.prompt_tokens for m in self.members)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(m.order.completion_tokens for m in self.members)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(m.order.cached_tokens for m in self.members)
+
+
+class RequestGroup:
+    """A completion with a list of prompts: one request per prompt through the pipeline (each with its own uid,
+    record and reply stream), answered as one. Choice `i` of prompt `k` is choice `k * per + i` of the response,
+    as OpenAI numbers them; its first prompt's trace stands for the group's first token."""
+
+    def __init__(self, members: list[SingleRequest], per: int):
+        self.members, self.per = members, per
+        self.counts = GroupCounts(members)
+        self.uid, self.model = members[0].uid, members[0].model
+        for m in members:
+            m.times_first_token = False
+
+    @classmethod
+    async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
+                   ) -> RequestGroup:
+        """Open every job; if one cannot be opened, those already open are ended (`rejected`)."""
+        members: list[SingleRequest] = []
+        try:
+            for job in jobs:
+                members.append(await SingleRequest.open(ctx, job, record, stream, label))
+        except BaseException:
+            for m in members:
+                await m.close("rejected")
+            raise
+        return cls(members, jobs[0].params.n)
+
+    @property
+    def done(self) -> bool:
+        return all(m.done for m in self.members)
+
+    @property
+    def end_reason(self) -> str:
+        return self.members[0].end_reason
+
+    @end_reason.setter
+    def end_reason(self, reason: str) -> None:
+        for m in self.members:
+            m.end_reason = reason
+
+    async def replies(self, idle_s: float | None = None) -> AsyncIterator[Batch]:
+        first = self.members[0]
+        try:
+            async for batch in merged([m.replies(idle_s) for m in self.members], self.per):
+                if batch and first.first_token_at is None:
+                    first.first_token()
+                yield batch
+        except EndedEarly as e:
+            self.end_reason = e.reason  # the first prompt to end early ends them all
+            raise
+
+    async def close(self, reason: str | None = None) -> None:
+        for m in self.members:
+            await m.close(reason)
+
+
+async def merged(sources: list[AsyncIterator[Batch]], per: int) -> AsyncIterator[Batch]:
+    """Batches of every source as they come, choice indices shifted by the source's place; the first error of
+    any source ends it (the others are cancelled)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, source: AsyncIterator[Batch]) -> None:
+        try:
+            async for batch in source:
+                shifted = [(eid, msgspec.structs.replace(ev, index=ev.index + k * per)) for eid, ev in batch]
+                await queue.put((shifted, None))
+        except Exception as e:  # EndedEarly: the caller maps it
+            await queue.put((None, e))
+            return
+        await queue.put((None, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(sources)]
+    try:
+        live = len(tasks)
+        while live:
+            batch, error = await queue.get()
+            if error is not None:
+                raise error
+            if batch is None:
+                live -= 1
+                continue
+            yield batch
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t

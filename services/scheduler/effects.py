@@ -1,0 +1,139 @@
+"""What the scheduler writes to Redis, as data: the request book (services/scheduler/book.py) returns these, and
+`EffectWriter.apply` is the one place that turns them into commands on a pipeline. The worker's loop decides
+when a pipeline goes (services/scheduler/main.py: a step's effects with the next step's exchange, an admission's
+at once), so reading the loop tells when an XADD or XACK happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.client import Pipeline
+
+from shared import records, streams
+from shared.consumer_group import GroupConsumer
+from shared.keys import Keys
+from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, TokenDelta, encode
+from shared.routing import PageChanges, SchedulerLanes
+
+# Detokenize entries published between two updates of the mean entry size (the stream's MAXLEN follows it).
+ENTRY_SIZE_WEIGHT = 1 / 64
+MIN_DETOKENIZE_MAXLEN = 1_000  # steps kept at least, however large the entries
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """One detokenize entry: deltas of one step (or a drop's last ones), in this order."""
+
+    deltas: list[TokenDelta]
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """All tokens of a request so far, straight into its reply stream (what a successor resumes from)."""
+
+    uid: str
+    checkpoint: ReplyCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Schedule entries whose requests ended here (or were never ours to run): acknowledged after every other
+    write of the same pipeline."""
+
+    entries: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The request ends with this error: to its client, and its record says `failed`."""
+
+    uid: str
+    error: ReplyError
+
+
+@dataclass(frozen=True, slots=True)
+class EndAborted:
+    """A request aborted before it ran: every choice ends with finish_reason "abort"."""
+
+    uid: str
+    n: int
+    reason: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordAbort:
+    """A running request dropped by an abort: its record says why (its choices end by a Publish of abort
+    deltas), and its abort flag need not outlive it."""
+
+    uid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRunning:
+    """A request the engine took: its record names this scheduler and entry, before any of its deltas."""
+
+    uid: str
+    entry: str
+    max_tokens: int
+    stop: str | None  # its stop strings as JSON, for a detokenizer that did not see a choice's first delta
+
+
+Effect = Publish | Checkpoint | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
+
+
+class EffectWriter:
+    """Turns effects into commands on a pipeline (`apply`); nothing else in the scheduler writes to Redis, but
+    for a takeover's fence (services/scheduler/recovery.py), the heartbeat and the lanes' upkeep."""
+
+    def __init__(self, keys: Keys, source: GroupConsumer, lanes: SchedulerLanes, scheduler_id: str,
+                 detokenize_key: str, ttl: int, maxlen: int, detokenize_budget_mb: float):
+        self.keys, self.source, self.lanes, self.id = keys, source, lanes, scheduler_id
+        self.detokenize_key, self.ttl, self.maxlen = detokenize_key, ttl, maxlen
+        self.budget_bytes = detokenize_budget_mb * 2**20
+        self.entry_bytes = 1024.0  # mean size of the detokenize entries published (bytes), for their MAXLEN
+        self._write: dict[type, Callable[[Pipeline, Any], None]] = {
+            Publish: self.publish, Checkpoint: self.checkpoint, Fail: self.fail, EndAborted: self.end_aborted,
+            RecordAbort: self.record_abort, RecordRunning: self.record_running, PageChanges: lanes.write_pages}
+
+    def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> None:
+        """Queue every effect's commands, in order, then one acknowledgement of all the entries they end."""
+        acks: list[str] = []
+        for e in effects:
+            if isinstance(e, Ack):
+                acks += e.entries
+            else:
+                self._write[type(e)](pipe, e)
+        self.source.ack_in(pipe, acks)
+
+    def publish(self, pipe: Pipeline, e: Publish) -> None:
+        """XADD the deltas to the model's detokenize stream, capped near --detokenize-budget-mb: MAXLEN ~ the
+        budget over the mean entry size. Detokenizers read an entry within milliseconds and every worker trims
+        what its group acknowledged every 10 s, so the cap only bites when no detokenizer reads for a long while
+        (entries trimmed unread are token ranges lost: their requests end at their deadline), not Redis' memory."""
+        data = encode(DetokenizeBatch(self.id, e.step, e.deltas))
+        self.entry_bytes += (len(data) - self.entry_bytes) * ENTRY_SIZE_WEIGHT
+        maxlen = max(MIN_DETOKENIZE_MAXLEN, int(self.budget_bytes / self.entry_bytes))
+        streams.add_data(pipe, self.detokenize_key, data, maxlen)
+
+    def checkpoint(self, pipe: Pipeline, e: Checkpoint) -> None:
+        records.reply(pipe, self.keys, e.uid, e.checkpoint, self.ttl, self.maxlen, refresh_ttl=False)
+
+    def fail(self, pipe: Pipeline, e: Fail) -> None:
+        records.end_failed(pipe, self.keys, e.uid, e.error, self.ttl, self.maxlen)
+
+    def end_aborted(self, pipe: Pipeline, e: EndAborted) -> None:
+        records.end_aborted(pipe, self.keys, e.uid, e.n, e.reason, self.ttl, self.maxlen, e.prompt_tokens)
+
+    def record_abort(self, pipe: Pipeline, e: RecordAbort) -> None:
+        records.set_status(pipe, self.keys, e.uid, self.ttl, error=f"aborted: {e.reason}")
+        pipe.expire(self.keys.abort(e.uid), self.ttl)  # an operator's flag need not outlive the request
+
+    def record_running(self, pipe: Pipeline, e: RecordRunning) -> None:
+        records.set_status(pipe, self.keys, e.uid, self.ttl, "running", scheduler=self.id, entry=e.entry,
+                           max_tokens=e.max_tokens, stop=e.stop)

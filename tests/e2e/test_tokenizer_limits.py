@@ -1,0 +1,45 @@
+"""The tokenizer refuses a prompt that cannot fit the context before tokenizing it, and a huge job holds
+back nobody: a 4 MiB prompt took 23.6 s to be refused (the demo model's tokenizer), a 1-token request sent
+0.5 s after it waited as long, and the refusal was made twice (a claim took the entry after 1 s)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support.stack import MODEL
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_huge_prompt_is_refused_at_once_and_does_not_delay_the_next_request(stack):
+    out: dict = {}
+
+    def huge() -> None:
+        began = time.monotonic()
+        out["huge"] = httpx.post(f"{stack.base_url}/v1/completions", timeout=90, json={
+            "model": MODEL, "prompt": "lorem ipsum " * (4 * 2**20 // 12), "max_tokens": 1})
+        out["huge_s"] = time.monotonic() - began
+
+    t = threading.Thread(target=huge)
+    t.start()
+    time.sleep(0.5)
+    began = time.monotonic()
+    small = httpx.post(f"{stack.base_url}/v1/completions", timeout=90, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 1})
+    small_s = time.monotonic() - began
+    t.join(90)
+    assert small.status_code == 200 and small_s < 3.0, small_s
+    resp = out["huge"]
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
+    assert out["huge_s"] < 5.0, out["huge_s"]  # most of it is the API reading and parsing 4 MiB
+    r = stack.redis()
+    [uid] = [stack.keys.uid_of_request_key(k) for k in r.scan_iter(match=stack.keys.request_pattern())
+             if "bytes cannot fit" in (r.hget(k, "error") or "")]
+    log = "".join(p.read_text(errors="replace") for p in stack.log_dir.glob("*.log"))
+    assert log.count(f"uid={uid} refused") == 1  # done once: no claim took it mid-way

@@ -1,0 +1,95 @@
+"""rsinfer/launcher.py with real child processes (small standard-library modules stand in for a stage): the
+environment each gets, its log, a death noticed while waiting, and stop/kill reaching what it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rsinfer.launcher import Launcher, ProcessDied
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_each_process_gets_the_shared_environment_and_its_own(monkeypatch):
+    monkeypatch.setenv("RSINFER_FROM_THE_CALLER", "1")
+    monkeypatch.setenv("OTHER_FROM_THE_CALLER", "1")
+    shared = Launcher({"RSINFER_A": "a", "RSINFER_B": "b", "OTHER_FROM_THE_CALLER": None})
+    env = shared.env(RSINFER_B="own", RSINFER_C="c")
+    assert env["RSINFER_A"] == "a" and env["RSINFER_B"] == "own" and env["RSINFER_C"] == "c"
+    assert env["RSINFER_FROM_THE_CALLER"] == "1" and "OTHER_FROM_THE_CALLER" not in env
+    only_ours = Launcher({"RSINFER_A": "a"}, inherit_rsinfer=False).env()
+    assert "RSINFER_FROM_THE_CALLER" not in only_ours and only_ours["RSINFER_A"] == "a"
+    assert only_ours["PATH"] == os.environ["PATH"]
+
+
+def test_a_process_that_exits_is_reported_while_waiting_with_its_log(tmp_path: Path):
+    stack = Launcher(log_dir=tmp_path)
+    try:
+        stack.start("lister", "/no/such/file", module="json.tool")  # `python -m json.tool <role>`: exits 2
+        with pytest.raises(ProcessDied, match=r"lister \(exit 2\).*logs in"):
+            stack.wait_until(lambda: False, timeout=30)
+        assert "No such file" in (tmp_path / "lister.log").read_text()
+    finally:
+        stack.stop()
+    assert stack.procs == {}
+
+
+def test_wait_until_times_out_while_every_process_runs():
+    stack = Launcher()
+    try:
+        stack.start("server", "0", module="http.server")
+        with pytest.raises(TimeoutError):
+            stack.wait_until(lambda: False, timeout=0.5)
+    finally:
+        stack.stop()
+
+
+def test_stop_terminates_newest_first_and_kills_what_does_not_stop(tmp_path: Path):
+    stack = Launcher(log_dir=tmp_path, cwd=tmp_path)  # `python -m` finds modules in its cwd
+    # a process that ignores SIGTERM: stop() kills it once the grace is over
+    (tmp_path / "stubborn.py").write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                          "print('up', flush=True)\ntime.sleep(60)\n")
+    try:
+        first = stack.start("first", "0", module="http.server")
+        second = stack.start("second", "x", module="stubborn")
+        deadline = time.monotonic() + 20
+        while "up" not in (tmp_path / "second.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        began = time.monotonic()
+        stack.stop(grace=1.0)
+        assert time.monotonic() - began < 10
+        assert first.returncode == -signal.SIGTERM and second.returncode == -signal.SIGKILL
+    finally:
+        stack.stop()
+
+
+def test_with_groups_of_their_own_a_kill_reaches_the_grandchildren(tmp_path: Path):
+    """As `rsinfer up`'s children are reached when a test kills the `up` it started."""
+    parent = tmp_path / "parent.py"
+    parent.write_text("import subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    stack = Launcher(log_dir=tmp_path, own_groups=True, die_with_parent=False, cwd=tmp_path)
+    stack.start("parent", "x", module="parent")
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "parent.log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "parent.log").read_text().split()[0])
+    stack.kill("parent")
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild) and stack.procs == {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,0 +1,92 @@
+"""The tokenizer worker against a real redis-server: an entry is kept alive while it is being encoded, so no
+peer (nor this worker's own claimer) takes it and encodes it again; and a heavy job is encoded apart, so the
+small jobs of its read are forwarded without waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from services.tokenizer.main import HEAVY_JOB_CHARS, TokenizerWorker
+from shared.messages import SamplingParams, TokenizeJob, encode
+from shared.settings import TokenizerSettings
+from shared.streams import FIELD
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def worker(redis_server, demo_model_dir):
+    settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
+                                 claim_idle_ms=1000)
+    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    await w.source.ensure_group()
+    yield w
+    await w.close()
+
+
+def job(uid: str, prompt: str) -> TokenizeJob:
+    return TokenizeJob(uid=uid, model="demo", pod="p", created_at=time.time(), deadline=time.time() + 60,
+                       params=SamplingParams(max_tokens=4), prompt=prompt)
+
+
+async def read(w: TokenizerWorker, *jobs: TokenizeJob) -> list[tuple[str, dict[bytes, bytes]]]:
+    for j in jobs:
+        await w.redis.xadd(w.source.key, {FIELD: encode(j)})
+    resp = await w.redis.xreadgroup(w.group, w.id, {w.source.key: ">"}, count=len(jobs))
+    return [(eid.decode(), f) for eid, f in resp[0][1]]
+
+
+def slowed(w: TokenizerWorker, seconds: float, only_heavy: bool = False) -> None:
+    encode_jobs = w.encoder.encode
+
+    def slow(jobs):
+        if not only_heavy or any(w.encoder.job_bytes(j) > HEAVY_JOB_CHARS for j in jobs):
+            time.sleep(seconds)
+        return encode_jobs(jobs)
+
+    w.encoder.encode = slow
+
+
+async def scheduled(w: TokenizerWorker) -> set[str]:
+    from shared.messages import ScheduleJob, decode
+
+    return {decode(f[FIELD], ScheduleJob).uid for _, f in await w.redis.xrange(w.keys.schedule("demo"))}
+
+
+async def test_an_entry_being_encoded_is_kept_alive_against_claims(worker):
+    """A job that takes 2.5 s to encode, past the 1 s claim idle: a peer's claim finds nothing to take (before,
+    it took the entry after 1 s and encoded it a second time)."""
+    w = worker
+    slowed(w, 2.5)
+    keep_alive = asyncio.create_task(w.keep_alive())
+    entries = await read(w, job("slow", "hello there"))
+    handling = asyncio.create_task(w._deliver(entries, claimed=False))
+    await asyncio.sleep(1.8)
+    _, claimed, _ = await w.redis.xautoclaim(w.source.key, w.group, "peer", min_idle_time=1000, count=10)
+    assert claimed == []
+    await handling
+    keep_alive.cancel()
+    assert await scheduled(w) == {"slow"}
+    assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+
+
+async def test_a_heavy_job_does_not_hold_back_the_small_ones_of_its_read(worker):
+    w = worker
+    slowed(w, 2.0, only_heavy=True)
+    entries = await read(w, job("big", "word " * (HEAVY_JOB_CHARS // 5 + 100)), job("small", "hi"))
+    began = time.monotonic()
+    await w._deliver(entries, claimed=False)
+    assert time.monotonic() - began < 1.5  # the read is done with the small one; the big one goes on apart
+    assert await scheduled(w) == {"small"}
+    assert w.held_entries() == [entries[0][0]]  # kept alive while it is encoded
+    for _ in range(100):
+        if not w._heavy:
+            break
+        await asyncio.sleep(0.05)
+    # (past the demo model's 4,096-token context: its answer is a 400, written once it is encoded)
+    assert (await w.redis.hget(w.keys.request("big"), "status")) == b"failed"
+    assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
