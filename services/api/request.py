@@ -34,7 +34,6 @@ import anyio
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from shared.replies import OrderedReplies
 
 from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
@@ -44,6 +43,7 @@ from shared import records, streams
 from shared.keys import Keys
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
+from shared.reply_order import OrderedReplies
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN, Span, Tracer
 

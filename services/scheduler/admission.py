@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
-from shared.replies import ProducedTokens
 
 from services.scheduler.book import RequestBook, Running
 from services.scheduler.effects import Ack, Effect, EndAborted, Fail, RecordRunning
@@ -19,6 +18,7 @@ from services.scheduler.engine.base import EngineRequest, RequestRejected
 from shared import records
 from shared.consumer_group import Delivery
 from shared.messages import ReplyError, ScheduleJob
+from shared.reply_order import ProducedTokens
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
-from shared.replies import ProducedTokens
 
 from services.scheduler.admission import Found, Resumed
 from services.scheduler.book import Ends, RequestBook, Running
@@ -25,6 +24,7 @@ from shared import records, streams
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import Reply, ReplyError, ReplyFence, ScheduleJob, decode, encode
+from shared.reply_order import ProducedTokens
 
 log = logging.getLogger(__name__)
 

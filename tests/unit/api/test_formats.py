@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from shared.replies import OrderedReplies
-
 from services.api.formats import ChatFormat, CompletionFormat
 from shared.messages import ReplyEvent, TokenLogprob
+from shared.reply_order import OrderedReplies
 
 NO_COUNTS = OrderedReplies(1)  # no usage in these chunks
 

@@ -8,11 +8,11 @@ import time
 import types
 
 import pytest
-from shared.replies import OrderedReplies
 
 from services.api.metrics import Metrics
 from services.api.request import EndedEarly, RequestGroup, SingleRequest
 from shared.messages import ReplyError, ReplyEvent, encode
+from shared.reply_order import OrderedReplies
 
 
 def shared(redis=None) -> types.SimpleNamespace:

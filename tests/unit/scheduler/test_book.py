@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from redis.asyncio import Redis
-from shared.replies import ProducedTokens
 
 from services.scheduler.admission import Admission, Found, Resumed, Verdict
 from services.scheduler.book import Ends, RequestBook
@@ -24,6 +23,7 @@ from services.scheduler.engine.synthetic import SyntheticEngine
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
+from shared.reply_order import ProducedTokens
 from shared.routing import PageChanges, SchedulerLanes
 from shared.tracing import Tracer
 

@@ -8,13 +8,13 @@ import asyncio
 import uuid
 
 import pytest
-from shared.replies import OrderedReplies, ProducedTokens
 
 from services.detokenizer.main import DetokenizerWorker
 from services.scheduler.main import build_worker
 from shared import records, streams
 from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
+from shared.reply_order import OrderedReplies, ProducedTokens
 from shared.settings import DetokenizerSettings, SchedulerSettings
 
 pytestmark = pytest.mark.timeout(60)
