@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors
+from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
@@ -104,17 +105,20 @@ def create_app(settings: ApiSettings) -> Guard:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await svc.start()
+        await adapters.register_configured()  # --lora-modules
         try:
             await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
             await control.close()
+            await adapters.close()
             await svc.close()
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
     app.state.service = svc
     limits = svc.limits
     errors.install(app)
+    adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
 
     async def answer(request: Request, submission: Submission):
         request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
@@ -124,30 +128,32 @@ def create_app(settings: ApiSettings) -> Guard:
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest, limits)
         params = body.checked(limits)
-        await svc.admit(body.model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(body.model)))
+        model, adapter = await adapters.target(body.model, body.lora_path)
+        await svc.admit(model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(model, adapter)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest, limits)
         params = body.checked(limits)
-        await svc.admit(body.model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(body.model)))
+        model, adapter = await adapters.target(body.model, body.lora_path)
+        await svc.admit(model, body.budget(params))
+        return await answer(request, body.submission(params, svc.stamp(model, adapter)))
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
         params = body.checked(limits)
-        model = body.model or _only_model(svc)
+        model, adapter = await adapters.target(body.model or _only_model(svc), body.lora_path)
         await svc.admit(model, body.budget(params))
-        return await answer(request, body.submission(params, svc.stamp(model)))
+        return await answer(request, body.submission(params, svc.stamp(model, adapter)))
 
     @app.get("/v1/models")
     async def models():
         """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
         (`partial`, `scaled_to_zero`), when its requests wait for workers."""
         snap = svc.stages.snapshot
-        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()]}
+        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
@@ -155,7 +161,10 @@ def create_app(settings: ApiSettings) -> Guard:
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
         if model not in snap.models:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            card = await adapters.card_of(snap, model)  # a LoRA adapter's
+            if card is None:
+                raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            return card
         return snap.model_card(model)
 
     @app.get("/v1/requests/{uid}")

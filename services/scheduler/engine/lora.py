@@ -33,10 +33,7 @@ new name (e.g. `name@version` in a registry).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -50,31 +47,27 @@ import torch
 
 from services.scheduler.engine.base import RequestRejected
 from services.scheduler.engine.transfer import to_device
+from shared.lora_folder import (
+    LORA_TARGETS,
+    TENSOR_KEY,
+    WEIGHTS_FILE,
+    AdapterError,
+    check_target_modules,
+    config_json,
+    rank_and_scaling,
+)
 
 if TYPE_CHECKING:
     from services.scheduler.engine.sequence import Seq
 
 log = logging.getLogger(__name__)
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_SLOT = 0  # the zero adapter: base rows of a segment GEMM read it
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_CONFIG_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 RANK_ALIGN = 8  # the segment GEMM's CUTLASS kernels want 16-byte aligned rows (8 bf16/fp16 elements)
 SEGMENT_WORKSPACE_BYTES = 128 << 20  # flashinfer's SegmentGEMMWrapper: "the recommended size is 128 MiB"
 REMEMBERED_FAILURES = 256  # bad folders remembered (refused at add without another load), least recent dropped
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# adapter_config.json features that change the math beyond W + s B A; a folder with any of them set is refused
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save", "rank_pattern", "alpha_pattern",
-                "layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
-                "use_qalora", "use_bdlora", "arrow_config")
-
-
-class AdapterError(ValueError):
-    """An adapter folder the engine cannot use; the message says why (it is what the client reads)."""
 
 
 class AdapterSource(Protocol):
@@ -192,57 +185,17 @@ class HostAdapter:
 
 
 def read_config(folder: Path, max_rank: int) -> tuple[dict, int, float]:
-    """adapter_config.json checked: (the config, its rank, its scaling)."""
-    config = _config_json(folder)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise AdapterError(f"rank {rank} exceeds --max-lora-rank {max_rank}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise AdapterError(f"lora_alpha must be a number, got {alpha!r}")
-    on = [k for k in _UNSUPPORTED if config.get(k)]
-    if on:
-        raise AdapterError(f"uses {', '.join(on)}, which the engine does not serve")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"bias={config.get('bias')!r}: adapters with bias terms are not served")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return config, rank, float(scaling)
-
-
-def _config_json(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not folder.is_dir():
-        raise AdapterError(f"no adapter folder at {folder}")
-    if not path.is_file():
-        raise AdapterError(f"{CONFIG_FILE} is missing")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{CONFIG_FILE} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{CONFIG_FILE} is not a JSON object")
-    return config
-
-
-def _check_target_modules(config: dict, layout: LoraLayout) -> None:
-    wanted = config.get("target_modules")
-    if isinstance(wanted, list):
-        other = [t for t in wanted if not isinstance(t, str) or t.split(".")[-1] not in layout.shapes]
-        if other:
-            raise AdapterError(f"target_modules {other} are not projections this model lets adapters target "
-                               f"({', '.join(layout.shapes)})")
+    """adapter_config.json checked (shared/lora_folder.py): (the config, its rank, its scaling)."""
+    config = config_json(folder)
+    rank, scaling = rank_and_scaling(config, max_rank)
+    return config, rank, scaling
 
 
 def _tensor_keys(handle, layout: LoraLayout, rank: int) -> dict[tuple[str, int], dict[str, str]]:
     """(target, layer) -> {"A": key, "B": key}, with every key's shape and dtype checked (data not read)."""
     pairs: dict[tuple[str, int], dict[str, str]] = {}
     for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-        m = _KEY.match(key)
+        m = TENSOR_KEY.match(key)
         if m is None:
             raise AdapterError(f"tensor {key!r} is not a LoRA A/B weight of a projection (embeddings, heads and "
                                "biases are not served)")
@@ -275,7 +228,7 @@ def read_adapter(folder: Path, layout: LoraLayout, max_rank: int, dtype: torch.d
     from safetensors import SafetensorError, safe_open
 
     config, rank, scaling = read_config(folder, max_rank)
-    _check_target_modules(config, layout)
+    check_target_modules(config, layout.shapes)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise AdapterError(f"{WEIGHTS_FILE} is missing (only safetensors weights are served)")
