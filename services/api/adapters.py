@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
+from redis.exceptions import RedisError
 
 from services.api.errors import ApiError
 from services.api.registry import Snapshot, StageRegistry
@@ -89,7 +90,10 @@ class Adapters:
             return model, record.name
         if len(model) > self.settings.max_lora_name_chars:
             return model, None
-        found = await registry.lookup(self.svc.redis, self.svc.keys, [model])
+        try:
+            found = await registry.lookup(self.svc.redis, self.svc.keys, [model])
+        except (RedisError, OSError):  # admission answers for an unreachable Redis (503)
+            return model, None
         record = found.get(model)
         if record is None:
             return model, None
