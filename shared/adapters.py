@@ -28,7 +28,7 @@ from shared.keys import Keys
 from shared.messages import AdapterRecord, decode, encode
 from shared.storage import StorageLocation, check_prefix, parse_storage_url
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]*$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]*")
 
 # KEYS[1] the registry; ARGV: name, record JSON, most registrations, "new" (refuse a name taken) or "config" (keep
 # an equal registration, replace another: --lora-modules). Returns {1, record} written, {0, current} kept, {-1}
@@ -98,7 +98,7 @@ def name_problem(name: object, max_chars: int) -> str | None:
         return "lora_name must be a non-empty string"
     if len(name) > max_chars:
         return f"lora_name has {len(name)} characters; at most {max_chars} (--max-lora-name-chars)"
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         return ("lora_name may hold letters, digits and . _ : / + - only, and starts with a letter or a digit; got "
                 f"{name[:80]!r}")
     return None
