@@ -361,14 +361,15 @@ class LoraManager:
 
     # ---- slots (the step thread, between steps)
 
-    def prepare(self, waiting: Iterable[Seq], running: Iterable[Seq]) -> list[tuple[Seq, str]]:
+    def prepare(self, waiting: Iterable[Seq], running: Iterable[Seq]) -> list[tuple[Seq, str, int]]:
         """Bind waiting sequences to their adapters' slots, place adapters that finished loading (evicting
-        idle ones, draining busy ones when none is idle), and return the sequences whose adapter failed, with why."""
+        idle ones, draining busy ones when none is idle), and return the sequences whose adapter failed, with why and
+        the HTTP status it maps to."""
         if not self.pending:
             return []
         waiting = list(waiting)
         wanting: dict[str, list[Seq]] = {}
-        failed: list[tuple[Seq, str]] = []
+        failed: list[tuple[Seq, str, int]] = []
         for seq in waiting:
             name = seq.req.adapter
             if name is None or seq.adapter_slot:
@@ -377,10 +378,10 @@ class LoraManager:
             if entry.slot and entry.slot not in self.draining:
                 self._bind(seq, entry)
             elif entry.future is not None and entry.future.done() and entry.future.exception() is not None:
-                failed.append((seq, self._failure(entry)))
+                failed.append((seq, *self._failure(entry)))
             else:
                 wanting.setdefault(name, []).append(seq)
-        for seq, _ in failed:
+        for seq, _, _ in failed:
             self.entries.pop(seq.req.adapter, None)  # type: ignore[arg-type]
         if wanting:
             self._place(wanting, waiting, running)
@@ -390,14 +391,16 @@ class LoraManager:
         self.pending = any(not s.adapter_slot for seqs in wanting.values() for s in seqs)
         return failed
 
-    def _failure(self, entry: _Entry) -> str:
+    def _failure(self, entry: _Entry) -> tuple[str, int]:
+        """Why a load failed, and its status: 400 a folder that cannot be served, 404 a name no longer known (an
+        unload), 500 anything else (storage unreachable: a later request loads it again)."""
         exc = entry.future.exception()  # type: ignore[union-attr]
         if isinstance(exc, AdapterError):
-            return f"LoRA adapter '{entry.name}' cannot be used: {exc}"
+            return f"LoRA adapter '{entry.name}' cannot be used: {exc}", 400
         if isinstance(exc, KeyError):
-            return f"no LoRA adapter named '{entry.name}'"
+            return f"no LoRA adapter named '{entry.name}'", 404
         log.warning("LoRA adapter %r failed to load: %s: %s", entry.name, type(exc).__name__, exc)
-        return f"LoRA adapter '{entry.name}' could not be loaded: {type(exc).__name__}: {exc}"
+        return f"LoRA adapter '{entry.name}' could not be loaded: {type(exc).__name__}: {exc}", 500
 
     def _bind(self, seq: Seq, entry: _Entry) -> None:
         seq.adapter_slot = entry.slot

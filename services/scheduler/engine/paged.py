@@ -243,9 +243,9 @@ class PagedEngine:
         if self.lora is None:
             return []
         outputs = []
-        for seq, error in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
+        for seq, error, status in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
             if not seq.ended:
-                outputs += self._fail([seq], error)
+                outputs += self._fail([seq], error, status, "model" if status < 500 else None)
         return outputs
 
     @staticmethod

@@ -221,6 +221,7 @@ def test_a_storage_failure_fails_the_request_and_a_later_one_loads(demo_model, a
     out = drain(eng)
     (last,) = out[("first", 0)]
     assert last.finish_reason == "error" and "could not be loaded" in last.error and "unreachable" in last.error
+    assert last.error_status == 500
     eng.add(_req("second", ps[1], "chat"))  # not remembered as bad: tried again
     assert tokens(drain(eng)[("second", 0)]) == reference[("chat", 1)]
     assert source.fetches == 2
@@ -301,6 +302,7 @@ def test_a_bad_folder_fails_its_request_then_is_refused_at_add(demo_model, tmp_p
     out = drain(eng, {0: [_req("bad", ps[0], "bad"), _req("base", ps[0])]})
     (failed,) = out[("bad", 0)]
     assert failed.finish_reason == "error" and why in failed.error and "LoRA adapter 'bad'" in failed.error
+    assert failed.error_status == 400 and failed.error_param == "model", "the client's folder: a 400"
     assert tokens(out[("base", 0)]) == reference[(None, 0)], "the step loop went on"
     with pytest.raises(RequestRejected, match="cannot be used") as e:
         eng.add(_req("again", ps[0], "bad"))
@@ -309,6 +311,18 @@ def test_a_bad_folder_fails_its_request_then_is_refused_at_add(demo_model, tmp_p
     assert eng.evict_adapter("bad"), "an unload forgets the verdict"
     eng.add(_req("retried", ps[0], "bad"))
     assert drain(eng)[("retried", 0)][-1].finish_reason == "error"
+    _check_idle(eng)
+
+
+def test_an_adapter_unregistered_while_its_request_waits_is_a_404(demo_model, adapters, ps):
+    source = GatedSource({"chat": adapters["chat"][0]})
+    source.error = KeyError("chat")  # the registry forgot it before the loader fetched it
+    eng = _engine(demo_model, source)
+    eng.add(_req("waits", ps[1], "chat"))
+    source.gate.set()
+    (last,) = drain(eng)[("waits", 0)]
+    assert last.finish_reason == "error" and last.error_status == 404 and last.error_param == "model"
+    assert "no LoRA adapter named 'chat'" in last.error
     _check_idle(eng)
 
 
