@@ -12,6 +12,8 @@ naming its field, and the scheduler serves on; `/v1/models`, `/metrics` and `rsi
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,8 +23,12 @@ import httpx
 import openai
 import pytest
 
-from tests.support.helpers import wait_for, workers
+from rsinfer.launcher import api_ready
+from shared.redis_server import free_port
+from tests.support.helpers import live_names, wait_for, workers
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack, start_replicas
+from tests.support.streaming import Streamer
+from tests.support.streaming import reference as texts_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,10 +80,14 @@ def lora(redis_server, demo_model_dir, tmp_path_factory, made):
     """The stack, once for the module: "sql" registered by the scheduler's --lora-modules, "chat", "mlp" and
     "kv" loaded through the API (each through another process of the two)."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "lora")
-    env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": str(SLOTS), "RSINFER_MAX_LORA_RANK": "16",
-           "RSINFER_MAX_ADAPTERS": "8", "RSINFER_MAX_KV_TOKENS": "8192", "RSINFER_PAGE_SIZE": "4"}
+    store = tmp_path_factory.mktemp("store")
+    s.store = store
+    s.lora_env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": str(SLOTS), "RSINFER_MAX_LORA_RANK": "16",
+                  "RSINFER_MAX_ADAPTERS": "8", "RSINFER_MAX_KV_TOKENS": "8192", "RSINFER_PAGE_SIZE": "4",
+                  "RSINFER_STORAGE_URL": f"file://{store}", "RSINFER_STORAGE_CACHE_DIR": str(store / ".cache"),
+                  "RSINFER_LORA_MODULES": f"sql={made['sql'][0]}"}
     try:
-        s.api_ports = start_replicas(s, {}, apis=2, RSINFER_LORA_MODULES=f"sql={made['sql'][0]}", **env)
+        s.api_ports = start_replicas(s, {}, apis=2, **s.lora_env)
         wait_for(lambda: "sql" in _names(s), 60, 0.2)
         for k, name in enumerate(("chat", "mlp", "kv")):
             resp = load(s, name, made[name][0], api=k % 2)
@@ -349,3 +359,56 @@ def test_adapter_state_in_the_heartbeat_metrics_and_inspect(lora):
                          env=lora.env())
     assert out.returncode == 0, out.stderr
     assert "ADAPTER" in out.stdout and "sql" in out.stdout and f"{MODEL}" in out.stdout
+
+
+def test_an_adapter_from_the_object_store(lora, made, reference):
+    folder = lora.store / "adapters" / "stored-mlp"
+    shutil.copytree(made["mlp"][0], folder)
+    resp = load(lora, "stored-mlp", f"file://{folder}", api=1)
+    assert resp.status_code == 200, resp.text
+    try:
+        card = client(lora).models.retrieve("stored-mlp")
+        assert card.root == "store:adapters/stored-mlp" and card.parent == MODEL
+        assert generate(lora, "stored-mlp", PROMPTS[2])["output_ids"] == reference[("mlp", 2)]
+        assert any((lora.store / ".cache").iterdir()), "the scheduler fetched it into its cache"
+    finally:
+        assert unload(lora, "stored-mlp").status_code == 200
+    resp = load(lora, "stored-none", f"file://{lora.store}/adapters/none")
+    assert resp.status_code == 400 and "adapter_config.json is missing" in resp.json()["error"]["message"]
+
+
+def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
+    port = free_port()
+    lora.start("api-keyed", "api", **{**lora.lora_env, "RSINFER_PORT": str(port), "RSINFER_API_KEY": "k3y"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        lora.wait_until(lambda: api_ready(base), 60, "keyed api")
+        body = {"lora_name": "keyed", "lora_path": str(made["kv"][0])}
+        assert httpx.post(f"{base}/v1/load_lora_adapter", json=body).status_code == 401
+        auth = {"Authorization": "Bearer k3y"}
+        assert httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=auth, timeout=30).status_code == 200
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}).status_code == 401
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}, headers=auth,
+                          timeout=30).status_code == 200
+    finally:
+        lora.kill("api-keyed")
+
+
+def test_a_scheduler_killed_mid_generation_finishes_on_a_peer_with_the_same_text(lora):
+    """Last in the module: the peer started here serves from then on. The frozen scheduler holds requests of
+    three adapters and the base; the peer claims them, loads their adapters, resumes each from its reply stream."""
+    bodies = [{"model": m or MODEL, "messages": [{"role": "user", "content": f"crash test {k}"}], "max_tokens": 120,
+               "temperature": 0, "ignore_eos": True} for k, m in enumerate([None, "sql", "chat", "mlp"])]
+    expected = texts_of(lora, bodies)
+    [old] = live_names(lora, "scheduler")
+    runs = [Streamer(lora.base_url, b) for b in bodies]
+    wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=60)
+    lora.procs[old].send_signal(signal.SIGSTOP)  # it holds every request and will never finish them
+    lora.start("scheduler-peer", "scheduler", **lora.lora_env)
+    wait_for(lambda: "scheduler-peer" in live_names(lora, "scheduler"), timeout=90)
+    lora.kill(old)
+    assert [r.result(90) for r in runs] == expected
+    records = [lora.redis().hgetall(lora.keys.request(r.uid)) for r in runs]
+    assert all(rec["scheduler"].startswith("scheduler-peer@") for rec in records), records
+    peer = wait_for(lambda: [w.load for w in workers(lora, "scheduler") if w.name == "scheduler-peer"], 10)[0]
+    assert peer["lora_loads"] >= 3 and {a.split("@")[0] for a in peer["lora_adapters"]} >= {"sql", "chat", "mlp"}
