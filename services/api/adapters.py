@@ -215,7 +215,10 @@ class Adapters:
         records = await registry.registered(self.svc.redis, self.svc.keys)
         return [self.card(snap, r) for _, r in sorted(records.items())]
 
-    async def card_of(self, snap: Snapshot, name: str) -> dict | None:
+    async def model_card(self, snap: Snapshot, name: str) -> dict | None:
+        """`GET /v1/models/<name>`: a base model's card, or an adapter's, or None."""
+        if name in snap.models:
+            return snap.model_card(name)
         if len(name) > self.settings.max_lora_name_chars:
             return None
         record = (await registry.lookup(self.svc.redis, self.svc.keys, [name])).get(name)

@@ -160,12 +160,10 @@ def create_app(settings: ApiSettings) -> Guard:
         snap = svc.stages.snapshot
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
-        if model not in snap.models:
-            card = await adapters.card_of(snap, model)  # a LoRA adapter's
-            if card is None:
-                raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-            return card
-        return snap.model_card(model)
+        card = await adapters.model_card(snap, model)  # a base model's, or a LoRA adapter's
+        if card is None:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return card
 
     @app.get("/v1/requests/{uid}")
     async def get_request(uid: str):
