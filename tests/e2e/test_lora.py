@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -412,3 +413,63 @@ def test_a_scheduler_killed_mid_generation_finishes_on_a_peer_with_the_same_text
     assert all(rec["scheduler"].startswith("scheduler-peer@") for rec in records), records
     peer = wait_for(lambda: [w.load for w in workers(lora, "scheduler") if w.name == "scheduler-peer"], 10)[0]
     assert peer["lora_loads"] >= 3 and {a.split("@")[0] for a in peer["lora_adapters"]} >= {"sql", "chat", "mlp"}
+
+
+def _rounds(s: Stack, names: list[str], rounds: int) -> list[str]:
+    """Each adapter `rounds` times, in an order of no pattern (the same every run), one request at a time; the
+    uids, in `_order(names, rounds)`."""
+    uids = []
+    for name in _order(names, rounds):
+        resp = httpx.post(f"{s.base_url}/v1/completions", timeout=60, json={
+            "model": name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        uids.append(resp.json()["id"].removeprefix("cmpl-"))
+    return uids
+
+
+def _order(names: list[str], rounds: int) -> list[str]:
+    import random
+
+    order = names * rounds
+    random.Random(23).shuffle(order)
+    return order
+
+
+def _loads(s: Stack) -> tuple[int, int]:
+    loads = [w.load for w in workers(s, "scheduler")]
+    return sum(ld["lora_loads"] for ld in loads), sum(ld["lora_evictions"] for ld in loads)
+
+
+def test_adapter_aware_routing_sends_each_request_where_its_adapter_is_loaded(redis_server, demo_model_dir,
+                                                                             tmp_path_factory, made):
+    """2 schedulers of 2 slots, 4 adapters, requests for each in turn: routed, each adapter is loaded once, on one
+    scheduler, and every later request lands there; from the shared stream (the same stack, its tokenizer
+    restarted without --prefix-routing) whoever reads a request loads its adapter."""
+    names = ["sql", "chat", "mlp", "kv"]
+    modules = " ".join(f"{n}={made[n][0]}" for n in names)
+    env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": "2", "RSINFER_MAX_KV_TOKENS": "4096", "RSINFER_LORA_MODULES": modules}
+    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "lroute")
+    try:
+        start_replicas(s, {"scheduler": 2}, apis=1, RSINFER_PREFIX_ROUTING="true", **env)
+        wait_for(lambda: [w.load.get("routing_to") for w in workers(s, "tokenizer")] == [2], 60, 0.2)
+        uids = _rounds(s, names, 4)
+        routed_loads, routed_evictions = wait_for(lambda: (got := _loads(s))[0] >= 4 and got, 10, 0.2)
+        records = [s.redis().hgetall(s.keys.request(u)) for u in uids]
+        assert all("/" in rec["entry"] for rec in records), "each went to a scheduler's own stream"
+        where = {}
+        for name, rec in zip(_order(names, 4), records, strict=True):
+            where.setdefault(name, set()).add(rec["scheduler"])
+        assert all(len(on) == 1 for on in where.values()), where
+        assert (routed_loads, routed_evictions) == (4, 0)
+        s.kill("tokenizer1", signal.SIGTERM)
+        s.start("tokenizer2", "tokenizer", **env)
+        wait_for(lambda: "tokenizer2" in live_names(s, "tokenizer"), 60, 0.2)
+        _rounds(s, names, 4)
+        ended = time.time()  # what the schedulers' next heartbeats count
+        wait_for(lambda: all(w.updated_at > ended for w in workers(s, "scheduler")), 10, 0.1)
+        shared_loads, shared_evictions = _loads(s)
+        print(f"\nLoRA loads for 16 requests of 4 adapters on 2 schedulers of 2 slots: routed {routed_loads} "
+              f"(evictions {routed_evictions}), shared stream {shared_loads - routed_loads} "
+              f"(evictions {shared_evictions - routed_evictions})")
+    finally:
+        s.stop()
