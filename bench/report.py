@@ -280,6 +280,36 @@ def prefix_section(pr: dict) -> list[str]:
     return lines
 
 
+LORA_ROUTING_RESULTS = Path(__file__).resolve().parent / "results" / "lora-routing.json"
+
+
+def lora_routing_section(lr: dict) -> list[str]:
+    """Adapter-aware routing against the shared stream, from bench/lora_routing.py's results (issue 23)."""
+    runs, cfg, meta = lr.get("runs", []), lr.get("config", {}), lr.get("meta", {})
+    if not runs:
+        return []
+    lines = ["", "## LoRA adapters: adapter-aware routing (issue 23)", "",
+             f"`bench/lora_routing.py`, measured {meta.get('started_at', '?')}"
+             f"{', commit `' + meta['commit'] + '`' if meta.get('commit') else ''}: {cfg.get('schedulers')} schedulers "
+             f"of {cfg.get('max_loras')} LoRA slots, {cfg.get('adapters')} random adapters (rank 16, every "
+             f"projection), {cfg.get('requests')} streamed `/generate` requests naming them in a seeded random order "
+             f"(the same in every row), {cfg.get('concurrency')} at a time, {cfg.get('max_tokens')} tokens each, on "
+             "the demo model on CPU; a fresh stack per row. Loads and evictions: all schedulers' (their heartbeats'); "
+             "routed: requests admitted from a scheduler's own stream. Routed, each adapter is loaded once, on the "
+             "scheduler with a free slot, and its later requests land there; from the shared stream whoever reads a "
+             "request loads its adapter, evicting another, and requests wait for those loads (on the demo model a "
+             "load costs milliseconds; on a GPU the copy of the adapter's weights).", "",
+             "| stream | LoRA loads | evictions | routed | TTFT p50 | TTFT p99 | output tok/s | wall | ok "
+             "| load before |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in runs:
+        lines.append(f"| {'adapter-aware routing' if x['routing'] else 'shared'} | {x['lora_loads']} "
+                     f"| {x['lora_evictions']} | {x['routed']}/{x['admitted']} | {x['ttft_p50_ms']:,.0f} ms "
+                     f"| {x['ttft_p99_ms']:,.0f} ms | {x['output_tok_per_s']:,.0f} | {x['wall_s']:.1f} s "
+                     f"| {x['ok']}/{x['requests']} | {x.get('loadavg_before', '')} |")
+    return lines
+
+
 def pipeline_ratio(r: dict) -> float | None:
     """Pipeline over engine in-process: the median of the interleaved pairs' ratios where recorded, else the
     ratio of the medians."""
@@ -429,7 +459,7 @@ def _pct(v) -> str:
 
 
 def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host: dict | None = None,
-             lora: dict | None = None) -> str:
+             lora: dict | None = None, lora_routing: dict | None = None) -> str:
     """docs/benchmarks.md from a results JSON (bench/run_all.py --report-only regenerates it)."""
     meta = r.get("meta", {})
     lines = [
@@ -470,6 +500,7 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host:
     lines += prefix_section(_get(r, "prefix_routing", default={}))
     lines += host_section(host or {})
     lines += lora_section(lora or {})
+    lines += lora_routing_section(lora_routing or {})
     if history:
         lines += ["", "## Run to run", "",
                   "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
@@ -511,6 +542,8 @@ METHOD = [
     "and throughput move with the machine's load as much as the others (the hit rate and routed share hardly do).",
     "- **LoRA step cost**: `bench/lora_bench.py`, described with its table above (not part of `make bench`: run it "
     "by itself; the page keeps its last results from `bench/results/lora-step.json`).",
+    "- **LoRA routing**: `bench/lora_routing.py`, described with its table above (not part of `make bench` either; "
+    "its last results are in `bench/results/lora-routing.json`).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]
@@ -587,7 +620,8 @@ def write_docs(r: dict, docs_path: Path, plot_dir: Path, history: list[dict] | N
     rel = [Path(_relative(p, docs_path.parent)).as_posix() for p in made]
     host = load(HOST_RESULTS) if HOST_RESULTS.exists() else {}
     lora = load(LORA_RESULTS) if LORA_RESULTS.exists() else {}
-    docs_path.write_text(markdown(r, rel, history, host, lora))
+    routing = load(LORA_ROUTING_RESULTS) if LORA_ROUTING_RESULTS.exists() else {}
+    docs_path.write_text(markdown(r, rel, history, host, lora, routing))
 
 
 def read_history(path: Path) -> list[dict]:

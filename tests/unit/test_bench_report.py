@@ -163,3 +163,18 @@ def test_lora_section_shows_each_configuration_against_no_adapters():
     assert report.lora_section({}) == []
     assert "## LoRA adapters" in report.markdown(RESULTS, [], lora=lora)
     assert "## LoRA adapters" not in report.markdown(RESULTS, [])
+
+
+def test_lora_routing_section_shows_routing_against_the_shared_stream():
+    run = {"requests": 64, "ok": 64, "routed": 0, "admitted": 64, "ttft_p50_ms": 180.0, "ttft_p99_ms": 660.0,
+           "wall_s": 14.1, "output_tok_per_s": 72.0, "loadavg_before": [1.0, 1.0, 1.0]}
+    routing = {"config": {"schedulers": 2, "max_loras": 2, "adapters": 4, "requests": 64, "concurrency": 4,
+                          "max_tokens": 16}, "meta": {"started_at": "2026-12-01 14:42 UTC", "commit": "abc"},
+               "runs": [{**run, "routing": False, "lora_loads": 42, "lora_evictions": 38},
+                        {**run, "routing": True, "lora_loads": 4, "lora_evictions": 0, "routed": 64}]}
+    text = "\n".join(report.lora_routing_section(routing))
+    assert "## LoRA adapters: adapter-aware routing (issue 23)" in text and "2 schedulers of 2 LoRA slots" in text
+    assert "| shared | 42 | 38 | 0/64 | 180 ms | 660 ms | 72 | 14.1 s | 64/64 |" in text
+    assert "| adapter-aware routing | 4 | 0 | 64/64 |" in text
+    assert report.lora_routing_section({}) == []
+    assert "adapter-aware routing (issue 23)" in report.markdown(RESULTS, [], lora_routing=routing)
