@@ -134,6 +134,14 @@ class AdapterSettings(BaseSettings):
                                      "what requests send as `model`)")
     max_lora_path_chars: int = Field(1024, ge=1, le=4096, description="longest `lora_path` of a LoRA adapter")
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_parse(cls, text: str) -> str:
+        from shared.adapters import parse_lora_modules
+
+        parse_lora_modules(text)  # a ValueError naming the entry: the process does not start
+        return text
+
 
 # -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
 class LivenessSettings(BaseSettings):

@@ -209,6 +209,8 @@ class Adapters:
                                                 base_model_name=module.base), mode="config")
             except ApiError as e:
                 log.error("--lora-modules %s=%s left out: %s", module.name, module.path, e.message)
+            except (RedisError, OSError) as e:  # the API serves without them (a scheduler may register them)
+                log.error("--lora-modules %s=%s not registered: Redis unreachable (%s)", module.name, module.path, e)
 
     # -- /v1/models ---------------------------------------------------------------------------------------
     async def cards(self, snap: Snapshot) -> list[dict]:

@@ -156,6 +156,8 @@ def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | N
     """`kind`: the record's (chat, completion, generate); `annotations`: what the client tells about itself, and
     what a reattach needs besides the format's fields; `label` by default says stream or full."""
     record = {"kind": kind, "n": jobs[0].params.n, **fmt.record_fields(), **(annotations or {})}
+    if jobs[0].adapter:  # the LoRA adapter the client named as `model` (a reattached stream says it too)
+        record["adapter"] = jobs[0].adapter
     return Submission(jobs, fmt, record, bool(stream), label or ("stream" if stream else "full"))
 
 

@@ -197,6 +197,9 @@ def test_completions_and_chat_through_the_openai_client_stream_as_they_answer(lo
     kw = dict(model=adapter, messages=[{"role": "user", "content": "Hello there"}], max_tokens=N, temperature=0)
     chat = client(lora).chat.completions.create(**kw)
     assert chat.model == adapter and chat.choices[0].message.content
+    with httpx.stream("GET", f"{url(lora, 1)}/v1/requests/{chat.id}/stream", timeout=30) as resp:
+        first = next(line for line in resp.iter_lines() if line.startswith("data: {"))
+    assert json.loads(first[6:])["model"] == adapter, "a reattached stream names the adapter too"
     streamed = "".join(c.choices[0].delta.content or "" for c in client(lora, 1).chat.completions.create(
         stream=True, **kw) if c.choices)
     assert streamed == chat.choices[0].message.content

@@ -89,3 +89,14 @@ async def test_a_field_that_is_no_record_is_no_adapter(env):
 
 def test_an_identity_gives_back_its_name():
     assert registry.adapter_name("org/sql@1a2b3c4d") == "org/sql" and registry.adapter_name("plain") == "plain"
+
+
+def test_a_bad_lora_modules_setting_stops_the_process_at_start():
+    from pydantic import ValidationError
+
+    from shared.settings import ApiSettings, SchedulerSettings
+
+    assert SchedulerSettings(lora_modules="sql=/a").lora_modules == "sql=/a"
+    for cls in (ApiSettings, SchedulerSettings):
+        with pytest.raises(ValidationError, match="is not name=path"):
+            cls(lora_modules="sql")
