@@ -298,7 +298,8 @@ def lora_routing_section(lr: dict) -> list[str]:
              "routed: requests admitted from a scheduler's own stream. Routed, each adapter is loaded once, on the "
              "scheduler with a free slot, and its later requests land there; from the shared stream whoever reads a "
              "request loads its adapter, evicting another, and requests wait for those loads (on the demo model a "
-             "load costs milliseconds; on a GPU the copy of the adapter's weights).", "",
+             "load costs milliseconds; on a GPU the copy of the adapter's weights). TTFT and throughput move with "
+             "the load of the machine's other processes (see each row's); the loads and evictions hardly do.", "",
              "| stream | LoRA loads | evictions | routed | TTFT p50 | TTFT p99 | output tok/s | wall | ok "
              "| load before |",
              "|---|---|---|---|---|---|---|---|---|---|"]
