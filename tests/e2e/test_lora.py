@@ -443,6 +443,7 @@ def _loads(s: Stack) -> tuple[int, int]:
     return sum(ld["lora_loads"] for ld in loads), sum(ld["lora_evictions"] for ld in loads)
 
 
+@pytest.mark.slow  # a stack of its own, with two schedulers (bench/lora_routing.py measures the same)
 def test_adapter_aware_routing_sends_each_request_where_its_adapter_is_loaded(redis_server, demo_model_dir,
                                                                              tmp_path_factory, made):
     """2 schedulers of 2 slots, 4 adapters, requests for each in turn: routed, each adapter is loaded once, on one
