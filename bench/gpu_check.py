@@ -16,7 +16,11 @@ Sections, each written to the results file as soon as it is done, and skipped on
    for results), GPU ms per step from back-to-back replays of the captured graph, and the share of a step
    the GPU is busy;
 4. host syncs per step by sampling mode (torch.cuda.set_sync_debug_mode warnings, plus the result waits);
-5. sampling: frequencies of flashinfer's fused kernels and of the torch path against the filtered softmax.
+5. sampling: frequencies of flashinfer's fused kernels and of the torch path against the filtered softmax;
+6. lora (bf16, random adapters of rank 16 on every projection and rank 8 on q/v): greedy text of the base and
+   4 adapters mixed, through grouped torch matmuls (torch attention, and flashinfer attention) and flashinfer's
+   segment GEMM (eager, and from the LoRA decode graphs); the first segment GEMM warm-up's time (a JIT
+   compile); decode ms per step at batch 16 and 64 with 0, 1 and 4 distinct adapters per engine.
 Without flashinfer it reports the torch engine alone. Figures only: nothing here fails on a slow result.
 """
 
@@ -124,12 +128,12 @@ def clone(model):
     return copy.to(p.device, p.dtype).eval()
 
 
-def engine(model, **kw):
+def engine(model, adapters=None, **kw):
     from services.scheduler.engine.paged import EngineConfig, PagedEngine
 
     cfg = dict(num_pages=512, page_size=16, max_running=16, prefill_budget=128, seed=0)
     cfg.update(kw)
-    return PagedEngine(model, set(), EngineConfig(**cfg))
+    return PagedEngine(model, set(), EngineConfig(**cfg), adapters=adapters)
 
 
 def prompts(lengths, vocab, seed=0):
@@ -518,6 +522,117 @@ class Check:
         return result
 
 
+    # ---- 6. LoRA adapters: segment GEMM and LoRA graphs against grouped matmuls, and their step cost
+
+    def lora(self) -> dict:
+        import tempfile
+
+        import torch
+
+        from services.scheduler.engine.lora import AdapterFolders
+
+        model = clone(self.model).to(torch.bfloat16)  # the segment GEMM's kernels are 16-bit (CPU smoke too)
+        with tempfile.TemporaryDirectory() as tmp:
+            folders = {f"a{k}": Path(tmp) / f"a{k}" for k in range(4)}
+            for k, folder in enumerate(folders.values()):
+                write_adapter(model, folder, rank=16 if k % 2 == 0 else 8, seed=k,
+                              targets=None if k % 2 == 0 else ("q_proj", "v_proj"))
+            source = AdapterFolders(folders)
+            kinds = {"torch": dict(backend="torch", cuda_graphs=False)}
+            if self.flashinfer:
+                kinds.update({"flashinfer+grouped": dict(backend="flashinfer", cuda_graphs=False, lora_backend="torch"),
+                              "flashinfer+segment": dict(backend="flashinfer", cuda_graphs=False),
+                              "flashinfer+segment+graphs": dict(backend="flashinfer", cuda_graphs=True)})
+            result: dict = {"texts": self._lora_texts(model, source, kinds)}
+            if self.left() > 40:
+                result["decode"] = self._lora_decode(model, source, kinds)
+        return result
+
+    def _lora_texts(self, model, source, kinds: dict) -> dict:
+        from services.scheduler.engine.base import EngineRequest
+        from shared.messages import SamplingParams
+
+        ps = prompts([40, 9, 130, 21, 64], self.shape["vocab_size"], seed=14)
+        greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        arrivals = {0: [EngineRequest("base", ps[0], greedy), EngineRequest("a0", ps[1], greedy, adapter="a0")],
+                    2: [EngineRequest(f"a{k}", ps[k + 1], greedy, adapter=f"a{k}") for k in (1, 2, 3)] +
+                       [EngineRequest("a0-again", ps[0], greedy, adapter="a0")]}
+        texts, out = {}, {}
+        for name, kw in kinds.items():
+            t = time.perf_counter()
+            eng = engine(clone(model), max_loras=4, adapters=source, **kw)
+            eng.warm_up()
+            out.setdefault("warm_up_s", {})[name] = round(time.perf_counter() - t, 1)
+            texts[name] = drain(eng, arrivals)
+            graphs = eng.runner.graphs
+            if graphs is not None:
+                out.setdefault("lora_replays", {})[name] = [graphs.lora_replays, graphs.replays]
+            eng.close()
+        ref = next(iter(texts.values()))
+        out["differs_from_base"] = sum(ref[k] != ref["base/0"] for k in ref if k != "base/0")
+        for name, got in texts.items():
+            out[f"{name}_vs_{next(iter(texts))}"] = f"{sum(got.get(k) == v for k, v in ref.items())}/{len(ref)}"
+        if "flashinfer+grouped" in texts:
+            grouped = texts["flashinfer+grouped"]
+            for name in ("flashinfer+segment", "flashinfer+segment+graphs"):
+                out[f"{name}_vs_flashinfer+grouped"] = f"{sum(texts[name].get(k) == v for k, v in grouped.items())}" \
+                                                      f"/{len(grouped)}"
+        return out
+
+    def _lora_decode(self, model, source, kinds: dict) -> dict:
+        from services.scheduler.engine.base import EngineRequest
+        from shared.messages import SamplingParams
+
+        steps, result = max(3, self.args.steps // 2), {}
+        timed = ("flashinfer+segment+graphs",) if self.args.cpu_smoke else ("torch", "flashinfer+segment+graphs")
+        for name in [k for k in kinds if k in timed]:
+            eng = engine(clone(model), num_pages=2048, max_running=64, prefill_budget=2048, max_loras=4,
+                         adapters=source, **kinds[name])
+            rows = {}
+            for batch in (4,) if self.args.cpu_smoke else (16, 64):
+                for distinct in (0, 1, 4):
+                    params = SamplingParams(max_tokens=steps + 12, temperature=0.0, ignore_eos=True)
+                    for i, p in enumerate(prompts([32] * batch, self.shape["vocab_size"], seed=batch)):
+                        eng.add(EngineRequest(f"r{i}", p, params, adapter=f"a{i % distinct}" if distinct else None))
+                    while eng.scheduler.waiting or any(not s.is_decode for s in eng.scheduler.running):
+                        eng.step()
+                    for _ in range(3):
+                        eng.step()
+                    sync(self.device)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        eng.step()
+                    sync(self.device)
+                    rows[f"{batch}x{distinct}"] = round(1e3 * (time.perf_counter() - t0) / steps, 3)
+                    for i in range(batch):
+                        eng.abort(f"r{i}")
+                    while eng.has_work():
+                        eng.step()
+            result[name] = {"ms_per_step (batch x distinct adapters)": rows, **eng.stats()}
+            eng.close()
+        return result
+
+
+def write_adapter(model, folder: Path, rank: int, seed: int, targets=None) -> None:
+    """A random PEFT LoRA folder (what peft's save_pretrained writes) on `targets` (None: every projection)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.scheduler.engine.lora import LORA_TARGETS
+
+    targets = targets or LORA_TARGETS
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
+            weights[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=g) / 32
+            weights[f"base_model.model.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=g) / 8
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                            "target_modules": list(targets), "bias": "none"}))
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
@@ -531,6 +646,7 @@ def run(args: argparse.Namespace) -> None:
     check.section("decode", check.decode, 60)
     check.section("syncs", check.syncs, 30)
     check.section("sampling", check.sampling, 5)
+    check.section("lora", check.lora, 60)
     check.save()
     print(f"wrote {check.out} after {check.report['elapsed_s']} s")
 

@@ -305,6 +305,37 @@ def prefix_section(pr: dict) -> list[str]:
     return lines
 
 
+LORA_ROUTING_RESULTS = Path(__file__).resolve().parent / "results" / "lora-routing.json"
+
+
+def lora_routing_section(lr: dict) -> list[str]:
+    """Adapter-aware routing against the shared stream, from bench/lora_routing.py's results (issue 23)."""
+    runs, cfg, meta = lr.get("runs", []), lr.get("config", {}), lr.get("meta", {})
+    if not runs:
+        return []
+    lines = ["", "## LoRA adapters: adapter-aware routing (issue 23)", "",
+             f"`bench/lora_routing.py`, measured {meta.get('started_at', '?')}"
+             f"{', commit `' + meta['commit'] + '`' if meta.get('commit') else ''}: {cfg.get('schedulers')} schedulers "
+             f"of {cfg.get('max_loras')} LoRA slots, {cfg.get('adapters')} random adapters (rank 16, every "
+             f"projection), {cfg.get('requests')} streamed `/generate` requests naming them in a seeded random order "
+             f"(the same in every row), {cfg.get('concurrency')} at a time, {cfg.get('max_tokens')} tokens each, on "
+             "the demo model on CPU; a fresh stack per row. Loads and evictions: all schedulers' (their heartbeats'); "
+             "routed: requests admitted from a scheduler's own stream. Routed, each adapter is loaded once, on the "
+             "scheduler with a free slot, and its later requests land there; from the shared stream whoever reads a "
+             "request loads its adapter, evicting another, and requests wait for those loads (on the demo model a "
+             "load costs milliseconds; on a GPU the copy of the adapter's weights). TTFT and throughput move with "
+             "the load of the machine's other processes (see each row's); the loads and evictions hardly do.", "",
+             "| stream | LoRA loads | evictions | routed | TTFT p50 | TTFT p99 | output tok/s | wall | ok "
+             "| load before |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in runs:
+        lines.append(f"| {'adapter-aware routing' if x['routing'] else 'shared'} | {x['lora_loads']} "
+                     f"| {x['lora_evictions']} | {x['routed']}/{x['admitted']} | {x['ttft_p50_ms']:,.0f} ms "
+                     f"| {x['ttft_p99_ms']:,.0f} ms | {x['output_tok_per_s']:,.0f} | {x['wall_s']:.1f} s "
+                     f"| {x['ok']}/{x['requests']} | {x.get('loadavg_before', '')} |")
+    return lines
+
+
 def pipeline_ratio(r: dict) -> float | None:
     """Pipeline over engine in-process: the median of the interleaved pairs' ratios where recorded, else the
     ratio of the medians."""
@@ -397,6 +428,54 @@ def host_section(h: dict) -> list[str]:
     return lines
 
 
+LORA_RESULTS = Path(__file__).resolve().parent / "results" / "lora-step.json"
+LORA_CONFIGS = (("no-lora", "no adapters (--max-loras 0)"), ("base", "adapters on, every row on the base"),
+                ("1-adapter", "1 adapter"), ("4-adapters", "4 distinct adapters"))
+
+
+def lora_section(lr: dict) -> list[str]:
+    """The step cost of LoRA adapters at batch 16 on CPU, from bench/lora_bench.py's results (issue 23)."""
+    shapes = lr.get("shapes") or {}
+    if not shapes:
+        return []
+    cfg, machine = lr.get("config", {}), lr.get("machine", {})
+    lines = ["", "## LoRA adapters: engine step time at batch 16 (issue 23)", "",
+             f"`bench/lora_bench.py`: the paged engine's decode step with {cfg.get('batch', 16)} rows, all on the base "
+             f"model, on one adapter, or 4 rows on each of 4 adapters; random adapters of rank {cfg.get('rank', '?')} "
+             f"on all seven projections (the dearest kind), {cfg.get('dtype', 'float32')}, "
+             f"{cfg.get('threads', 1)} torch thread, on CPU (grouped matmuls: one pair per adapter present in the "
+             "step). CPU ms is this process's CPU time per step (median step of a run, median of "
+             f"{cfg.get('runs', '?')} interleaved runs, and the best run); wall time moves with the other "
+             f"processes on the machine (the JSON has both). Measured {lr.get('when', '?')} on "
+             f"{machine.get('cpus', '?')} CPUs, load average {_load(machine.get('loadavg'))} before, "
+             f"{_load(machine.get('loadavg_after'))} after. A base-only step with adapters on runs exactly the ops "
+             "of one without (counted in tests/unit/engine/test_step_budgets.py), so its difference from `no "
+             "adapters` is noise. Adapter rows cost a pair of small matmuls per adapter present and projection (and "
+             "a gather and a scatter when its rows are not contiguous): on CPU their dispatch, more than their "
+             "arithmetic (1.7% of the Qwen3-0.6B shape's per token at rank 16), is the cost, so it grows with the "
+             "distinct adapters of a step and dominates on the 1M-parameter demo model. CUDA steps run two segment "
+             "GEMMs per projection whatever the adapters, decode steps from graphs (`bench/gpu_check.py`, "
+             "section 6).", "",
+             "| model | " + " | ".join(label for _, label in LORA_CONFIGS) + " |",
+             "|---|" + "---|" * len(LORA_CONFIGS)]
+    for shape, r in shapes.items():
+        c = r.get("configs", {})
+        cells = []
+        for key, _ in LORA_CONFIGS:
+            v = c.get(key)
+            runs = [x["cpu_ms"] for x in v.get("runs", [])] if v else []
+            best = f"; best {min(runs):.2f}" if runs else ""
+            cells.append("?" if v is None else f"{v['cpu_ms']:.2f} ms ({v['cpu_vs_no_lora']:.2f}x){best}")
+        params = r.get("params")
+        name = f"{shape} ({params / 1e6:,.0f}M parameters)" if params else shape
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _load(v) -> str:
+    return "?" if not v else " / ".join(f"{x:.1f}" for x in v)
+
+
 def _ms(v) -> str:
     return "?" if v is None else f"{v:.3f} ms"
 
@@ -405,7 +484,8 @@ def _pct(v) -> str:
     return "?" if v is None else f"{100 * v:.0f}%"
 
 
-def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host: dict | None = None) -> str:
+def markdown(r: dict, plots: list[str], history: list[dict] | None = None, *, host: dict | None = None,
+             lora: dict | None = None, lora_routing: dict | None = None) -> str:
     """docs/benchmarks.md from a results JSON (bench/run_all.py --report-only regenerates it)."""
     meta = r.get("meta", {})
     lines = [
@@ -445,6 +525,8 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, host:
         lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
     lines += prefix_section(_get(r, "prefix_routing", default={}))
     lines += host_section(host or {})
+    lines += lora_section(lora or {})
+    lines += lora_routing_section(lora_routing or {})
     if history:
         lines += ["", "## Run to run", "",
                   "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
@@ -484,6 +566,10 @@ METHOD = [
     "- **Prefix-aware routing**: `bench/prefix_routing.py`, described with its table above; each configuration "
     "runs on a fresh stack after one warm-up request, `--repeat` times (the summary rows take medians), so its TTFT "
     "and throughput move with the machine's load as much as the others (the hit rate and routed share hardly do).",
+    "- **LoRA step cost**: `bench/lora_bench.py`, described with its table above (not part of `make bench`: run it "
+    "by itself; the page keeps its last results from `bench/results/lora-step.json`).",
+    "- **LoRA routing**: `bench/lora_routing.py`, described with its table above (not part of `make bench` either; "
+    "its last results are in `bench/results/lora-routing.json`).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]
@@ -559,7 +645,9 @@ def write_docs(r: dict, docs_path: Path, plot_dir: Path, history: list[dict] | N
     made = plots(r, plot_dir)
     rel = [Path(_relative(p, docs_path.parent)).as_posix() for p in made]
     host = load(HOST_RESULTS) if HOST_RESULTS.exists() else {}
-    docs_path.write_text(markdown(r, rel, history, host))
+    lora = load(LORA_RESULTS) if LORA_RESULTS.exists() else {}
+    routing = load(LORA_ROUTING_RESULTS) if LORA_ROUTING_RESULTS.exists() else {}
+    docs_path.write_text(markdown(r, rel, history, host=host, lora=lora, lora_routing=routing))
 
 
 def read_history(path: Path) -> list[dict]:

@@ -45,6 +45,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
                     continue
                 for g in groups:
                     print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
+        await _print_adapters(redis, keys, workers)
         print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
@@ -55,6 +56,19 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         return 0
     finally:
         await redis.aclose()
+
+
+async def _print_adapters(redis, keys: Keys, workers: list) -> None:
+    """The LoRA adapters registered (shared/adapters.py), and which live schedulers hold each loaded."""
+    from shared.adapters import registered
+
+    records = await registered(redis, keys)
+    if not records:
+        return
+    print(f"\n{'ADAPTER':24} {'BASE':20} {'RANK':>4} {'RESIDENT ON':32} SOURCE")
+    for name, r in sorted(records.items()):
+        on = [w.id for w in workers if w.role == "scheduler" and r.identity in w.load.get("lora_adapters", ())]
+        print(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
 
 
 def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:

@@ -97,6 +97,12 @@ class Keys:
         No TTL: a declaration is configuration, not liveness, so a model stays known at zero workers."""
         return f"{self.namespace}:models"
 
+    def adapters(self) -> str:
+        """Hash of the LoRA adapters clients may name as `model`: field = the adapter's name, value = the JSON of
+        its `AdapterRecord` (shared/adapters.py). No TTL: a registration is configuration, bounded by
+        --max-adapters."""
+        return f"{self.namespace}:adapters"
+
     def dead(self) -> str:
         return f"{self.namespace}:dead"
 

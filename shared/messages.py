@@ -95,6 +95,9 @@ class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     background: bool = False  # it outlives its client
     priority: int = 0  # admission order in the engine: lower first
     trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
+    # The LoRA adapter it runs with: a name in the adapter registry (shared/adapters.py); inside a scheduler, the
+    # registration it resolved to (`AdapterRecord.identity`). None: the base model.
+    adapter: str | None = None
     v: int = VERSION
 
 
@@ -221,6 +224,28 @@ class ReplyError(msgspec.Struct, frozen=True, tag_field="kind", tag="error", omi
     code: str | None = None
     param: str | None = None
     v: int = VERSION
+
+
+class AdapterRecord(msgspec.Struct, frozen=True, tag_field="kind", tag="adapter", omit_defaults=True, kw_only=True):
+    """A LoRA adapter in the registry (the hash `rsinfer:adapters`, field = its name; shared/adapters.py), written by
+    the API (`POST /v1/load_lora_adapter`, `--lora-modules`) or a scheduler (`--lora-modules`): a PEFT folder at
+    `path` (one every scheduler can read), or under the prefix `stored` of the object store (--storage-url)."""
+
+    name: str  # what clients send as `model`
+    base: str  # the served model it adapts
+    version: str  # new at each registration: the same name loaded again may be other weights
+    path: str = ""
+    stored: str = ""
+    rank: int = 0  # as checked at registration (0: not checked)
+    targets: list[str] = []  # the projections it targets, as checked
+    created_at: float = 0.0
+    v: int = VERSION
+
+    @property
+    def identity(self) -> str:
+        """The name the engine knows it by: one registration, one set of weights (its prefix-cache pages, its
+        slot), so a name unloaded and loaded again is never served the KV or weights of the one before."""
+        return f"{self.name}@{self.version}"
 
 
 Reply = ReplyEvent | ReplyError | ReplyFence | ReplyCheckpoint

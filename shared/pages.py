@@ -3,7 +3,9 @@ this way (services/scheduler/engine/prefix_cache.py), and the tokenizer names th
 to find the scheduler that holds them (shared/routing.py).
 
 A page's digest is chained over every token before its end (the digest of the previous page plus this page's
-tokens), so equal digests mean equal prefixes, not just equal pages.
+tokens), so equal digests mean equal prefixes, not just equal pages. The chain of a request that runs with a LoRA
+adapter starts from the adapter's root (`adapter_root`) instead of b"": its pages hold other K/V than the base
+model's for the same tokens, so they are named apart, while the base model's digests stay what they were.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ def chain_digest(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + packed.tobytes(), digest_size=16).digest()
 
 
-def extend_digests(digests: list[bytes], tokens: list[int], page_size: int, upto_pages: int) -> None:
-    """Append the digests of pages len(digests)..upto_pages-1 (pages that are full in `tokens`)."""
+def adapter_root(adapter: str | None) -> bytes:
+    """The parent digest of the first page of a request that runs with LoRA adapter `adapter` (b"": the base)."""
+    if adapter is None:
+        return b""
+    return hashlib.blake2b(b"rsinfer-lora\0" + adapter.encode("utf-8"), digest_size=16).digest()
+
+
+def extend_digests(digests: list[bytes], tokens: list[int], page_size: int, upto_pages: int,
+                   root: bytes = b"") -> None:
+    """Append the digests of pages len(digests)..upto_pages-1 (pages that are full in `tokens`); `root` is the
+    first page's parent (`adapter_root`)."""
     upto_pages = min(upto_pages, len(tokens) // page_size)
     for i in range(len(digests), upto_pages):
-        parent = digests[i - 1] if i else b""
+        parent = digests[i - 1] if i else root
         digests.append(chain_digest(parent, tokens[i * page_size:(i + 1) * page_size]))

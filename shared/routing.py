@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -58,6 +58,8 @@ class Candidate:
     page_size: int
     load: float  # requests running and waiting in its engine at its last heartbeat
     beat_at: float = 0.0  # when that was (its clock)
+    adapters: frozenset[str] = frozenset()  # names of the LoRA adapters loaded in its engine
+    free_slots: int = 0  # LoRA slots holding no adapter
 
 
 def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -> str | None:
@@ -67,6 +69,17 @@ def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -
         return None
     best = max(cached, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
     return best if cached[best] > 0 else None
+
+
+def choose_for_adapter(adapter: str, candidates: Sequence[Candidate], load: dict[str, float]) -> str | None:
+    """The scheduler a job with LoRA adapter `adapter` goes to: the least loaded one holding it loaded, else the
+    least loaded one with a free slot, else None (the shared stream). Its prompt's pages are not scored: they are
+    named from the adapter's registration (shared/pages.py `adapter_root`), which only schedulers resolve."""
+    for fits in (lambda c: adapter in c.adapters, lambda c: c.free_slots > 0):
+        ids = [c.id for c in candidates if fits(c)]
+        if ids:
+            return min(ids, key=lambda s: (load[s], s))
+    return None
 
 
 class Router:
@@ -79,14 +92,20 @@ class Router:
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.candidates: list[Candidate] = []
         self.sent: dict[str, list[float]] = {}  # when this tokenizer routed a job to each scheduler
+        # LoRA adapters this tokenizer sent to a scheduler that did not hold them, and when: counted as held there
+        # (its slot taken) for a heartbeat TTL, while it loads them and until its heartbeats say so
+        self.assigned: dict[str, dict[str, float]] = {}
 
     async def refresh(self) -> None:
         """The model's live schedulers that publish their pages, with their load (from their heartbeats)."""
         self.candidates = [
             Candidate(w.id, int(w.load.get("prefix_page_size") or 0),
-                      float(w.load.get("running", 0)) + float(w.load.get("waiting", 0)), w.updated_at)
+                      float(w.load.get("running", 0)) + float(w.load.get("waiting", 0)), w.updated_at,
+                      frozenset(a.rpartition("@")[0] or a for a in w.load.get("lora_adapters", ())),
+                      max(0, int(w.load.get("lora_slots", 0)) - int(w.load.get("lora_resident", 0))))
             for w in await live_workers(self.redis, self.keys, self.ttl, role="scheduler")
             if w.model == self.model and w.load.get("prefix_page_size")]
+        self._with_assigned(time.time())
         beats = {c.id: c.beat_at for c in self.candidates}
         self.sent = {sid: [t for t in times if t > beats[sid]] for sid, times in self.sent.items() if sid in beats}
 
@@ -105,6 +124,45 @@ class Router:
         the shared stream. One pipelined round trip for the whole batch."""
         if not self.candidates or not jobs:
             return [None] * len(jobs)
+        if any(getattr(j, "adapter", None) for j in jobs):
+            return await self._route_adapters(jobs)
+        return await self._route_prefixes(jobs)
+
+    async def _route_adapters(self, jobs: Sequence[Any]) -> list[str | None]:
+        """Jobs with a LoRA adapter by `choose_for_adapter` (a scheduler it sends one to counts as holding it from
+        then on), the others by their prefixes."""
+        plain = [j for j in jobs if not getattr(j, "adapter", None)]
+        by_prefix = iter(await self._route_prefixes(plain) if plain else [])
+        load = {c.id: self.load(c) for c in self.candidates}
+        now, out = time.time(), []
+        for job in jobs:
+            if not getattr(job, "adapter", None):
+                out.append(next(by_prefix))
+                continue
+            target = choose_for_adapter(job.adapter, self.candidates, load)
+            if target is not None:
+                load[target] += 1
+                self.sent.setdefault(target, []).append(now)
+                self._now_holds(target, job.adapter)
+            log.debug("uid=%s adapter %s: %s", getattr(job, "uid", "?"), job.adapter, target or "shared stream")
+            out.append(target)
+        return out
+
+    def _now_holds(self, scheduler: str, adapter: str) -> None:
+        if not any(c.id == scheduler and adapter in c.adapters for c in self.candidates):
+            self.assigned.setdefault(scheduler, {})[adapter] = time.time()
+            self._with_assigned(time.time())
+
+    def _with_assigned(self, now: float) -> None:
+        """The candidates as their heartbeats say, plus the adapters assigned to them within a heartbeat TTL."""
+        self.assigned = {sid: {a: t for a, t in got.items() if now - t < self.ttl}
+                         for sid, got in self.assigned.items()}
+        for i, c in enumerate(self.candidates):
+            new = set(self.assigned.get(c.id, ())) - c.adapters
+            if new:
+                self.candidates[i] = replace(c, adapters=c.adapters | new, free_slots=max(0, c.free_slots - len(new)))
+
+    async def _route_prefixes(self, jobs: Sequence[Any]) -> list[str | None]:
         pages = {ps: [prompt_pages(j.input_ids, ps) for j in jobs] for ps in {c.page_size for c in self.candidates}}
         unique = {ps: list(dict.fromkeys(d for job in per_job for d in job)) for ps, per_job in pages.items()}
         asked = [c for c in self.candidates if unique[c.page_size]]

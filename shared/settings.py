@@ -116,6 +116,33 @@ class StorageSettings(BaseSettings):
         return url
 
 
+class AdapterSettings(BaseSettings):
+    """The LoRA adapter registry (shared/adapters.py): mixed into the settings of the API, which registers adapters
+    (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
+    start (either process may be given them)."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    lora_modules: str = Field("", json_schema_extra={"nargs": "+"}, description="LoRA adapters registered at "
+                              "start, separated by spaces: `name=path` (a PEFT folder every scheduler and API "
+                              "process can read, or an s3:// or file:// URL inside --storage-url's store), or "
+                              "vLLM's JSON form {\"name\": ..., \"path\": ..., \"base_model_name\": ...}; "
+                              "a scheduler registers them on its model")
+    max_adapters: int = Field(256, ge=1, le=100_000, description="most LoRA adapters registered at once, every "
+                              "model together: a load past it is refused with a 400")
+    max_lora_name_chars: int = Field(128, ge=1, le=200, description="longest LoRA adapter name (`lora_name`, and "
+                                     "what requests send as `model`)")
+    max_lora_path_chars: int = Field(1024, ge=1, le=4096, description="longest `lora_path` of a LoRA adapter")
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_parse(cls, text: str) -> str:
+        from shared.adapters import parse_lora_modules
+
+        parse_lora_modules(text)  # a ValueError naming the entry: the process does not start
+        return text
+
+
 # -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
 class LivenessSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
@@ -166,7 +193,7 @@ class DetokenizerSettings(StageSettings):
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
 
 
-class SchedulerSettings(StageSettings, StorageSettings):
+class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
     batch_size: int = Field(16, ge=1, description="most new requests taken in one read")
     # Its keep-alive touches held entries every third of this (StageWorker.keep_alive); a claim costs a resume,
     # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
@@ -203,6 +230,13 @@ class SchedulerSettings(StageSettings, StorageSettings):
                                           "may take in an engine step (a mask costs ~25 µs at 1k tokens, ~200 µs at "
                                           "152k); a request whose grammar takes longer fails with a 400, checked "
                                           "on its first masks before it joins the batch and at every step")
+    # -- LoRA adapters in the paged engine (services/scheduler/engine/lora.py): slots of stacked weights on the
+    # device, loaded and evicted at run time; their memory comes out of the KV cache's.
+    max_loras: int = Field(0, ge=0, le=256, description="LoRA adapters resident at once (slots of stacked "
+                           "weights allocated at start); a request whose adapter has no slot waits for one; "
+                           "0 = no adapters (a request naming one is refused)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="highest LoRA rank served: every slot is sized "
+                               "for it, and an adapter of a higher rank is refused when it loads")
 
 
 # -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
@@ -222,7 +256,7 @@ class ApiKeyFile(BaseSettings):
                               "--api-key, which `ps` shows; or RSINFER_API_KEY)")
 
 
-class ApiSettings(CommonSettings, StorageSettings, DrainSettings, ApiKeyFile):
+class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, ApiKeyFile):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -313,9 +347,18 @@ def flag_parser(settings_cls: type[BaseSettings], parser: argparse.ArgumentParse
         if _is_bool(field.annotation):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif isinstance(field.json_schema_extra, dict) and "nargs" in field.json_schema_extra:
+            # several values after one flag (`--lora-modules a=/x b=/y`), joined by spaces as in the environment
+            parser.add_argument(flag, dest=name, default=None, help=help_text, nargs=field.json_schema_extra["nargs"],
+                                action=_JoinValues)
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text,
                                 choices=_choices(field.annotation))
+
+
+class _JoinValues(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, " ".join(values))
 
 
 def _choices(annotation: object) -> list[str] | None:

@@ -18,6 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors
+from services.api.adapters import Adapters
+from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
@@ -106,32 +108,36 @@ def create_app(settings: ApiSettings) -> Guard:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await svc.start()
+        await adapters.register_configured()  # --lora-modules
         try:
             await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
             await control.close()
+            await adapters.close()
             await svc.close()
 
     app = FastAPI(title="rsinfer", lifespan=lifespan)
     app.state.service = svc
     errors.install(app)
-    add_generation_routes(app, svc)
-    add_model_routes(app, svc)
+    adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
+    add_generation_routes(app, svc, adapters)
+    add_model_routes(app, svc, adapters)
     add_request_routes(app, svc)
     add_probe_routes(app, svc)
     return Guard(app, settings)
 
 
-def add_generation_routes(app: FastAPI, svc: ApiService) -> None:
+def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
     """What generates: each body is parsed, checks its fields, is admitted, then answered."""
     limits = svc.limits
 
     async def answer(request: Request, body: Body):
         params = body.checked(limits)
-        model = body.model or _only_model(svc)  # only /generate may leave it out
+        # only /generate may leave the model out; a LoRA adapter's name stands for its base model and the adapter
+        model, adapter = await adapters.target(body.model or _only_model(svc), body.lora_path)
         await svc.admit(model, body.budget(params))
-        submission = body.submission(params, svc.stamp(model))
+        submission = body.submission(params, svc.stamp(model, adapter))
         request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
         return await svc.answer(request, submission)
 
@@ -151,22 +157,23 @@ def add_generation_routes(app: FastAPI, svc: ApiService) -> None:
         return await answer(request, body)
 
 
-def add_model_routes(app: FastAPI, svc: ApiService) -> None:
+def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
     @app.get("/v1/models")
     async def models():
         """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
         (`partial`, `scaled_to_zero`), when its requests wait for workers."""
         snap = svc.stages.snapshot
-        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()]}
+        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         snap = svc.stages.snapshot
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
-        if model not in snap.models:
+        card = await adapters.model_card(snap, model)  # a base model's, or a LoRA adapter's
+        if card is None:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return snap.model_card(model)
+        return card
 
 
 def add_request_routes(app: FastAPI, svc: ApiService) -> None:

@@ -311,7 +311,8 @@ class GenerateFormat(Format):
 
 def format_of_record(record: dict, uid: str) -> Format:
     """The format of a request submitted elsewhere, from its record (what `record_fields` wrote): reattach."""
-    head = Head(record.get("rid", uid), record.get("model", ""), int(record.get("created", 0)), int(record.get("n", 1)),
+    model = record.get("adapter") or record.get("model", "")  # a LoRA adapter answers under its own name
+    head = Head(record.get("rid", uid), model, int(record.get("created", 0)), int(record.get("n", 1)),
                 bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
     if record.get("kind") == "chat":
         return ChatFormat(head, orjson.loads(record.get("parse") or "{}"))

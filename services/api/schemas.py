@@ -44,7 +44,8 @@ UNSUPPORTED_EXTENSIONS = {
     "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
     **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
                     "custom chat templates are not supported (chat_template_kwargs are)"),
-    **dict.fromkeys(("lora_path", "lora_request"), "LoRA adapters are not supported"),
+    "lora_request": "name a LoRA adapter as `model` (or in SGLang's `lora_path`); adapters are loaded with "
+                    "POST /v1/load_lora_adapter or --lora-modules",
     **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
                     "output"),
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
@@ -129,12 +130,13 @@ class Stamp:
     timeout_s: float  # --request-timeout-s: the longest a request lives, whatever its `timeout`
     new_uid: Callable[[], str]
     model_info: dict
+    adapter: str | None = None  # the LoRA adapter the request names (services/api/adapters.py)
 
     def job(self, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
         now = time.time()
         return TokenizeJob(uid=self.new_uid(), model=self.model, pod=self.pod, created_at=now,
                            deadline=now + (min(timeout, self.timeout_s) if timeout else self.timeout_s),
-                           background=bool(background), **fields)
+                           background=bool(background), adapter=self.adapter, **fields)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | N
     """`kind`: the record's (chat, completion, generate); `annotations`: what the client tells about itself, and
     what a reattach needs besides the format's fields; `label` by default says stream or full."""
     record = {"kind": kind, "n": jobs[0].params.n, **fmt.record_fields(), **(annotations or {})}
+    if jobs[0].adapter:  # the LoRA adapter the client named as `model` (a reattached stream says it too)
+        record["adapter"] = jobs[0].adapter
     return Submission(jobs, fmt, record, bool(stream), label or ("stream" if stream else "full"))
 
 
@@ -284,6 +288,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    lora_path: str | None = None  # SGLang's: the name of the LoRA adapter to run with (services/api/adapters.py)
 
     @field_validator("stop")
     @classmethod
@@ -571,6 +576,7 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    lora_path: str | None = None  # SGLang's: the name of the LoRA adapter to run with (services/api/adapters.py)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -594,9 +600,10 @@ class GenerateRequest(BaseModel):
 
     def params(self) -> SamplingParams:
         sp = dict(self.sampling_params)
-        if "priority" in sp:
-            raise BadRequest("`priority` goes at the top level of the request, not in sampling_params",
-                             "sampling_params")
+        for top in ("priority", "lora_path"):
+            if top in sp:
+                raise BadRequest(f"`{top}` goes at the top level of the request, not in sampling_params",
+                                 "sampling_params")
         if sp.get("n") not in (None, 1):  # one text answers: several choices would run together in it
             raise BadRequest("/generate answers with one text; for several choices use /v1/completions with `n`",
                              "sampling_params.n")

@@ -132,10 +132,11 @@ class ApiService:
         await self.redis.aclose()
         self.tracer.shutdown()
 
-    def stamp(self, model: str) -> Stamp:
-        """What this process adds to the jobs of a request for `model` (services/api/schemas.py)."""
+    def stamp(self, model: str, adapter: str | None = None) -> Stamp:
+        """What this process adds to the jobs of a request for `model` (services/api/schemas.py), with LoRA
+        `adapter` (services/api/adapters.py)."""
         return Stamp(model, self.pod, self.settings.request_timeout_s, self.hub.new_uid,
-                     self.stages.snapshot.model_info(model))
+                     self.stages.snapshot.model_info(model), adapter)
 
     # -- admission --------------------------------------------------------------------------------------
     async def admit(self, model: str, budget: Budget) -> None:

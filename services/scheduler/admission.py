@@ -97,11 +97,13 @@ class Admission:
             log.info("uid=%s resumed after %s tokens (epoch %d)", job.uid, [len(o) for o in outputs], epoch)
         try:
             max_tokens = self.book.engine.add(EngineRequest(job.uid, job.input_ids, job.params,
-                                                            outputs if resumed is not None else []))
+                                                            outputs if resumed is not None else [],
+                                                            adapter=job.adapter))
         except RequestRejected as e:
             log.info("uid=%s rejected by the engine: %s", job.uid, e)
-            return [Fail(job.uid, ReplyError(message=str(e), status=400, type="invalid_request_error", code=e.code,
-                                             param=e.param)), Ack([d.entry_id])]
+            status = 404 if e.code == "model_not_found" else 400  # a LoRA adapter no longer registered
+            return [Fail(job.uid, ReplyError(message=str(e), status=status, type="invalid_request_error",
+                                             code=e.code, param=e.param)), Ack([d.entry_id])]
         span = self.tracer.start("schedule", job.trace, uid=job.uid, scheduler=self.book.id,
                                  resumed=resumed is not None, prompt_tokens=len(job.input_ids))
         self.book.running[job.uid] = Running(d.entry_id, job, outputs, done, span, epoch=epoch,

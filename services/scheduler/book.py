@@ -241,8 +241,9 @@ class RequestBook:
         run.end_span(Status.FAILED, error)
         if status < 500:  # the request's own fault (e.g. its grammar): a 400, one line
             log.info("uid=%s refused by the engine: %s", uid, error)
-            reply = ReplyError(message=error, status=status, type="invalid_request_error", param=param,
-                               code="invalid_constraint" if error.startswith("structured output") else None)
+            code = "model_not_found" if status == 404 else (  # a LoRA adapter unloaded while it waited
+                "invalid_constraint" if error.startswith("structured output") else None)
+            reply = ReplyError(message=error, status=status, type="invalid_request_error", param=param, code=code)
         else:
             log.error("uid=%s failed in the engine: %s", uid, error)
             reply = ReplyError(message=error)

@@ -23,6 +23,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from services.scheduler.adapters import SYNC_EVERY_S, RegisteredAdapters
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.book import Ends, RequestBook
 from services.scheduler.effects import Effect, EffectWriter, Publish
@@ -47,10 +48,16 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
     group = SCHEDULER_GROUP
     message_type = ScheduleJob
 
-    def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine, model_path: str = ""):
+    def __init__(self, settings: SchedulerSettings, model_name: str, engine: Engine, model_path: str = "",
+                 adapters: RegisteredAdapters | None = None):
         super().__init__(settings, model_name)
         self.engine = engine
         self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
+        # LoRA adapters from the registry (services/scheduler/adapters.py); what the API checks a load against
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.attach(self.redis, self.keys, engine)
+        self.model_info.update(adapters.card() if adapters is not None else {"lora_slots": 0})
         # Tokens between checkpoints: at most a quarter of the reply stream's cap lies after the newest one
         # (one entry per token at most), so MAXLEN never trims it away.
         self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, settings.stream_interval)
@@ -78,6 +85,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         if batch:
             await self.admit(batch, claimed)
         await self.housekeeping()
+        if self.adapters is not None and self.due("adapters", SYNC_EVERY_S):
+            await self.adapters.sync()
 
     async def work(self, receive: bool = False) -> tuple[list[Delivery[ScheduleJob]], bool]:
         """While the engine computes a step in its thread, one pipeline sends the outbox and reads the model's
@@ -159,6 +168,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.metrics.consumed("schedule", len(batch))
         if claimed:
             batch = await self.recovery.without_poison(batch)
+        if self.adapters is not None:  # adapter names -> the registrations' identities
+            batch = await self.adapters.resolved(batch)
         found = await self.recovery.look_up(batch)
         now, effects = time.time(), []
         for d in batch:
@@ -231,20 +242,25 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     async def start(self) -> None:
         await self.notes.start(self.redis)
+        if self.adapters is not None:
+            await self.adapters.register_configured()  # --lora-modules
         await self.lanes.start()  # the own stream (if it joins routing) exists before the heartbeat says we serve
         await super().start()
 
     async def close(self) -> None:
         self.engine.close()
         self.book.hand_back()
+        if self.adapters is not None:
+            await self.adapters.close()
         await super().close()
 
 
 async def build_worker(settings: SchedulerSettings, model_path: str, model_name: str) -> SchedulerWorker:
     """Load the model and warm the engine up (kernels compiled, batch shapes run): all before the worker
     exists, so its heartbeat, which probes and the API read as "ready", appears only when it can serve."""
-    engine = await asyncio.to_thread(build_engine, settings, model_path)
-    return SchedulerWorker(settings, model_name, engine, model_path)
+    adapters = RegisteredAdapters(settings, model_name) if settings.max_loras and settings.engine == "paged" else None
+    engine = await asyncio.to_thread(build_engine, settings, model_path, adapters)
+    return SchedulerWorker(settings, model_name, engine, model_path, adapters)
 
 
 def run(settings: SchedulerSettings) -> int:

@@ -130,7 +130,10 @@ def test_fields_we_cannot_honour_are_refused_by_name(stack, extra, param, says):
 
 
 def test_completions_and_generate_refuse_unknown_fields_too(stack):
-    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "lora_path": "a"}), 400,
+    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "lora_request": {}}), 400,
+                  "lora_request")
+    # SGLang's lora_path names an adapter: none is registered here (tests/e2e/test_lora.py serves some)
+    _assert_error(_post(stack, "/v1/completions", json={"model": MODEL, "prompt": "hi", "lora_path": "a"}), 404,
                   "lora_path")
     resp = _post(stack, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "lora_path": "a"}})
     assert "lora_path" in _assert_error(resp, 400, "sampling_params")["message"]

@@ -147,3 +147,34 @@ def test_host_bench_section_compares_before_and_after():
     # synchronous before: 0.25 / (0.25 + 0.5); overlapped after: 0.25 / max(0.25, 0.2)
     assert "| greedy | 1 | 0.25 ms | 0.500 ms -> 0.200 ms | 30% -> 90% | 33% -> 100% | 1.00 -> 0.07 | met |" in text
     assert report.host_section({}) == []
+
+
+def test_lora_section_shows_each_configuration_against_no_adapters():
+    configs = {k: {"cpu_ms": ms, "wall_ms": ms, "cpu_vs_no_lora": ms / 10.0, "runs": [{"cpu_ms": ms}]}
+               for k, ms in (("no-lora", 10.0), ("base", 10.0), ("1-adapter", 11.0), ("4-adapters", 12.5))}
+    lora = {"when": "2026-12-01 12:00:00", "machine": {"cpus": 2, "loadavg": [1.0, 1.0, 1.0]},
+            "config": {"batch": 16, "rank": 16, "runs": 3, "threads": 1, "dtype": "float32"},
+            "shapes": {"tiny": {"configs": configs, "params": 1_200_000}}}
+    text = "\n".join(report.lora_section(lora))
+    assert "## LoRA adapters: engine step time at batch 16 (issue 23)" in text
+    row = ("| tiny (1M parameters) | 10.00 ms (1.00x); best 10.00 | 10.00 ms (1.00x); best 10.00 | "
+           "11.00 ms (1.10x); best 11.00 | 12.50 ms (1.25x); best 12.50 |")
+    assert row in text
+    assert report.lora_section({}) == []
+    assert "## LoRA adapters" in report.markdown(RESULTS, [], lora=lora)
+    assert "## LoRA adapters" not in report.markdown(RESULTS, [])
+
+
+def test_lora_routing_section_shows_routing_against_the_shared_stream():
+    run = {"requests": 64, "ok": 64, "routed": 0, "admitted": 64, "ttft_p50_ms": 180.0, "ttft_p99_ms": 660.0,
+           "wall_s": 14.1, "output_tok_per_s": 72.0, "loadavg_before": [1.0, 1.0, 1.0]}
+    routing = {"config": {"schedulers": 2, "max_loras": 2, "adapters": 4, "requests": 64, "concurrency": 4,
+                          "max_tokens": 16}, "meta": {"started_at": "2026-12-01 14:42 UTC", "commit": "abc"},
+               "runs": [{**run, "routing": False, "lora_loads": 42, "lora_evictions": 38},
+                        {**run, "routing": True, "lora_loads": 4, "lora_evictions": 0, "routed": 64}]}
+    text = "\n".join(report.lora_routing_section(routing))
+    assert "## LoRA adapters: adapter-aware routing (issue 23)" in text and "2 schedulers of 2 LoRA slots" in text
+    assert "| shared | 42 | 38 | 0/64 | 180 ms | 660 ms | 72 | 14.1 s | 64/64 |" in text
+    assert "| adapter-aware routing | 4 | 0 | 64/64 |" in text
+    assert report.lora_routing_section({}) == []
+    assert "adapter-aware routing (issue 23)" in report.markdown(RESULTS, [], lora_routing=routing)

@@ -40,6 +40,7 @@ class EngineRequest:
     # Tokens already produced per choice, when a peer resumes a request after a crash.
     output_ids: list[list[int]] = field(default_factory=list)
     priority: int = 0  # admission order among waiting requests: lower first (as vLLM), then arrival
+    adapter: str | None = None  # the LoRA adapter the request runs with (its name); None: the base model
 
 
 @dataclass
@@ -91,5 +92,8 @@ class Engine(Protocol):
 
     def prefix_digests(self) -> list[bytes]:
         """Every digest its prefix cache holds now."""
+
+    def resident_adapters(self) -> list[str]:
+        """Names of the LoRA adapters loaded now (a request naming one starts without waiting for a load)."""
 
     def close(self) -> None: ...

@@ -19,6 +19,12 @@ Every captured size writes its logits into one shared fp32 buffer [largest size,
 (the graphs never run concurrently), instead of each keeping its own output (~317 MB at 256 sizes' worth
 of a 151,936 vocabulary in bf16).
 
+LoRA adapters (lora.py): with adapters on and flashinfer's segment GEMM there, every size is captured a second time
+with the LoRA ops, which read each row's slot from a static buffer (one segment per row, bounds fixed at capture)
+filled with the other int64 inputs; a decode batch with an adapter row replays that graph, a base-only one the
+graph without them. The two graphs of a size share their decode wrapper and its plan. Without the segment GEMM,
+decode batches with adapter rows run eagerly.
+
 Capture runs under `torch.inference_mode()`, as every eager forward does: outside it the captured
 forward would record autograd state for the weights and keep its saved tensors alive in the graph's
 memory pool. Any failure to capture disables graphs with a warning that names the cause, and the
@@ -28,6 +34,7 @@ engine decodes eagerly. `GraphApi` is how graphs are made; tests stand a re-runn
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ import torch
 from services.scheduler.engine.attention import ForwardContext, RowSpec
 from services.scheduler.engine.attention.metadata import AttnMetadata, build_metadata
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache
+from services.scheduler.engine.lora import LoraBatch
 from services.scheduler.engine.transfer import host_tensor
 
 log = logging.getLogger(__name__)
@@ -99,9 +107,16 @@ class DecodeGraphs:
         self.sizes = [b for b in BATCH_SIZES if b <= max_bs] or [1]
         self.top = top = self.sizes[-1]
         self.max_pages = top * max_pages_per_seq
-        # int64: input ids | positions | slots | patch positions | patch source rows
-        self.longs = torch.zeros(5 * top, dtype=torch.long, device=dev)
-        self.input_ids, self.positions, self.slots, self.patch_pos, self.patch_src = self.longs.split(top)
+        # int64: input ids | positions | slots | patch positions | patch source rows | LoRA slots
+        self.longs = torch.zeros(6 * top, dtype=torch.long, device=dev)
+        (self.input_ids, self.positions, self.slots, self.patch_pos, self.patch_src,
+         self.lora_slots) = self.longs.split(top)
+        lora = runner.lora
+        self.lora = lora if lora is not None and lora.segment_gemm is not None else None
+        if lora is not None and self.lora is None:
+            log.info("LoRA decode steps run eagerly: graphs replay their ops through flashinfer's segment GEMM, "
+                     "which this engine does not use")
+        self.lora_bounds = torch.arange(top + 1, dtype=torch.long, device=dev)  # a segment per row
         # int32: indptr | last page lengths | page ids
         self.ints = torch.zeros(2 * top + 1 + self.max_pages, dtype=torch.int32, device=dev)
         self.indptr = self.ints[:top + 1]
@@ -110,8 +125,9 @@ class DecodeGraphs:
         self.keep = torch.arange(top, dtype=torch.long, device=dev)
         self.logits = torch.zeros(top, runner.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, tuple[object, object, AttnMetadata]] = {}
+        self.lora_graphs: dict[int, object] = {}  # batch size -> its graph with the LoRA ops
         self._planned: dict[int, bytes] = {}  # batch size -> the indptr its wrapper was last planned with
-        self.plans = self.replays = 0
+        self.plans = self.replays = self.lora_replays = 0
 
     @classmethod
     def capture(cls, runner, kv: KVCache, max_bs: int, max_pages_per_seq: int) -> DecodeGraphs | None:
@@ -139,6 +155,11 @@ class DecodeGraphs:
             self.api.synchronize()
             graph, pool = self.api.capture(lambda bs=bs, meta=meta: self._run_model(bs, meta), pool)
             self.graphs[bs] = (graph, wrapper, meta)
+            if self.lora is not None:
+                self._run_model(bs, meta, lora=True)
+                self.api.synchronize()
+                self.lora_graphs[bs], pool = self.api.capture(
+                    lambda bs=bs, meta=meta: self._run_model(bs, meta, lora=True), pool)
             self._planned.pop(bs, None)  # capture rows are not a real batch: plan the first replay
 
     def _meta(self, bs: int, rows: list[RowSpec]) -> AttnMetadata:
@@ -148,31 +169,45 @@ class DecodeGraphs:
         meta.positions = self.positions[:bs]
         return meta
 
-    def _run_model(self, bs: int, meta: AttnMetadata) -> None:
-        out = self.runner.model(input_ids=self.input_ids[None, :bs], position_ids=self.positions[None, :bs],
-                                use_cache=False, logits_to_keep=self.keep[:bs],
-                                rsinfer_ctx=ForwardContext(self.backend, meta))
+    def _run_model(self, bs: int, meta: AttnMetadata, lora: bool = False) -> None:
+        applied = contextlib.nullcontext()
+        if lora:
+            assert self.lora is not None
+            batch = LoraBatch(frozenset(self.lora.layout.shapes), seg_indptr=self.lora_bounds[:bs + 1],
+                              weight_indices=self.lora_slots[:bs], segments=bs)
+            applied = self.lora.applied(batch)
+        with applied:
+            out = self.runner.model(input_ids=self.input_ids[None, :bs], position_ids=self.positions[None, :bs],
+                                    use_cache=False, logits_to_keep=self.keep[:bs],
+                                    rsinfer_ctx=ForwardContext(self.backend, meta))
         self.logits[:bs].copy_(out.logits[0])  # one buffer for every size; fp32 for the sampler
 
-    def fits(self, num_rows: int) -> bool:
-        return num_rows <= self.top
+    def fits(self, num_rows: int, lora: bool = False) -> bool:
+        """Whether `num_rows` decode rows replay a graph (`lora`: some row has an adapter)."""
+        return num_rows <= self.top and (not lora or self.lora is not None)
 
-    def run(self, rows: list[RowSpec], input_ids: list[int], device_tokens: DeviceTokens | None = None
-            ) -> torch.Tensor:
-        """Replay the graph of the decode rows' padded size; fp32 logits [len(rows), vocab], a view of the
-        shared buffer valid until the next replay is queued."""
+    def run(self, rows: list[RowSpec], input_ids: list[int], device_tokens: DeviceTokens | None = None,
+            adapters: list[int] | None = None) -> torch.Tensor:
+        """Replay the graph of the decode rows' padded size (with the LoRA ops when `adapters`, each row's
+        slot, is given); fp32 logits [len(rows), vocab], a view of the shared buffer valid until the next
+        replay is queued."""
         n = len(rows)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         graph, wrapper, _meta = self.graphs[bs]
+        if adapters is not None:
+            graph = self.lora_graphs[bs]
+            self.lora_replays += 1
         top, ps = self.top, self.kv.page_size
         positions, slots, last, indptr, indices = decode_table(rows, ps)
         total = len(indices) + (bs - n)  # a pad row reads the scratch page
         if total > self.max_pages:
             raise RuntimeError(f"decode batch reads {total} pages; the graph buffers hold {self.max_pages}")
-        longs = np.zeros(5 * top, dtype=np.int64)  # pad rows: position 0, slot 0 (the scratch page's)
+        longs = np.zeros(6 * top, dtype=np.int64)  # pad rows: position 0, slot 0 (the scratch page's), base
         longs[:n] = input_ids
         longs[top:top + n] = positions
         longs[2 * top:2 * top + n] = slots
+        if adapters is not None:
+            longs[5 * top:5 * top + n] = adapters
         identity = False
         if device_tokens is not None:
             p, src = device_tokens.positions, device_tokens.rows

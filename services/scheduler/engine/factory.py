@@ -6,10 +6,13 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.scheduler.engine.base import Engine
 from shared.settings import SchedulerSettings
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.lora import AdapterSource
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +95,16 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kv_num_pages(settings: SchedulerSettings, bytes_per_token: int, max_context: int) -> int:
+def kv_num_pages(settings: SchedulerSettings, bytes_per_token: int, max_context: int, reserved: int = 0) -> int:
     """Pages of the KV pool (the scratch page included) without a GPU memory profile: --max-kv-tokens,
-    or on CPU a share of available RAM."""
+    or on CPU a share of available RAM less `reserved` bytes (the LoRA slots')."""
     if settings.max_kv_tokens:
         tokens = settings.max_kv_tokens
     else:
-        budget = int(_available_ram() * settings.kv_memory_fraction * CPU_KV_SHARE)
+        budget = int(_available_ram() * settings.kv_memory_fraction * CPU_KV_SHARE) - reserved
+        if reserved and budget < bytes_per_token * settings.page_size:
+            raise RuntimeError(f"no memory left for the KV cache: the LoRA slots take {reserved / 2**30:.2f} GiB "
+                               "of its share; lower --max-loras or --max-lora-rank, or set --max-kv-tokens")
         tokens = min(budget // bytes_per_token, settings.max_running * max_context)
     return -(-tokens // settings.page_size) + 1
 
@@ -114,7 +120,9 @@ def _available_ram() -> int:
     return 4 << 30
 
 
-def build_engine(settings: SchedulerSettings, model_path: str) -> Engine:
+def build_engine(settings: SchedulerSettings, model_path: str, adapters: AdapterSource | None = None) -> Engine:
+    """The engine the settings ask for; `adapters` names the LoRA adapters a request may ask for (paged engine,
+    --max-loras > 0)."""
     if settings.engine == "synthetic":  # no weights, no torch threads: the plumbing alone
         from services.scheduler.engine.synthetic import build_synthetic_engine
 
@@ -136,7 +144,7 @@ def build_engine(settings: SchedulerSettings, model_path: str) -> Engine:
 
         engine = SimpleEngine(model, eos, settings.max_running)
     else:
-        engine = build_paged_engine(settings, model, eos)
+        engine = build_paged_engine(settings, model, eos, adapters=adapters)
     engine.grammars = grammar_cache(settings, model_path, model, eos)
     return engine
 
@@ -149,10 +157,11 @@ def grammar_cache(settings: SchedulerSettings, model_path: str, model, eos: set[
                         settings.grammar_mask_budget_ms)
 
 
-def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
-                       memory: DeviceMemory | None = None) -> Engine:
+def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory: DeviceMemory | None = None,
+                       adapters: AdapterSource | None = None) -> Engine:
     """The paged engine, warmed up. Its KV pool is --max-kv-tokens, or on CUDA (`memory`) what a warmed-up
-    probe engine leaves free, or on CPU a share of RAM."""
+    probe engine leaves free (its LoRA slots, segment GEMM workspace and LoRA graphs allocated), or on CPU a
+    share of RAM less the LoRA slots."""
     from services.scheduler.engine.model_runner import attention_geometry, max_context
     from services.scheduler.engine.paged import EngineConfig, PagedEngine
 
@@ -160,17 +169,28 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int],
     bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
     config = EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
                           prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
-                          cuda_graphs=settings.cuda_graphs, overlap=settings.overlap)
+                          cuda_graphs=settings.cuda_graphs, overlap=settings.overlap, max_loras=settings.max_loras,
+                          max_lora_rank=settings.max_lora_rank)
     if memory is None and param.device.type == "cuda":
         memory = CudaMemory(param.device)
     if settings.max_kv_tokens or memory is None:
-        pages = kv_num_pages(settings, bytes_per_token, max_context(model))
+        pages = kv_num_pages(settings, bytes_per_token, max_context(model), lora_bytes(settings, model))
     else:
         profile = probe_memory(model, eos, config, memory)
         pages = kv_pages_from_profile(profile, settings.kv_memory_fraction, bytes_per_token, config.page_size)
-    engine = PagedEngine(model, eos, replace(config, num_pages=pages))
+    engine = PagedEngine(model, eos, replace(config, num_pages=pages), adapters=adapters)
     engine.warm_up()
     return engine
+
+
+def lora_bytes(settings: SchedulerSettings, model) -> int:
+    """Bytes of the LoRA slots --max-loras and --max-lora-rank allocate (0 without adapters)."""
+    if not settings.max_loras:
+        return 0
+    from services.scheduler.engine.lora import LoraLayout, stack_bytes
+
+    dtype = next(model.parameters()).dtype
+    return stack_bytes(LoraLayout.of(model), settings.max_loras, settings.max_lora_rank, dtype)
 
 
 # ---- sizing the KV pool on a GPU from what a warm-up leaves (as vLLM's profiling run does)

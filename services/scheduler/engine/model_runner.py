@@ -9,7 +9,9 @@ through transformers' AttentionInterface; others are refused at load with the re
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +20,9 @@ from services.scheduler.engine.attention import AttentionBackend, ForwardContext
 from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.kv_cache import KVShape
 from services.scheduler.engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.lora import LoraManager
 
 
 class UnsupportedModel(RuntimeError):
@@ -76,27 +81,30 @@ class ModelRunner:
         model.config._attn_implementation = attention.ATTN_NAME
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
+        self.lora: LoraManager | None = None  # LoRA adapters' slots and ops, when --max-loras is set
 
     @torch.inference_mode()
     def forward(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int],
-                device_tokens: DeviceTokens | None = None) -> torch.Tensor:
+                device_tokens: DeviceTokens | None = None, adapters: list[int] | None = None) -> torch.Tensor:
         """Run the packed batch; return fp32 logits [len(sample_idx), vocab] of the given token indices.
-        `device_tokens`: inputs that are still on the device (an overlapped step's sampled ids).
+        `device_tokens`: inputs that are still on the device (an overlapped step's sampled ids). `adapters`:
+        each row's LoRA slot (lora.py), or None for a step of the base model alone, which runs no LoRA op.
 
         With CUDA graphs, the leading one-token rows replay a graph and the prompt chunks after them run as
         an eager forward of their own."""
         nd = 0
         while nd < len(rows) and rows[nd].num_new == 1:
             nd += 1
-        if self.graphs is None or nd == 0 or not self.graphs.fits(nd):
-            return self._eager(rows, input_ids, sample_idx, device_tokens)
+        decode_adapters = _part(adapters, 0, nd)
+        if self.graphs is None or nd == 0 or not self.graphs.fits(nd, decode_adapters is not None):
+            return self._eager(rows, input_ids, sample_idx, device_tokens, adapters)
         patches = device_tokens.shifted(0, nd) if device_tokens is not None else None
-        decode = self.graphs.run(rows[:nd], input_ids[:nd], patches)
+        decode = self.graphs.run(rows[:nd], input_ids[:nd], patches, decode_adapters)
         if nd == len(rows):
             return decode if sample_idx == list(range(nd)) else decode[self._index(sample_idx)]
         tail = [i - nd for i in sample_idx if i >= nd]
         patches = device_tokens.shifted(nd, len(input_ids)) if device_tokens is not None else None
-        prefill = self._eager(rows[nd:], input_ids[nd:], tail, patches)
+        prefill = self._eager(rows[nd:], input_ids[nd:], tail, patches, _part(adapters, nd, len(rows)))
         # rows of cat(decode, prefill) in sample_idx order
         order, seen_tail = [], 0
         for i in sample_idx:
@@ -113,7 +121,7 @@ class ModelRunner:
         return t
 
     def _eager(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int],
-               device_tokens: DeviceTokens | None) -> torch.Tensor:
+               device_tokens: DeviceTokens | None, adapters: list[int] | None = None) -> torch.Tensor:
         meta = build_metadata(rows, self.page_size, self.device)
         self.backend.prepare(meta)
         parts = [input_ids, sample_idx]
@@ -122,6 +130,19 @@ class ModelRunner:
         ids, keep, *patch = to_device(parts, torch.int64, self.device)
         if device_tokens is not None:
             ids.index_copy_(0, patch[0], device_tokens.source.index_select(0, patch[1]))
-        out = self.model(input_ids=ids[None], position_ids=meta.positions[None], use_cache=False,
-                         logits_to_keep=keep, rsinfer_ctx=ForwardContext(self.backend, meta))
+        lora = contextlib.nullcontext()
+        if adapters is not None and self.lora is not None:
+            lora = self.lora.applied(self.lora.step_batch(adapters, meta.q_lens))
+        with lora:
+            out = self.model(input_ids=ids[None], position_ids=meta.positions[None], use_cache=False,
+                             logits_to_keep=keep, rsinfer_ctx=ForwardContext(self.backend, meta))
         return out.logits[0].float()
+
+
+def _part(adapters: list[int] | None, lo: int, hi: int) -> list[int] | None:
+    """The adapter slots of rows [lo, hi), or None where those rows are all on the base model; a list of base
+    rows alone (the warm-up's) runs the LoRA ops on every part."""
+    if adapters is None:
+        return None
+    part = adapters[lo:hi]
+    return part if any(part) or not any(adapters) else None

@@ -30,6 +30,7 @@ from services.scheduler.engine.base import EngineRequest, RequestRejected, StepO
 from services.scheduler.engine.cuda_graph import DeviceTokens
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
+from services.scheduler.engine.lora import SEGMENT_WORKSPACE_BYTES, AdapterSource, LoraManager
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
 from services.scheduler.engine.prefix_cache import PrefixCache
 from services.scheduler.engine.sampling import SampleOut, Sampler, SampleRow
@@ -58,6 +59,28 @@ class EngineConfig:
     overlap: bool | None = None  # launch the next step before reading this one's results; None: on CUDA
     shuffle_pages: int | None = None  # tests: hand out pages in a random order
     seed: int | None = None  # of the generator of unseeded sampling
+    max_loras: int = 0  # LoRA adapters resident at once (lora.py); 0: none, a request naming one is refused
+    max_lora_rank: int = 16
+    lora_backend: str = "auto"  # "auto" | "torch" (grouped matmuls) | "flashinfer" (segment GEMM)
+
+
+def make_lora(config: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
+              source: AdapterSource | None) -> LoraManager | None:
+    """The adapters' slots and ops, when --max-loras asks for any: flashinfer's segment GEMM where flashinfer
+    serves the attention in 16 bits (it has no fp32 kernels), grouped torch matmuls elsewhere."""
+    if not config.max_loras:
+        return None
+    param = next(model.parameters())
+    module = getattr(backend, "flashinfer", None)
+    segment = None
+    if config.lora_backend not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"unknown lora_backend {config.lora_backend!r}")
+    if config.lora_backend != "torch" and module is not None and param.dtype in (torch.float16, torch.bfloat16):
+        workspace = torch.zeros(SEGMENT_WORKSPACE_BYTES, dtype=torch.uint8, device=param.device)
+        segment = module.gemm.SegmentGEMMWrapper(workspace)
+    elif config.lora_backend == "flashinfer":
+        raise ValueError("lora_backend flashinfer needs flashinfer attention in float16 or bfloat16")
+    return LoraManager(model, source, config.max_loras, config.max_lora_rank, segment_gemm=segment)
 
 
 def make_backend(name: str, kv: KVCache, model: torch.nn.Module, dtype: torch.dtype) -> AttentionBackend:
@@ -104,7 +127,8 @@ class _InFlight:
 
 
 class PagedEngine:
-    def __init__(self, model: torch.nn.Module, eos_ids: set[int], config: EngineConfig):
+    def __init__(self, model: torch.nn.Module, eos_ids: set[int], config: EngineConfig,
+                 adapters: AdapterSource | None = None):
         geometry = attention_geometry(model)  # refuses unsupported architectures with the reason
         param = next(model.parameters())
         self.config = config
@@ -121,6 +145,7 @@ class PagedEngine:
         self.scheduler = BatchScheduler(self.pool, config.page_size, config.max_running,
                                         config.prefill_budget, config.chunked_prefill)
         self.runner = ModelRunner(model, backend, config.page_size)
+        self.lora = self.runner.lora = make_lora(config, model, backend, adapters)
         on_cuda = param.device.type == "cuda"
         graphs = config.cuda_graphs
         if graphs is None:  # the default: on CUDA wherever flashinfer serves the attention
@@ -159,6 +184,11 @@ class PagedEngine:
         p = req.params
         prompt = list(req.input_ids)
         max_tokens = self._validate(req, prompt)
+        if req.adapter is not None:
+            if self.lora is None:
+                raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none: "
+                                      "--max-loras is 0)", code="model_not_found", param="model")
+            self.lora.check(req.adapter)  # refuses unknown and bad adapters; starts loading the others
         compiling = self._compile(p)
         resumed = [list(o) for o in req.output_ids]
         if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
@@ -207,13 +237,27 @@ class PagedEngine:
             outputs += self._fail(seqs, error, 400, self._guided_param(seqs))
         return outputs
 
+    def _prepare_adapters(self) -> list[StepOutput]:
+        """Bind waiting sequences to their loaded adapters (lora.py); fail the requests whose adapter failed."""
+        if self.lora is None:
+            return []
+        outputs = []
+        for seq, error, status in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
+            if not seq.ended:
+                outputs += self._fail([seq], error, status, "model" if status < 500 else None)
+        return outputs
+
     @staticmethod
     def _guided_param(seqs: list[Seq]) -> str | None:
         guided = seqs[0].req.params.guided if seqs else None
         return (guided.param or None) if guided is not None else None
 
     def _wait_for_grammars(self) -> None:
-        compiling = {s.compiling for s in self.scheduler.waiting if not s.ready}
+        """Nothing to run: wait a little for a grammar compiling or an adapter loading instead of spinning."""
+        compiling = {s.compiling for s in self.scheduler.waiting
+                     if not s.ready and s.compiling is not None and not s.compiling.done()}
+        if self.lora is not None:
+            compiling.update(self.lora.loading())
         if compiling:
             wait_futures(compiling, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)  # type: ignore[arg-type]
 
@@ -281,6 +325,7 @@ class PagedEngine:
             "prefix_hit_tokens": s.prefix_hit_tokens,
             "preemptions": s.preemptions,
             "steps": self.steps,
+            **(self.lora.stats() if self.lora is not None else {"lora_slots": 0}),
         }
 
     def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
@@ -288,6 +333,13 @@ class PagedEngine:
 
     def prefix_digests(self) -> list[bytes]:
         return self.pool.cache.digests() if self.pool.cache is not None else []
+
+    def resident_adapters(self) -> list[str]:
+        return self.lora.resident() if self.lora is not None else []
+
+    def evict_adapter(self, name: str) -> bool:
+        """Unload LoRA adapter `name` (lora.py `LoraManager.evict`); True if it was known."""
+        return self.lora.evict(name) if self.lora is not None else False
 
     def close(self) -> None:
         if self._inflight is not None:  # let the device finish what it was given; its results are dropped
@@ -299,6 +351,8 @@ class PagedEngine:
         self._room = self._free_room()
         if self.grammars is not None:
             self.grammars.close()
+        if self.lora is not None:
+            self.lora.close()
 
     # ---- the step
 
@@ -311,6 +365,7 @@ class PagedEngine:
     def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs += self._prepare_grammars()
+        outputs += self._prepare_adapters()
         batch = self.scheduler.schedule()
         if self._inflight is not None and (not batch or self._needs_host_tokens(batch)):
             outputs += self._resolve()
@@ -406,7 +461,10 @@ class PagedEngine:
                 scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
         extra = [i for _, idx, _ in scored for i in idx]
         pending = DeviceTokens(patch_pos, patch_rows, self._inflight.out.ids) if patch_pos else None
-        logits = self.runner.forward(rows, ids, sample_idx + extra, pending)
+        adapters = None  # the rows' adapter slots, when some row has one (a base-only step runs the model as is)
+        if self.lora is not None and any(sc.seq.adapter_slot for sc in batch):
+            adapters = [sc.seq.adapter_slot for sc in batch]
+        logits = self.runner.forward(rows, ids, sample_idx + extra, pending, adapters)
         if scored:
             self._score_prompts(scored, logits[len(sample_idx):])
         self.scheduler.advance(batch)

@@ -146,7 +146,7 @@ class BatchScheduler:
         if self.cache is None or seq.pages or seq.scores_prompt:  # scoring the prompt computes all of it
             return 0
         limit = (len(seq.tokens) - 1) // self.page_size
-        extend_digests(seq.digests, seq.tokens, self.page_size, limit)
+        extend_digests(seq.digests, seq.tokens, self.page_size, limit, seq.digest_root)
         hit = self.cache.match(seq.digests[:limit])
         self.pool.share(hit)
         seq.pages = list(hit)
@@ -197,7 +197,7 @@ class BatchScheduler:
             full = seq.num_computed // self.page_size
             if full <= seq.num_cached_pages:
                 continue  # no page filled up since it was last named
-            extend_digests(seq.digests, seq.tokens, self.page_size, full)
+            extend_digests(seq.digests, seq.tokens, self.page_size, full, seq.digest_root)
             for i in range(seq.num_cached_pages, full):
                 self._name_page(seq, i)
             seq.num_cached_pages = max(seq.num_cached_pages, full)
@@ -225,7 +225,8 @@ class BatchScheduler:
                         self.next_arrival(), parent.max_tokens, num_computed=full * self.page_size,
                         pages=parent.pages[:full], digests=parent.digests[:full],
                         num_cached_pages=min(parent.num_cached_pages, full), compiling=parent.compiling,
-                        grammar=parent.grammar.fresh() if parent.grammar else None)
+                        grammar=parent.grammar.fresh() if parent.grammar else None,
+                        adapter_slot=parent.adapter_slot)
             self.pool.share(child.pages)
             children.append(child)
         self.running.extend(children)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.engine.base import EngineRequest
+from shared.pages import adapter_root
 
 if TYPE_CHECKING:
     from services.scheduler.engine.grammar import SeqGrammar
@@ -41,8 +42,14 @@ class Seq:
     final: bool = False  # its unresolved token is its last (max_tokens or the context): not scheduled again
     ended: bool = False  # finished, aborted or failed: results still in flight for it are dropped
     host_bound: bool = False  # its sampling reads its tokens on the host (grammar, penalties); set below
+    # LoRA (lora.py): the slot of its adapter once bound to it (0: unbound, or the base model), and the first
+    # page's parent digest, so its prefix-cache pages are its adapter's alone.
+    adapter_slot: int = 0
+    digest_root: bytes = b""
 
     def __post_init__(self) -> None:
+        if self.req.adapter is not None:
+            self.digest_root = adapter_root(self.req.adapter)
         p = self.req.params
         self.host_bound = p.guided is not None or (
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
@@ -55,8 +62,9 @@ class Seq:
 
     @property
     def ready(self) -> bool:
-        """Admissible: unconstrained, or its grammar is compiled."""
-        return self.compiling is None or self.grammar is not None
+        """Admissible: its grammar (if any) is compiled and its adapter (if any) is in a slot."""
+        return (self.compiling is None or self.grammar is not None) and (
+            self.req.adapter is None or self.adapter_slot > 0)
 
     @property
     def uid(self) -> str:

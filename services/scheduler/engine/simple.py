@@ -42,6 +42,9 @@ class SimpleEngine:
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
         p = req.params
+        if req.adapter is not None:
+            raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "
+                                  "does, with --max-loras)", code="model_not_found", param="model")
         max_tokens = allowed_completion(len(req.input_ids), p, self.max_context)
         seqs = [_Seq(req, i, max_tokens, list(req.output_ids[i]) if i < len(req.output_ids) else [])
                 for i in range(p.n)]
@@ -89,6 +92,9 @@ class SimpleEngine:
         return [], []
 
     def prefix_digests(self) -> list[bytes]:
+        return []
+
+    def resident_adapters(self) -> list[str]:
         return []
 
     def close(self) -> None:

@@ -128,6 +128,9 @@ class SyntheticEngine:
     def add(self, req: EngineRequest) -> int:
         p = req.params
         max_tokens = self._validate(req)
+        if req.adapter is not None:
+            raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "
+                                  "does, with --max-loras)", code="model_not_found", param="model")
         resumed = [list(o) for o in req.output_ids]
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
@@ -205,6 +208,9 @@ class SyntheticEngine:
         return [], []
 
     def prefix_digests(self) -> list[bytes]:
+        return []
+
+    def resident_adapters(self) -> list[str]:
         return []
 
     def close(self) -> None:

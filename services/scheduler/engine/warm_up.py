@@ -7,6 +7,9 @@ The factory runs the warm-up while the engine is built, so the worker's heartbea
 startup and liveness probes read) appears only once it is over: no first request waits on a compile,
 and no liveness probe kills a pod mid-compile.
 
+With LoRA adapters on, every shape runs a second time with the LoRA ops (every row on the zero slot), so their
+kernels (flashinfer's segment GEMM) compile and their intermediates count in the peak too.
+
 Every warm-up row reads and writes only the scratch page, which is cleared afterwards, and the sampler's
 generator is restored: the pool, the prefix cache, the counters and seeded sampling are as they were.
 """
@@ -100,5 +103,7 @@ def _run_batch(engine: PagedEngine, batch: WarmUpBatch) -> None:
         sample_idx.append(batch.decodes + batch.prefill - 1)
     ids = [0] * (batch.decodes + batch.prefill)
     logits = engine.runner.forward(rows, ids, sample_idx)
+    if engine.lora is not None:
+        engine.runner.forward(rows, ids, sample_idx, adapters=[0] * len(rows))
     for params in (WARM_UP_SAMPLING, *WARM_UP_MORE):
         engine.sampler(logits, [SampleRow(params, 0, 0, [0], 1) for _ in sample_idx])

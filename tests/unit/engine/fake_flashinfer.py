@@ -7,7 +7,10 @@ What is checked, as flashinfer 0.7.4's source does or documents it: NHD layout; 
 capture; indptr and last_page_len int32 host tensors, page ids int32; q/kv data types given (plan defaults
 to float16) and equal to what run() gets; keywords only after page_size; causal prefill; a CUDA-graph
 wrapper planned with its fixed batch size, and replayed only with buffers holding what its plan was for
-(its CUDA-core schedule depends on indptr; with tensor cores also on the kv lengths). Prefill "auto" picks
+(its CUDA-core schedule depends on indptr; with tensor cores also on the kv lengths); the segment GEMM (LoRA) takes
+fp16/bf16 only (its CUTLASS kernels dispatch on those), a 2-D contiguous x, 3-D contiguous weights of x's dtype,
+int64 segment bounds and weight indices on x's device with one index per segment, and is allowed inside a graph
+capture (it has no plan). Prefill "auto" picks
 fa3 on SM90 when some row has more than 64 new tokens, else fa2 (0.7.4's `_determine_auto_backend`); every
 (kind, backend) pair planned is recorded with the phase it was first planned in, as a first JIT compile.
 """
@@ -242,6 +245,57 @@ class BatchPrefillWithPagedKVCacheWrapper:
         k, v = _check_cache(paged_kv_cache, self.plan_.heads, self.plan_.page_size)
         RECORD.runs += 1
         return _run_paged(self.plan_, q, k, v)
+
+
+class SegmentGEMMWrapper:
+    """y[seg] = x[seg] @ W[weight_indices[seg]]^T per segment (weight_column_major: W is [n, d_out, d_in]),
+    accumulated in fp32 and written in x's dtype, as the CUTLASS grouped GEMM does."""
+
+    def __init__(self, *args, **kwargs):
+        bind("SegmentGEMMWrapper.__init__", self, *args, **kwargs)
+        sig = _bound("SegmentGEMMWrapper.__init__", self, *args, **kwargs)
+        _check(isinstance(sig["float_workspace_buffer"], torch.Tensor), "the float workspace is a tensor")
+        _check(sig["backend"] in ("auto", "sm80", "sm90"), f"unknown segment GEMM backend {sig['backend']!r}")
+        self.backend = sig["backend"]
+        self.runs = 0
+
+    def run(self, *args, **kwargs) -> torch.Tensor:
+        bind("SegmentGEMMWrapper.run", self, *args, **kwargs)
+        sig = _bound("SegmentGEMMWrapper.run", self, *args, **kwargs)
+        x, w, n, column_major = sig["x"], sig["weights"], sig["batch_size"], sig["weight_column_major"]
+        indptr, index = sig["seg_indptr"], sig["weight_indices"]
+        _check(x.dtype in (torch.float16, torch.bfloat16), f"segment GEMM kernels take fp16/bf16, not {x.dtype}")
+        _check(w.dtype == x.dtype, f"weights are {w.dtype}, x is {x.dtype}")
+        _check(x.dim() == 2 and x.is_contiguous(), "x must be a contiguous [tokens, d_in] tensor")
+        _check(w.dim() == 3 and w.is_contiguous(), "weights must be a contiguous [n, rows, cols] tensor")
+        _check(isinstance(n, int) and n >= 1, "batch_size is the number of segments, a host int")
+        _check(indptr is not None and sig["seg_lens"] is None, "the engine passes seg_indptr")
+        for name, t, size in (("seg_indptr", indptr, n + 1), ("weight_indices", index, n)):
+            _check(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.device == x.device,
+                   f"{name} must be an int64 tensor on x's device")
+            _check(t.dim() == 1 and t.numel() == size, f"{name} has {size} entries for {n} segments")
+        d_out, d_in = (w.shape[1], w.shape[2]) if column_major else (w.shape[2], w.shape[1])
+        _check(x.shape[1] == d_in, f"x has {x.shape[1]} columns, the weights take {d_in}")
+        bounds, which = indptr.tolist(), index.tolist()
+        _check(bounds[0] == 0 and bounds[-1] == x.shape[0] and bounds == sorted(bounds),
+               f"seg_indptr {bounds} does not cover the {x.shape[0]} rows of x")
+        _check(all(0 <= i < w.shape[0] for i in which), f"weight_indices {which} out of [0, {w.shape[0]})")
+        out = sig["out"]
+        if out is None:
+            out = torch.zeros(x.shape[0], d_out, dtype=x.dtype, device=x.device)
+        _check(tuple(out.shape) == (x.shape[0], d_out), "out has the wrong shape")
+        backend = self.backend if self.backend != "auto" else ("sm90" if RECORD.sm == 90 else "sm80")
+        RECORD.used(("segment_gemm", backend, x.dtype))
+        RECORD.runs += 1
+        self.runs += 1
+        for k in range(n):
+            lo, hi = bounds[k], bounds[k + 1]
+            weight = w[which[k]].float()
+            out[lo:hi] = (x[lo:hi].float() @ (weight.T if column_major else weight)).to(out.dtype)
+        return out
+
+
+gemm = types.SimpleNamespace(SegmentGEMMWrapper=SegmentGEMMWrapper)
 
 
 def _bound(name: str, *args, **kwargs) -> dict:

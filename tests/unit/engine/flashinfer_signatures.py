@@ -74,6 +74,11 @@ SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
             'logits', 'top_k', 'top_p', 'indices=None', "filter_apply_order='top_k_first'", 'deterministic=True',
             'generator=None', 'check_nan=False', 'seed=None', 'offset=None',
         ),
+        'SegmentGEMMWrapper.__init__': ('self', 'float_workspace_buffer', "backend='auto'"),
+        'SegmentGEMMWrapper.run': (
+            'self', 'x', 'weights', 'batch_size', 'weight_column_major', 'out=None', 'seg_lens=None', 'seg_indptr=None',
+            'weight_indices=None',
+        ),
     },
     "0.7.4": {
         'BatchDecodeWithPagedKVCacheWrapper.__init__': (
@@ -133,6 +138,11 @@ SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
             'logits', 'top_k', 'top_p', 'indices=None', "filter_apply_order='top_k_first'", 'deterministic=True',
             'generator=None', 'check_nan=False', 'seed=None', 'offset=None', 'top_k_max=None',
         ),
+        'SegmentGEMMWrapper.__init__': ('self', 'float_workspace_buffer', "backend='auto'"),
+        'SegmentGEMMWrapper.run': (
+            'self', 'x', 'weights', 'batch_size', 'weight_column_major', 'out=None', 'seg_lens=None', 'seg_indptr=None',
+            'weight_indices=None',
+        ),
     },
 }
 
@@ -142,6 +152,7 @@ COVERED = (
     ("decode.py", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", ("__init__",)),
     ("prefill.py", "BatchPrefillWithPagedKVCacheWrapper", ("__init__", "plan", "run")),
     ("sampling.py", None, ("sampling_from_logits", "top_k_top_p_sampling_from_logits")),
+    ("gemm/gemm_base.py", "SegmentGEMMWrapper", ("__init__", "run")),
 )
 
 

@@ -118,3 +118,32 @@ def test_heartbeat_says_which_dtype_auto_chose(demo_model_dir, tmp_path, monkeyp
     monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: True)
     assert build_engine(_settings(), str(bf16)).stats()["dtype"] == "bfloat16"
     assert build_engine(_settings(engine="simple", dtype="float32"), str(bf16)).stats()["dtype"] == "float32"
+
+
+def test_lora_settings_reach_the_engine_and_its_adapters_load(demo_model_dir, demo_model, tmp_path):
+    from services.scheduler.engine.lora import AdapterFolders
+    from tests.unit.engine.util import make_adapter
+
+    merged = make_adapter(demo_model, tmp_path / "a", seed=3, r=8, lora_alpha=16, target_modules=["q_proj", "up_proj"])
+    eng = build_engine(_settings(max_loras=3, max_lora_rank=8), str(demo_model_dir),
+                       adapters=AdapterFolders({"a": tmp_path / "a"}))
+    assert eng.lora.max_loras == 3 and eng.lora.max_rank == 8 and eng.stats()["lora_slots"] == 3
+    p = prompts([9], demo_model.config.vocab_size, seed=4)[0]
+    out = drain(eng, {0: [EngineRequest("x", p, greedy(8), adapter="a")]})
+    assert tokens(out[("x", 0)]) == hf_greedy(merged, p, 8)
+    assert eng.resident_adapters() == ["a"]
+
+
+def test_cpu_kv_sizing_leaves_the_lora_slots_their_memory(monkeypatch, demo_model):
+    monkeypatch.setattr(factory, "_available_ram", lambda: 64 << 20)
+    s = SchedulerSettings(max_kv_tokens=0, page_size=16, max_running=1000, kv_memory_fraction=1.0)
+    budget = int((64 << 20) * factory.CPU_KV_SHARE)
+    assert kv_num_pages(s, 1024, 10**6) == budget // 1024 // 16 + 1
+    assert kv_num_pages(s, 1024, 10**6, reserved=budget // 2) == budget // 2 // 1024 // 16 + 1
+    with pytest.raises(RuntimeError, match="lower --max-loras"):
+        kv_num_pages(s, 1024, 10**6, reserved=budget)
+    lora = SchedulerSettings(max_loras=4, max_lora_rank=16)
+    from services.scheduler.engine.lora import LoraLayout, stack_bytes
+
+    assert factory.lora_bytes(lora, demo_model) == stack_bytes(LoraLayout.of(demo_model), 4, 16, torch.float32) > 0
+    assert factory.lora_bytes(SchedulerSettings(), demo_model) == 0

@@ -145,3 +145,103 @@ def test_a_wrong_call_fails_against_the_signatures():
         wrapper.plan(indptr, torch.zeros(1, dtype=torch.int32), last, 16, 8, 128, PAGE, causal=True)
     with pytest.raises(AssertionError, match="q_data_type"):
         wrapper.plan(indptr, torch.zeros(1, dtype=torch.int32), last, 16, 8, 128, PAGE)
+
+
+# ---- LoRA adapters (lora.py) on the flashinfer path
+
+
+@pytest.fixture(scope="module")
+def qwen06b_adapters(qwen06b_shape, tmp_path_factory):
+    """Two adapters of the Qwen3-0.6B shape (rank 8 on q/v, rank 16 on every projection) and their merged
+    references."""
+    from services.scheduler.engine.lora import AdapterFolders
+    from tests.unit.engine.util import make_adapter
+
+    root = tmp_path_factory.mktemp("qwen-adapters")
+    specs = {"qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+             "all": dict(r=16, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"])}
+    merged = {name: make_adapter(qwen06b_shape, root / name, seed=k, **spec)
+              for k, (name, spec) in enumerate(specs.items())}
+    return AdapterFolders({name: root / name for name in specs}), merged
+
+
+def _lora_workload(vocab: int) -> dict[int, list[EngineRequest]]:
+    """The base and both adapters in mixed steps: a chunked prompt, decodes next to prefills, n = 2."""
+    a, b, c = prompts([40, 9, 21], vocab, seed=12)
+    return {0: [EngineRequest("qv", a, greedy(8), adapter="qv"), EngineRequest("base", b, greedy(8))],
+            2: [EngineRequest("all", c, greedy(8), adapter="all"), EngineRequest("qv-b", b, greedy(6), adapter="qv")],
+            4: [EngineRequest("all-n2", b, greedy(5, n=2), adapter="all")]}
+
+
+def _lora_run(model, source, monkeypatch, dtype=torch.float32, **kw):
+    with fake_flashinfer.installed(monkeypatch, graphs=kw.get("cuda_graphs", False)) as record:
+        eng = engine(clone_model(model).to(dtype), page_size=PAGE, num_pages=48, max_running=8, prefill_budget=32,
+                     max_loras=2, adapters=source, **kw)
+        eng.warm_up()
+        out = drain(eng, _lora_workload(model.config.vocab_size))
+        monkeypatch.undo()
+    assert eng.pool.available() == eng.pool.usable, "every page came back"
+    return eng, record, {key: tokens(outs) for key, outs in out.items()}
+
+
+def test_lora_on_the_flashinfer_path_matches_the_torch_path_fp32(qwen06b_shape, qwen06b_adapters, monkeypatch):
+    """fp32 (the segment GEMM has no fp32 kernels): grouped LoRA matmuls under flashinfer attention, base
+    decodes from graphs and adapter decodes eager, equal the torch engine and transformers on the merged models."""
+    source, merged = qwen06b_adapters
+    _, _, reference = _lora_run(qwen06b_shape, source, monkeypatch, backend="torch")
+    wl = _lora_workload(qwen06b_shape.config.vocab_size)
+    for req in (wl[0][0], wl[2][0]):
+        assert reference[(req.uid, 0)] == hf_greedy(merged[req.adapter], req.input_ids, req.params.max_tokens)
+    assert reference[("base", 0)] == hf_greedy(qwen06b_shape, wl[0][1].input_ids, 8)
+    eng, record, got = _lora_run(qwen06b_shape, source, monkeypatch, backend="flashinfer", cuda_graphs=True)
+    assert eng.lora.segment_gemm is None and eng.runner.graphs is not None and not eng.runner.graphs.lora_graphs
+    assert not [k for k in record.compiled if k[0] == "segment_gemm"], "no fp32 segment GEMM call"
+    assert eng.runner.graphs.replays > 0 and got == reference
+
+
+def test_segment_gemm_and_lora_graphs_match_grouped_matmuls_bf16(qwen06b_shape, qwen06b_adapters, monkeypatch):
+    """bf16 on the fake flashinfer: LoRA through the segment GEMM, eager, from decode graphs (their slot indices
+    static inputs) and with overlapped steps, gives the tokens of grouped torch matmuls; and the warm-up ran every
+    segment GEMM kernel that serving used."""
+    source, _ = qwen06b_adapters
+    _, _, reference = _lora_run(qwen06b_shape, source, monkeypatch, torch.bfloat16, backend="flashinfer",
+                                lora_backend="torch")
+    assert len({tuple(v) for v in reference.values()}) >= 4, "adapters change the output (a meaningful comparison)"
+    for kw in (dict(cuda_graphs=False), dict(cuda_graphs=True), dict(cuda_graphs=True, overlap=True)):
+        eng, record, got = _lora_run(qwen06b_shape, source, monkeypatch, torch.bfloat16, backend="flashinfer", **kw)
+        assert eng.lora.segment_gemm is not None and eng.lora.segment_gemm.runs > 0
+        assert got == reference, kw
+        if kw["cuda_graphs"]:
+            graphs = eng.runner.graphs
+            assert graphs.lora_graphs.keys() == graphs.graphs.keys()
+            assert graphs.lora_replays > 0 and graphs.replays > graphs.lora_replays, "both kinds replayed"
+        assert ("segment_gemm", "sm90", torch.bfloat16) in record.compiled
+
+
+def test_warm_up_runs_the_segment_gemm_before_serving(qwen06b_shape, qwen06b_adapters, monkeypatch):
+    source, _ = qwen06b_adapters
+    with fake_flashinfer.installed(monkeypatch) as record:
+        record.phase = "start-up"
+        eng = engine(clone_model(qwen06b_shape).to(torch.bfloat16), backend="flashinfer", page_size=PAGE,
+                     num_pages=64, max_running=4, prefill_budget=128, cuda_graphs=True, max_loras=2, adapters=source)
+        eng.warm_up()
+        record.phase = "serve"
+        drain(eng, _lora_workload(qwen06b_shape.config.vocab_size))
+    assert ("segment_gemm", "sm90", torch.bfloat16) in record.compiled
+    late = [key for key, phase in record.compiled.items() if phase == "serve"]
+    assert not late, f"first used while serving: {late}"
+
+
+def test_a_wrong_segment_gemm_call_fails():
+    ws = torch.zeros(16, dtype=torch.uint8)
+    gemm = fake_flashinfer.SegmentGEMMWrapper(ws)
+    x, w = torch.zeros(3, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    bounds, index = torch.tensor([0, 1, 3]), torch.tensor([1, 0])
+    assert gemm.run(x, w, 2, True, seg_indptr=bounds, weight_indices=index).shape == (3, 4)
+    with pytest.raises(AssertionError, match="int64"):
+        gemm.run(x, w, 2, True, seg_indptr=bounds.int(), weight_indices=index)
+    with pytest.raises(AssertionError, match="fp16/bf16"):
+        gemm.run(x.float(), w.float(), 2, True, seg_indptr=bounds, weight_indices=index)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        gemm.run(x, w, 2, True, indptr=bounds, weight_indices=index)

@@ -64,3 +64,8 @@ def test_the_check_runs_on_cpu(tmp_path):
     assert sections["agreement"]["flashinfer+graphs_vs_torch"]["identical"] == "8/8"
     assert set(sections["decode"]) == {"torch", "flashinfer", "flashinfer+graphs", "seconds"}
     assert sections["syncs"]["temperature@4"]["result_waits_per_step"] == 1
+    texts = sections["lora"]["texts"]
+    assert texts["flashinfer+segment+graphs_vs_flashinfer+grouped"] == "6/6" and texts["differs_from_base"] >= 4
+    assert texts["lora_replays"]["flashinfer+segment+graphs"][0] > 0
+    assert set(sections["lora"]["decode"]["flashinfer+segment+graphs"]["ms_per_step (batch x distinct adapters)"]) \
+        == {"4x0", "4x1", "4x4"}

@@ -55,9 +55,9 @@ def _both(model, arrivals, reactions=None, **kw):
         read_on_device = []
         forward = eng.runner.forward
 
-        def spy(rows, ids, sample_idx, device_tokens=None, forward=forward, seen=read_on_device):
+        def spy(rows, ids, sample_idx, device_tokens=None, adapters=None, forward=forward, seen=read_on_device):
             seen.append(device_tokens is not None)
-            return forward(rows, ids, sample_idx, device_tokens)
+            return forward(rows, ids, sample_idx, device_tokens, adapters)
 
         eng.runner.forward = spy
         runs.append(_drive(eng, arrivals, reactions))

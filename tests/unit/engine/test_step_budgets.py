@@ -115,15 +115,23 @@ class OpCounter(TorchDispatchMode):
         self.ops += 1
 
 
-def _decoding_engine(model, monkeypatch, params: SamplingParams, batch: int, **kw):
-    """A flashinfer (fake) engine with graphs and overlap, as on CUDA, with `batch` requests all decoding."""
-    eng = engine(clone_model(model), backend="flashinfer", cuda_graphs=True, overlap=True, num_pages=128,
-                 max_running=16, prefill_budget=512, **kw)
-    assert eng.runner.graphs is not None
+def _decoding_engine(model, monkeypatch, params: SamplingParams, batch: int, row_adapters=(), warm=None,
+                     dtype=torch.float32, **kw):
+    """A flashinfer (fake) engine with graphs and overlap, as on CUDA, with `batch` requests all decoding (row i
+    with LoRA adapter row_adapters[i % len(row_adapters)] when some are given; None: the base), after `warm`
+    requests (if any) ran to their end."""
+    kw = {"backend": "flashinfer", "cuda_graphs": True, "overlap": True, **kw}
+    eng = engine(clone_model(model).to(dtype), num_pages=128, max_running=16, prefill_budget=512, **kw)
+    assert eng.runner.graphs is not None or not kw["cuda_graphs"]
+    for req in warm or []:
+        eng.add(req)
+    while eng.has_work():
+        eng.step()
     p = SamplingParams(**{**{f: getattr(params, f) for f in params.__struct_fields__},
                           "max_tokens": 60, "ignore_eos": True})
     for i, prompt in enumerate(prompts([6] * batch, model.config.vocab_size, seed=3)):
-        eng.add(EngineRequest(f"r{i}", prompt, p))
+        adapter = row_adapters[i % len(row_adapters)] if row_adapters else None
+        eng.add(EngineRequest(f"r{i}", prompt, p, adapter=adapter))
     for _ in range(3):  # prefill, then two decode steps: the overlapped loop's steady state
         eng.step()
     assert all(s.is_decode or s.unresolved for s in eng.scheduler.running) and len(eng.scheduler.running) == batch
@@ -259,3 +267,83 @@ def test_the_sync_counter_sees_a_sync(model, monkeypatch):
         counter = SyncCounter(counting)
         eng.step()
     assert any("paged.py" in s for s in counter.syncs) and counter.waits == 1
+
+
+# ---- LoRA adapters: a base-only step costs what it cost without them; adapter rows add no sync
+
+
+@pytest.fixture(scope="module")
+def lora_source(model, tmp_path_factory):
+    from services.scheduler.engine.lora import AdapterFolders
+    from tests.unit.engine.util import make_adapter
+
+    root = tmp_path_factory.mktemp("budget-adapters")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for k in range(4):
+        make_adapter(model, root / f"a{k}", seed=k, r=8, lora_alpha=16, target_modules=targets)
+    return AdapterFolders({f"a{k}": root / f"a{k}" for k in range(4)})
+
+
+def _loads(adapters) -> list[EngineRequest]:
+    """Requests that make their adapters resident before the measured ones start."""
+    return [EngineRequest(f"load-{a}", [5, 6], SamplingParams(max_tokens=2), adapter=a) for a in adapters]
+
+
+def _ops_per_step(eng, monkeypatch) -> int:
+    counter = OpCounter()
+    monkeypatch.setattr(fake_flashinfer.StandInGraphs, "on_replay", staticmethod(counter.replay))
+    with counter:
+        eng.step()
+    monkeypatch.setattr(fake_flashinfer.StandInGraphs, "on_replay", None)
+    return counter.ops
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_base_only_step_costs_the_same_ops_with_adapters_on(model, lora_source, monkeypatch, graphs):
+    """--max-loras 4 with an adapter resident: a step of base rows dispatches exactly the ops of an engine
+    without adapters (eager: every op of the forward; with graphs: the replay and what surrounds it)."""
+    counts = {}
+    with fake_flashinfer.installed(monkeypatch):
+        for loras in (0, 4):
+            kw = dict(max_loras=loras, adapters=lora_source, cuda_graphs=graphs)
+            if not graphs:
+                kw["backend"] = "torch"
+            if loras:
+                kw["warm"] = _loads(["a0"])
+            eng = _decoding_engine(model, monkeypatch, MODES["greedy"], 4, **kw)
+            assert eng.resident_adapters() == (["a0"] if loras else [])
+            counts[loras] = _ops_per_step(eng, monkeypatch)
+    assert counts[0] == counts[4], f"ops per base-only decode step without / with adapters on: {counts}"
+
+
+def test_lora_decode_steps_replay_one_graph_whatever_the_adapters(model, lora_source, monkeypatch):
+    """bf16 (the segment GEMM's): a decode step of 16 rows on 0, 1 or 4 adapters is one replay and the same
+    ops around it; the adapters' slots are copied with the other int64 inputs."""
+    counts = {}
+    with fake_flashinfer.installed(monkeypatch):
+        for adapters in ((), ("a0",), ("a0", "a1", "a2", "a3")):
+            eng = _decoding_engine(model, monkeypatch, MODES["greedy"], 16, row_adapters=adapters, max_loras=4,
+                                   adapters=lora_source, warm=_loads(adapters), dtype=torch.bfloat16)
+            assert eng.lora.segment_gemm is not None
+            counts[len(adapters)] = _ops_per_step(eng, monkeypatch)
+            graphs = eng.runner.graphs
+            assert graphs.lora_replays == (graphs.replays if adapters else 0)
+    assert len(set(counts.values())) == 1, f"ops per decode step by distinct adapters: {counts}"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_lora_steps_make_no_sync(model, lora_source, monkeypatch, graphs):
+    """Eager (fp32: grouped matmuls, their token indices in one transfer) and from graphs (bf16: segment GEMM,
+    slots with the other inputs): one wait for the results per step, no other sync."""
+    dtype = torch.bfloat16 if graphs else torch.float32
+    with fake_flashinfer.installed(monkeypatch):
+        eng = _decoding_engine(model, monkeypatch, MODES["temperature"], 8, row_adapters=("a0", None, "a1", "a2"),
+                               max_loras=4, adapters=lora_source, cuda_graphs=graphs,
+                               warm=_loads(("a0", "a1", "a2")), dtype=dtype)
+        assert (eng.lora.segment_gemm is not None) == graphs
+        steps = 3
+        with pytest.MonkeyPatch.context() as counting:
+            counter = SyncCounter(counting)
+            produced = sum(len(eng.step()) for _ in range(steps))
+    assert produced == steps * 8
+    assert counter.syncs == [] and counter.waits == steps

@@ -53,9 +53,10 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 def engine(model: torch.nn.Module, **kw) -> PagedEngine:
     eos = kw.pop("eos", set())
+    adapters = kw.pop("adapters", None)
     cfg = dict(num_pages=256, page_size=4, max_running=16, prefill_budget=32, shuffle_pages=7, seed=0)
     cfg.update(kw)
-    return PagedEngine(model, eos, EngineConfig(**cfg))
+    return PagedEngine(model, eos, EngineConfig(**cfg), adapters=adapters)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -83,3 +84,14 @@ def tokens(outputs: list[StepOutput]) -> list[int]:
         assert o.start == len(ids), "outputs must be contiguous"
         ids.extend(o.ids)
     return ids
+
+
+def make_adapter(model: torch.nn.Module, folder, seed: int, **lora) -> torch.nn.Module:
+    """Write a random PEFT LoRA adapter of `model` (non-zero init: B is random too) to `folder`; return the
+    adapter merged into a copy of the model (the reference: transformers on W + s B A)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(clone_model(model), LoraConfig(init_lora_weights=False, **lora))
+    peft_model.save_pretrained(str(folder))
+    return peft_model.merge_and_unload().eval()

@@ -16,7 +16,16 @@ from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob
 from shared.pages import chain_digest
 from shared.redis_conn import connect
-from shared.routing import MAX_SCORED_PAGES, Candidate, Router, SchedulerLanes, choose, leading, prompt_pages
+from shared.routing import (
+    MAX_SCORED_PAGES,
+    Candidate,
+    Router,
+    SchedulerLanes,
+    choose,
+    choose_for_adapter,
+    leading,
+    prompt_pages,
+)
 from shared.slots import key_slot
 from shared.streams import Member
 
@@ -24,9 +33,9 @@ pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
 
 
-def job(uid: str, ids: list[int] | None = None) -> ScheduleJob:
+def job(uid: str, ids: list[int] | None = None, adapter: str | None = None) -> ScheduleJob:
     return ScheduleJob(uid=uid, model=MODEL, pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(),
-                       input_ids=ids or [1, 2])
+                       input_ids=ids or [1, 2], adapter=adapter)
 
 
 def consumer(redis, keys: Keys, name: str) -> GroupConsumer:
@@ -120,6 +129,60 @@ async def test_router_takes_live_schedulers_that_publish_from_their_heartbeats(e
     router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
     await router.refresh()
     assert router.candidates == [Candidate("s1", 16, 4.0, now)]
+
+
+def test_an_adapter_goes_where_it_is_loaded_then_where_a_slot_is_free_then_to_the_shared_stream():
+    a = Candidate("a", 16, 5.0, adapters=frozenset({"sql"}), free_slots=0)
+    b = Candidate("b", 16, 0.0, adapters=frozenset({"chat"}), free_slots=1)
+    c = Candidate("c", 16, 1.0, adapters=frozenset({"sql"}), free_slots=2)
+    load = {"a": 5.0, "b": 0.0, "c": 1.0}
+    assert choose_for_adapter("sql", [a, b, c], load) == "c"  # both hold it: the less loaded
+    assert choose_for_adapter("chat", [a, b, c], load) == "b"
+    assert choose_for_adapter("kv", [a, b, c], load) == "b"  # none holds it: a free slot, the less loaded
+    assert choose_for_adapter("kv", [a], load) is None  # nowhere to load it without evicting: shared stream
+
+
+async def test_router_routes_adapter_jobs_by_adapter_and_the_rest_by_prefix(env):
+    redis, keys = env
+    prefix = list(range(1000, 1064))
+    await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*prefix, 7], 16))
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router.candidates = [Candidate("s1", 16, 0.0, adapters=frozenset({"sql"})),
+                         Candidate("s2", 16, 0.0, free_slots=1)]
+    jobs = [job("a", [*prefix, 1], adapter="chat"), job("b", [*prefix, 2]), job("c", [*prefix, 3], adapter="sql"),
+            job("d", [5], adapter="chat"), job("e", [6], adapter="kv")]
+    # a: nobody holds chat, s2 has a slot (and holds it from then on: d follows it); b: its prefix is on s1;
+    # c: s1 holds sql (its prefix pages are the base model's, never scored for an adapter); e: no slot left
+    assert await router.route(jobs) == ["s2", "s1", "s1", "s2", None]
+    assert await router.route([job("f", [1], adapter="chat")]) == ["s2"]
+
+
+async def test_router_reads_the_adapters_and_free_slots_of_each_scheduler_from_its_heartbeat(env):
+    redis, keys = env
+    now = time.time()
+    load = {"prefix_page_size": 16, "lora_slots": 3, "lora_resident": 2, "lora_adapters": ["sql@1a2b", "o/x@9"]}
+    await redis.hset(keys.worker("scheduler", "s1"), mapping={"role": "scheduler", "id": "s1", "model": MODEL,
+                                                              "updated_at": now, "load": _json(load)})
+    await redis.zadd(keys.workers(), {"scheduler:s1": now})
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    await router.refresh()
+    assert router.candidates == [Candidate("s1", 16, 0.0, now, frozenset({"sql", "o/x"}), 1)]
+
+
+async def test_an_adapter_sent_to_a_scheduler_counts_as_loaded_there_until_its_heartbeat_can_say_so(env):
+    redis, keys = env
+    now = time.time()
+    for wid in ("s1", "s2"):
+        load = {"prefix_page_size": 16, "lora_slots": 1, "lora_resident": 0, "lora_adapters": []}
+        await redis.hset(keys.worker("scheduler", wid), mapping={"role": "scheduler", "id": wid, "model": MODEL,
+                                                                 "updated_at": now, "load": _json(load)})
+        await redis.zadd(keys.workers(), {f"scheduler:{wid}": now})
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    await router.refresh()
+    assert await router.route([job("a", adapter="sql")]) == ["s1"]
+    await router.refresh()  # s1's heartbeat does not show sql loaded yet
+    assert await router.route([job("b", adapter="chat"), job("c", adapter="sql")]) == ["s2", "s1"]
+    assert await router.route([job("d", adapter="kv")]) == [None]  # every slot taken: the shared stream
 
 
 def _json(d: dict) -> str:
