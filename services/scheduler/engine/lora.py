@@ -411,7 +411,8 @@ class LoraManager:
         pinned.update(s.adapter_slot for s in running if s.adapter_slot)
         without = [self.entries[name] for name in wanting if self.entries[name].slot == 0]
         for entry in without:
-            if entry.future is None or not entry.future.done():
+            # a load that failed since `prepare` looked at it is failed by the next `prepare`, never placed
+            if entry.future is None or not entry.future.done() or entry.future.exception() is not None:
                 continue
             slot = self._free_slot(pinned)
             if slot is None:
