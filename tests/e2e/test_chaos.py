@@ -52,7 +52,7 @@ from tests.support.helpers import engines_idle, live_names, wait_for, workers
 from tests.support.stack import LIFECYCLE_ENV, Stack, new_stack, start_replicas
 
 LONG = os.environ.get("RSINFER_CHAOS_LONG") == "1"
-pytestmark = pytest.mark.timeout(3600 if LONG else 300)
+pytestmark = [pytest.mark.timeout(3600 if LONG else 300), pytest.mark.slow]  # `make test-fast` leaves it out
 
 # Entries: a 300-token reply of two choices (about one entry per token per choice) goes well past it, while a
 # client whose API process died finds its Last-Event-ID still there when it reattaches a second or two later

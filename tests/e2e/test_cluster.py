@@ -27,7 +27,7 @@ from tests.support.redis_cluster import LocalCluster
 from tests.support.stack import MODEL, Stack, start_pipeline
 from tests.support.streaming import Streamer, body, reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
 # Heartbeats outlive a failover (about 3 s with a 2 s node timeout), else schedulers would take the requests of an
 # API process whose heartbeat lapsed during it for orphans (docs/design.md, "Redis Cluster").
 CLUSTER_ENV = {"RSINFER_HEARTBEAT_TTL_S": "6"}

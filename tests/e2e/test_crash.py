@@ -21,7 +21,7 @@ from tests.support.helpers import engines_idle, live_names, sse_payloads, wait_f
 from tests.support.stack import LIFECYCLE_ENV, MODEL, running_pipeline
 from tests.support.streaming import Streamer, body, reference
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # `make test-fast` leaves it out
 
 
 def test_scheduler_killed_mid_generation_is_resumed_by_a_peer(pipeline):

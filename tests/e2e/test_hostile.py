@@ -36,7 +36,7 @@ PEAK_GROWTH = 64 << 20
 HEADER_TIMEOUT_S = 5.0  # the API's --header-timeout-s here, so half-sent heads are closed within the test
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "hostile.json"
 
-pytestmark = pytest.mark.timeout(600 if LONG else 240)
+pytestmark = [pytest.mark.timeout(600 if LONG else 240), pytest.mark.slow]  # `make test-fast` leaves it out
 
 
 def victim_body(i: int) -> dict:

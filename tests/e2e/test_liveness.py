@@ -16,7 +16,7 @@ from shared.redis_server import RedisServer
 from tests.support.helpers import wait_for
 from tests.support.stack import Stack, new_stack, start_pipeline
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # `make test-fast` leaves it out
 
 ROLES = ("tokenizer", "scheduler", "detokenizer")
 MAX_STALL_S = 4.0

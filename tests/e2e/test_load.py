@@ -18,7 +18,7 @@ from tests.support.helpers import engines_idle, raw_post, wait_for, workers
 from tests.support.stack import MODEL, running_pipeline
 from tests.support.streaming import Streamer, body, reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
 REQUEST_TTL_S = 6
 
 

@@ -21,7 +21,7 @@ from tests.support.chaos_kit import Clients, Job, Outcome, reference_texts
 from tests.support.helpers import engines_idle, wait_for
 from tests.support.stack import MODEL, Stack, new_stack, start_pipeline
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
 
 
 @pytest.fixture

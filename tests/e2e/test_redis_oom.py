@@ -22,7 +22,7 @@ from tests.support.helpers import engines_idle, wait_for
 from tests.support.stack import MODEL, Stack, running_pipeline
 from tests.support.streaming import Streamer, body, reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
 
 HEADROOM = 16 << 20  # maxmemory: what the stack uses when Redis is filled, plus this
 FULL_FOR_S = 8.0

@@ -22,7 +22,7 @@ from shared.streams import id_after
 from tests.support.helpers import engines_idle, sse_payloads, wait_for
 from tests.support.stack import MODEL, Stack
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]  # `make test-fast` leaves it out
 PING_S, WINDOW_S = 0.2, 1.5
 
 

@@ -22,7 +22,7 @@ from tests.support.helpers import engines_idle, live_names, wait_for
 from tests.support.stack import LIFECYCLE_ENV
 from tests.support.streaming import Streamer, body, reference
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
 NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-back can move work
 
 

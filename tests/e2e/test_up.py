@@ -22,7 +22,7 @@ import redis
 from shared.keys import Keys
 from shared.redis_server import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # `make test-fast` leaves it out
 
 
 def start_up(port: int, model_dir, *args: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
