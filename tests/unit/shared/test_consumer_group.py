@@ -8,20 +8,9 @@ import asyncio
 import pytest
 
 from shared import streams
-from shared.consumer_group import GroupConsumer
-from shared.messages import SamplingParams, ScheduleJob
-from shared.streams import Member
+from tests.unit.shared.schedule_entries import consumer, job
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def job(uid: str) -> ScheduleJob:
-    return ScheduleJob(uid=uid, model="m", pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(),
-                       input_ids=[1, 2])
-
-
-def consumer(redis, keys, name):
-    return GroupConsumer(redis, keys.schedule("m"), Member("scheduler", name), ScheduleJob, keys.dead())
 
 
 async def test_backlog_written_before_the_group_is_read(env):
