@@ -27,12 +27,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import msgspec
+from fastapi import Request as HttpRequest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -135,6 +136,26 @@ def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
         return EndedEarly(EndReason.TIMEOUT, ApiError(504, "the request did not finish before its deadline",
                                                       code="request_timeout"))
     return EndedEarly(EndReason.BROKER_UNAVAILABLE, redis_down())
+
+
+async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` unless the client goes away first: (True, result) or (False, None)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher, task = asyncio.ensure_future(watch()), asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return (False, None) if gone else (True, task.result())
 
 
 class Requests:

@@ -16,11 +16,9 @@ here and abort it in every stage.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
-from typing import Any
 
 import msgspec
 from fastapi import Request as HttpRequest
@@ -31,7 +29,7 @@ from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.reply_hub import HubLimits, ReplyHub
-from services.api.request import ApiRequest, Requests
+from services.api.request import ApiRequest, Requests, until_disconnect
 from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
 from shared.keys import Keys
@@ -43,26 +41,6 @@ from shared.settings import ApiSettings
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
-
-
-async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run `work` unless the client goes away first: (True, result) or (False, None)."""
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher, task = asyncio.ensure_future(watch()), asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        gone = not task.done()
-        if gone:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return (False, None) if gone else (True, task.result())
 
 
 class ApiService:
@@ -167,11 +145,16 @@ class ApiService:
     async def answer(self, http: HttpRequest, submission: Submission):
         """Submit a body's jobs and answer them as one response (several jobs: a completion with a list of
         prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream."""
-        req = await self.requests.open(submission.jobs, submission.record, submission.stream, submission.label)
+        opening = self.requests.open(submission.jobs, submission.record, submission.stream, submission.label)
         if submission.stream:
-            return await self.stream(http, req, submission.fmt)
+            return await self.stream(http, opening, submission.fmt)
+        return await self.full_answer(http, opening, submission.fmt)
+
+    async def full_answer(self, http: HttpRequest, opening: Awaitable[ApiRequest], fmt: Format):
+        """The JSON body, unless the client goes away first (then nothing); the request is closed either way."""
+        req = await opening
         try:
-            connected, body = await until_disconnect(http, self.full_body(req, submission.fmt))
+            connected, body = await until_disconnect(http, self.full_body(req, fmt))
             return body if connected else None
         finally:
             await req.close()
@@ -180,8 +163,7 @@ class ApiService:
         """Stream a request submitted by any API process, from its record: entries up to `last_event_id`
         go into the format unsent."""
         fmt = format_of_record(record, uid)
-        req = await self.requests.attach(uid, record, last_event_id)
-        return await self.stream(http, req, fmt, last_event_id)
+        return await self.stream(http, self.requests.attach(uid, record, last_event_id), fmt, last_event_id)
 
     async def full_body(self, req: ApiRequest, fmt: Format) -> dict:
         """The whole answer, held here until it ends: bounded by --max-response-bytes, counted as its events
@@ -198,12 +180,14 @@ class ApiService:
             fmt.add(events)
         return fmt.response(req.counts)
 
-    async def stream(self, http: HttpRequest, req: ApiRequest, fmt: Format, replay_until: str | None = None
-                     ) -> SSEResponse | None:
+    async def stream(self, http: HttpRequest, opening: Awaitable[ApiRequest], fmt: Format,
+                     replay_until: str | None = None) -> SSEResponse | None:
         """Hold the response back until the first reply entries arrive (or `sse_ping_s` passes without any),
         so that an error known before generation gets its HTTP status rather than a 200 and an error event.
         The stream then starts with those entries at once: waiting costs the first token nothing. Entries up
-        to `replay_until` (Last-Event-ID) go into the format but are not sent again."""
+        to `replay_until` (Last-Event-ID) go into the format but are not sent again. `opening`: the request's
+        open or attach, awaited here (every step of the service's own is entered before the request's)."""
+        req = await opening
         replies = req.replies(idle_s=self.settings.sse_ping_s)
         started = False
         try:
