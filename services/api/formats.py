@@ -205,10 +205,8 @@ class ChatFormat(Format):
 
     def chunk_choice(self, index, c, text, lps, finish):
         parsed = Parsed(content=text)
-        if self.parsers is not None:
-            parsed = self.parsers[index].feed(text)
-            if finish is not None:
-                parsed += self.parsers[index].finish()
+        if self.parsers is not None:  # the last piece of a choice releases what its parser held back
+            parsed = self.parsers[index].feed(text, final=finish is not None)
         delta: dict[str, Any] = {"role": "assistant", "content": parsed.content} if not c.started else {}
         if parsed.content:
             delta["content"] = parsed.content

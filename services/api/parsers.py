@@ -57,8 +57,18 @@ class ReasoningParser:
         self.state = "start"  # start -> thinking -> after -> content, or start -> content
         self.buf = ""
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) releasable after `text`."""
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) releasable after `text`; `final`: the answer ends with it, nothing is held."""
+        reasoning, content = self._feed(text)
+        if final:  # what is still held is whatever the state it stands in makes it
+            rest, self.buf = self.buf, ""
+            if self.state == "thinking":
+                reasoning += rest
+            else:
+                content += rest
+        return reasoning, content
+
+    def _feed(self, text: str) -> tuple[str, str]:
         self.buf += text
         reasoning = content = ""
         if self.state == "start":
@@ -87,8 +97,7 @@ class ReasoningParser:
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:
-        rest, self.buf = self.buf, ""
-        return (rest, "") if self.state == "thinking" else ("", rest)
+        return self.feed("", final=True)
 
 
 class HermesToolParser:
@@ -204,12 +213,12 @@ class AnswerParser:
         self.tools = cls() if cls else None
         self.calls = 0  # tool calls so far
 
-    def feed(self, text: str) -> Parsed:
-        return self._split(*(self.reasoning.feed(text) if self.reasoning else ("", text)), final=False)
+    def feed(self, text: str, final: bool = False) -> Parsed:
+        """What `text` releases; `final` (the answer ends with it): what is held too, as `finish` would."""
+        return self._split(*(self.reasoning.feed(text, final) if self.reasoning else ("", text)), final=final)
 
     def finish(self) -> Parsed:
-        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        return self._split(reasoning, content, final=True)
+        return self.feed("", final=True)
 
     def _split(self, reasoning: str, content: str, final: bool) -> Parsed:
         if self.tools is None:

@@ -75,3 +75,18 @@ def test_held_back_text_is_released_as_soon_as_it_cannot_be_a_marker():
     assert parser.feed("box>").content == "<toolbox>"
     calls = parser.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>').tool_calls
     assert [c["function"] for c in calls] == [{"name": "f", "arguments": "{}"}] and calls[0]["id"]
+
+
+def streamed_final(text: str, cuts: tuple[int, ...], reasoning: bool, tools: str | None) -> Parsed:
+    """As a stream's format feeds a choice: its last piece with `final` (services/api/formats.py ChatFormat)."""
+    parser, out = AnswerParser(reasoning, tools), Parsed()
+    pieces = list(itertools.pairwise((0, *cuts, len(text))))
+    for k, (a, b) in enumerate(pieces):
+        out += parser.feed(text[a:b], final=k == len(pieces) - 1)
+    return out
+
+
+@pytest.mark.parametrize(("text", "reasoning", "tools", "expected"), CASES, ids=range(len(CASES)))
+def test_a_final_piece_releases_what_finish_would(text, reasoning, tools, expected):
+    for cuts in splits(len(text)):
+        assert summary(streamed_final(text, cuts, reasoning, tools)) == expected, cuts
