@@ -178,11 +178,12 @@ class ReplyHub:
         """The uid of a request this process submits: in the slot of the shard that will read its replies."""
         return slots.uid_in_slot(self._own_shard().slot)
 
-    def register(self, uid: str, after: str = "0-0") -> Subscription:
+    def register(self, uid: str, after: str = "0-0", wake_in=None) -> Subscription:
         """Add rsinfer:reply:{<uid>} to a shard's key set, reading after `after` ("0-0": from the beginning,
-        so entries written before the read blocks are not missed). The caller queues `sub.shard.wake_in`
-        in its own pipeline, or calls `subscribe` instead. On a cluster the shard is the one of the uid's slot
-        (a guest shard for a request submitted elsewhere); a standalone Redis takes any key in any read."""
+        so entries written before the read blocks are not missed). The caller queues the shard's wake in its
+        own pipeline (`wake_in`, or `sub.shard.wake_in` later), or calls `subscribe` instead. On a cluster the
+        shard is the one of the uid's slot (a guest shard for a request submitted elsewhere); a standalone Redis
+        takes any key in any read."""
         key = self.keys.reply(uid)
         if self.cluster:
             slot = slots.key_slot(key)
@@ -190,6 +191,8 @@ class ReplyHub:
         else:
             shard = self._own_shard()
         sub = shard.subs[key] = Subscription(self, shard, uid, key, after)
+        if wake_in is not None:
+            shard.wake_in(wake_in)
         return sub
 
     def _own_shard(self) -> _Shard:

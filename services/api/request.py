@@ -225,14 +225,15 @@ class Requests:
 class SingleRequest:
     """One job's request: its reply subscription and order, its deadline, its accounting and its end."""
 
-    def __init__(self, ctx: Requests, info: RequestInfo, *, owner: bool = True, resume_window: float = 0.0,
-                 label: str = "", span: Span = NO_SPAN):
+    def __init__(self, ctx: Requests, info: RequestInfo, *, resume_window: float = 0.0, label: str = "",
+                 span: Span = NO_SPAN, sub: Subscription | None = None):
+        """`sub`: its reply subscription, if registered already (`open`, `attach`); else registered here."""
         self.ctx, self.uid, self.deadline, self.model = ctx, info.uid, info.deadline, info.model
-        self.owner = owner  # the process that submitted it (metrics, in-flight count, drain)
+        self.owner = True  # the process that submitted it (metrics, in-flight count, drain); `attach` is not
         self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
         self.background, self.label, self.span = info.background, label, span
         self.order = OrderedReplies(info.n)
-        self.sub: Subscription = ctx.hub.register(info.uid)
+        self.sub: Subscription = sub if sub is not None else ctx.hub.register(info.uid)
         self.closed = False
         self.end_reason: str = EndReason.CLIENT_GONE
         self.started = time.monotonic()
@@ -256,8 +257,7 @@ class SingleRequest:
                                 stream=stream)
         if span.traceparent:
             job = msgspec.structs.replace(job, trace=span.traceparent)
-        req = cls(ctx, RequestInfo.of_job(job), label=label, span=span,
-                  resume_window=ctx.settings.resume_window_s if stream else 0.0)
+        info, sub = RequestInfo.of_job(job), None
         try:
             # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
             # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
@@ -267,12 +267,15 @@ class SingleRequest:
                                      background=int(job.background), attached=1, **record)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, ctx.keys.tokenize(job.model), job)
-                req.sub.shard.wake_in(pipe)
+                sub = ctx.hub.register(job.uid, wake_in=pipe)
                 await pipe.execute()
         except BaseException as e:
-            ctx.hub.unsubscribe(req.sub)
+            if sub is not None:
+                ctx.hub.unsubscribe(sub)
             span.end(error=repr(e))
             raise
+        req = cls(ctx, info, label=label, span=span, resume_window=ctx.settings.resume_window_s if stream else 0.0,
+                  sub=sub)
         ctx.opened(req)
         ctx.metrics.inflight.labels(job.model).inc()
         log.info("uid=%s queued for %s", job.uid, job.model)
@@ -290,16 +293,18 @@ class SingleRequest:
             raise ApiError(410, f"the reply stream of `{uid}` was trimmed past {last_event_id or 'its start'} (it "
                            f"keeps the last --reply-maxlen entries); what came before {kept_from} is gone",
                            param="Last-Event-ID", code="reply_trimmed")
-        req = cls(ctx, RequestInfo.of_record(bare, record, ctx.settings.request_timeout_s), owner=False,
-                  resume_window=ctx.settings.resume_window_s, label="reattach")
+        info, sub = RequestInfo.of_record(bare, record, ctx.settings.request_timeout_s), None
         try:
             async with ctx.redis.pipeline(transaction=False) as pipe:
                 ctx.store.attach(pipe, bare, +1)
-                req.sub.shard.wake_in(pipe)
+                sub = ctx.hub.register(bare, wake_in=pipe)
                 await pipe.execute()
         except BaseException:
-            ctx.hub.unsubscribe(req.sub)
+            if sub is not None:
+                ctx.hub.unsubscribe(sub)
             raise
+        req = cls(ctx, info, resume_window=ctx.settings.resume_window_s, label="reattach", sub=sub)
+        req.owner = False
         if kept_from is not None:
             req.order.start_headless()
         else:
