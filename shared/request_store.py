@@ -74,14 +74,7 @@ class RequestStore:
 
     async def field(self, uids: Sequence[str], name: str) -> dict[str, str | None]:
         """uid -> the value of `name` in its record (None where missing), in one round trip."""
-        uids = list(uids)
-        if not uids:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for uid in uids:
-                pipe.hget(self.keys.request(uid), name)
-            values = await pipe.execute()
-        return {u: v.decode() if v is not None else None for u, v in zip(uids, values, strict=True)}
+        return {uid: row[0] for uid, row in (await self.fields(uids, name)).items()}
 
     async def fields(self, uids: Sequence[str], *names: str) -> dict[str, list[str | None]]:
         """uid -> the values of `names` in its record (None where missing), in one round trip."""

@@ -110,8 +110,19 @@ class Adapters:
         return found[name]
 
     # -- load and unload ----------------------------------------------------------------------------------
+    def _refuse_oversized(self, **values: str | None) -> None:
+        """A 400 naming the first field past its limit, before anything is looked up: names (`lora_name`,
+        `base_model_name`) --max-lora-name-chars, `lora_path` --max-lora-path-chars."""
+        for field, value in values.items():
+            limit, flag = ((self.settings.max_lora_path_chars, "--max-lora-path-chars") if field == "lora_path"
+                           else (self.settings.max_lora_name_chars, "--max-lora-name-chars"))
+            if value is not None and len(value) > limit:
+                raise ApiError(400, f"{field} has {len(value)} characters; at most {limit} ({flag})", param=field)
+
     async def load(self, body: LoadLoraAdapter, mode: str = "new") -> AdapterRecord:
         """Check and register an adapter; 400 naming the field for a bad one (404 for an unknown base model)."""
+        self._refuse_oversized(lora_name=body.lora_name, base_model_name=body.base_model_name,
+                               lora_path=body.lora_path)
         problem = registry.name_problem(body.lora_name, self.settings.max_lora_name_chars)
         if problem:
             raise ApiError(400, problem, param="lora_name")
@@ -146,9 +157,8 @@ class Adapters:
         return now or record
 
     async def unload(self, body: UnloadLoraAdapter) -> AdapterRecord:
-        gone = None
-        if len(body.lora_name) <= self.settings.max_lora_name_chars:
-            gone = await registry.unregister(self.svc.redis, self.svc.keys, body.lora_name)
+        self._refuse_oversized(lora_name=body.lora_name)
+        gone = await registry.unregister(self.svc.redis, self.svc.keys, body.lora_name)
         if gone is None:
             raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found")

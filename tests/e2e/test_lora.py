@@ -323,10 +323,14 @@ def test_a_bad_folder_is_a_400_at_load_naming_its_field(lora, made, tmp_path):
                         ({"lora_name": MODEL, "lora_path": str(made["sql"][0])}, "lora_name"),
                         ({"lora_name": "sql", "lora_path": str(made["sql"][0])}, "lora_name"),
                         ({"lora_name": "s3", "lora_path": "s3://elsewhere/adapters/x"}, "lora_path"),
-                        ({"lora_name": "x", "lora_path": "/x", "colour": 1}, "colour")]:
+                        ({"lora_name": "x", "lora_path": "/x", "colour": 1}, "colour"),
+                        ({"lora_name": "x", "lora_path": str(made["sql"][0]), "base_model_name": "m" * 129},
+                         "base_model_name")]:
         resp = httpx.post(f"{lora.base_url}/v1/load_lora_adapter", json=body, timeout=30)
         assert resp.status_code == 400, (body, resp.text)
         assert resp.json()["error"]["param"] == param, (body, resp.text)
+    resp = httpx.post(f"{lora.base_url}/v1/unload_lora_adapter", json={"lora_name": "a" * 129}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_name", resp.text
     resp = load(lora, "other", made["sql"][0], base_model_name="no-such-model")
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "base_model_name"
     # The scheduler never saw any of them and serves on.

@@ -79,7 +79,7 @@ async def test_a_replica_that_never_saw_the_first_delta_reads_the_stop_strings_f
     later = TokenDelta(uid="u", start=cut, ids=ids[cut:], prompt_tokens=3, context=ids[:cut], stops=1)
     with unittest.mock.patch.object(type(worker.redis.pipeline()), "execute", counted):
         await worker.handle([Delivery("1-0", DetokenizeBatch("s", 1, [later]))], claimed=True)
-    assert ["HGET"] in commands  # the record, read once for the read
+    assert ["HMGET"] in commands  # the record, read once for the read
     entries = await worker.redis.xrange(worker.keys.reply("u"))
     ev = decode(entries[-1][1][FIELD], ReplyEvent)
     assert ev.finish_reason == "stop" and "world" not in ev.text, ev
