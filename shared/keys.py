@@ -111,6 +111,23 @@ class Keys:
         `tag` puts it in the slot of the reply streams that shard reads."""
         return f"{self.namespace}:ctl:{{{tag}}}:{pod}:{shard}"
 
+    # -- tenants (services/api/tenancy.py): every key of one tenant's quota carries the tag `{t:<tenant>}`, so the
+    # admission script's keys share a hash slot on a cluster
+    def quota_slots(self, tenant: str) -> str:
+        """Sorted set of the tenant's concurrency leases: member = the lease id (a request uid), score = the unix
+        time it expires at unless its API process refreshes it (a crashed process's leases expire)."""
+        return f"{self.namespace}:quota:{{t:{tenant}}}:slots"
+
+    def quota_window(self, tenant: str) -> str:
+        """Hash of the tenant's current one-minute window: `w` (its index, unix minutes), `req` (requests admitted
+        in it), `tok` (prompt and generated tokens counted in it). Expires two minutes after its last write."""
+        return f"{self.namespace}:quota:{{t:{tenant}}}:window"
+
+    def usage(self) -> str:
+        """Hash of every tenant's usage since the counters began: field `<tenant>:<counter>` (requests,
+        prompt_tokens, cached_tokens, generated_tokens). No TTL: accounting, bounded by the keys file's tenants."""
+        return f"{self.namespace}:usage"
+
     def stage_stream(self, stage: str, model: str) -> str:
         return {"tokenizer": self.tokenize, "scheduler": self.schedule,
                 "detokenizer": self.detokenize}[stage](model)

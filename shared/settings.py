@@ -256,7 +256,25 @@ class ApiKeyFile(BaseSettings):
                               "--api-key, which `ps` shows; or RSINFER_API_KEY)")
 
 
-class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, ApiKeyFile):
+class TenantSettings(BaseSettings):
+    """Named keys, their policies and the tenants' quotas (services/api/tenancy.py; README, "Tenants")."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    api_keys_file: str = Field("", description="YAML or JSON file of API keys, each with its tenant and policy "
+                               "(README, \"Tenants\"); re-read when it changes, so keys rotate without a restart")
+    api_keys_check_s: float = Field(1.0, gt=0, le=60, description="how often (seconds) --api-keys-file is "
+                                    "looked at for a change; a change is honoured within this")
+    metrics_open: bool = Field(True, description="/metrics needs no key; false: an admin key")
+    quota_lease_s: float = Field(30.0, ge=3, le=3600, description="a tenant's concurrency slot lives this long "
+                                 "past its API process's last refresh (every third of it), so the slots of a "
+                                 "crashed API process free themselves")
+    usage_flush_s: float = Field(2.0, gt=0, le=60, description="how often each API process adds the tokens its "
+                                 "open requests counted to their tenants' per-minute budgets and usage counters "
+                                 "(one pipeline for all of them)")
+
+
+class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, ApiKeyFile, TenantSettings):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")

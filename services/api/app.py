@@ -5,7 +5,6 @@ body then checks its own fields (services/api/schemas.py) and services/api/servi
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -27,6 +26,8 @@ from services.api.request import bare_uid
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
+from services.api.tenancy import TENANT, Tenancy
+from services.api.tenants import Tenant
 from shared.request_states import EndReason
 from shared.settings import ApiSettings
 
@@ -73,21 +74,17 @@ class Guard:
     last word on unexpected errors."""
 
     def __init__(self, app: FastAPI, settings: ApiSettings):
-        self.app, self.api_key = app, settings.api_key
+        self.app = app
         self.max_body, self.body_timeout = settings.max_body_bytes, settings.body_timeout_s
         self.service: ApiService = app.state.service
+        self.tenancy: Tenancy = self.service.tenancy
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
         headers = dict(scope["headers"])
-        error = None
-        auth = headers.get(b"authorization", b"")
-        expected = f"Bearer {self.api_key}".encode()
-        keyed = bool(self.api_key) and hmac.compare_digest(auth, expected)
-        if self.api_key and scope["path"] not in OPEN_PATHS and not keyed:
-            error = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        error = self.authenticate(scope, headers.get(b"authorization", b""))
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             error = body_too_large(self.max_body)
@@ -98,6 +95,21 @@ class Guard:
             await self.app(scope, BodyReader(receive, self.max_body, self.body_timeout), send)
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
+
+
+    def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
+        """The key's tenant into the scope (services/api/tenancy.py `TENANT`), or the 401 or 403 of the request."""
+        path = scope["path"]
+        if path in OPEN_PATHS and not self.tenancy.needs_admin(path):
+            return None
+        scheme, _, key = auth.partition(b" ")
+        tenant = self.tenancy.ring.tenant(key.strip() if scheme.lower() == b"bearer" else None)
+        if tenant is None:
+            return ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        if self.tenancy.needs_admin(path) and not tenant.admin:
+            return ApiError(403, f"`{path}` needs an admin key", code="admin_required")
+        scope[TENANT] = tenant
+        return None
 
 
 def create_app(settings: ApiSettings) -> Guard:
@@ -134,12 +146,15 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
 
     async def answer(request: Request, body: Body):
         params = body.checked(limits)
-        # only /generate may leave the model out; a LoRA adapter's name stands for its base model and the adapter
-        model, adapter = await adapters.target(body.model or _only_model(svc), body.lora_path)
+        tenant = svc.tenancy.tenant_of(request)
+        name = body.model or _only_model(svc)  # only /generate may leave the model out
+        svc.tenancy.authorize(tenant, name, priority=body.priority, background=getattr(body, "background", None))
+        # a LoRA adapter's name stands for its base model and the adapter
+        model, adapter = await adapters.target(name, body.lora_path)
         await svc.admit(model, body.budget(params))
         submission = body.submission(params, svc.stamp(model, adapter))
         request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
-        return await svc.answer(request, submission)
+        return await svc.answer(request, submission, tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -159,40 +174,43 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
     @app.get("/v1/models")
-    async def models():
-        """Every model requests are taken for, with its `state`: `ready`, or with no worker in some stage
-        (`partial`, `scaled_to_zero`), when its requests wait for workers."""
+    async def models(request: Request):
+        """Every model requests are taken for (that the key may use), with its `state`: `ready`, or with no
+        worker in some stage (`partial`, `scaled_to_zero`), when its requests wait for workers."""
         snap = svc.stages.snapshot
-        return {"object": "list", "data": [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)}
+        cards = [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)
+        tenant = svc.tenancy.tenant_of(request)
+        return {"object": "list", "data": [c for c in cards if svc.tenancy.may_use(tenant, c["id"])]}
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str):
+    async def retrieve_model(model: str, request: Request):
         snap = svc.stages.snapshot
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
         card = await adapters.model_card(snap, model)  # a base model's, or a LoRA adapter's
-        if card is None:
+        if card is None or not svc.tenancy.may_use(svc.tenancy.tenant_of(request), model):
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return card
 
 
 def add_request_routes(app: FastAPI, svc: ApiService) -> None:
-    """A request by its uid (or response id), submitted by any API process: its record, its abort, its stream."""
+    """A request by its uid (or response id), submitted by any API process: its record, its abort, its stream;
+    only its tenant's keys and admin keys find it."""
 
     @app.get("/v1/requests/{uid}")
-    async def get_request(uid: str):
-        record = await _record(svc, uid)
+    async def get_request(uid: str, request: Request):
+        record = await _record(svc, uid, svc.tenancy.tenant_of(request))
         return {"id": bare_uid(uid), "object": "request", **record}
 
     @app.delete("/v1/requests/{uid}")
-    async def abort_request(uid: str):
-        record = await _record(svc, uid)
+    async def abort_request(uid: str, request: Request):
+        record = await _record(svc, uid, svc.tenancy.tenant_of(request))
         await svc.store.abort_now(bare_uid(uid), EndReason.API, record.get("model"))
         return {"id": bare_uid(uid), "object": "request.abort", "aborted": True}
 
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
-        record = await _record(svc, uid)
+        record = await _record(svc, uid, svc.tenancy.tenant_of(request))
         request.scope[errors.UID] = bare_uid(uid)
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
 
@@ -242,9 +260,11 @@ def _only_model(svc: ApiService) -> str:
     return models[0]
 
 
-async def _record(svc: ApiService, uid: str) -> dict:
+async def _record(svc: ApiService, uid: str, tenant: Tenant) -> dict:
+    """The request's record, or a 404 if there is none or another tenant made it (not a 403: the uid is not
+    confirmed to exist)."""
     record = await svc.store.record(bare_uid(uid))
-    if not record:
+    if not record or not svc.tenancy.owns(tenant, record):
         raise ApiError(404, f"no request `{uid}` (finished requests are kept for the TTL)", param="uid",
                        code="request_not_found")
     return record

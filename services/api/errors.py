@@ -41,6 +41,7 @@ class ApiError(Exception):
     type: str | None = None  # by default the status's (TYPES)
     retry_after: float | None = None  # seconds, for a Retry-After header
     close: bool = False  # end the connection after the answer (a body not read to its end)
+    headers: dict[str, str] | None = None  # more headers of the answer (a 429's x-ratelimit-*)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -53,6 +54,7 @@ class ApiError(Exception):
         headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else {}
         if self.close:
             headers["Connection"] = "close"
+        headers.update(self.headers or {})
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 

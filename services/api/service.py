@@ -32,6 +32,8 @@ from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests, until_disconnect
 from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
+from services.api.tenancy import Lease, LeasedRequest, Tenancy
+from services.api.tenants import OPEN, Tenant
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.registry import Beating, Heartbeat
@@ -54,6 +56,7 @@ class ApiService:
                             limits=HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
+        self.tenancy = Tenancy(settings, self.redis, self.keys, self.metrics.registry)  # keys, ownership, quotas
         self.tracer = Tracer("api", settings.otlp_endpoint)
         self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
         self.requests = Requests(settings, self.store, self.hub, self.pod, tracer=self.tracer, metrics=self.metrics)
@@ -99,11 +102,13 @@ class ApiService:
         await self.stages.refresh()
         self.stages.start()
         self.heartbeat.start()
+        self.tenancy.start()
         log.info("api ready: pod=%s redis_ok=%s models=%s", self.pod, self.stages.snapshot.redis_ok,
                  sorted(self.stages.snapshot.models))
 
     async def close(self) -> None:
         await self.requests.close()
+        await self.tenancy.close()
         await self.heartbeat.stop()
         await self.stages.stop()
         await self.hub.close()
@@ -142,13 +147,29 @@ class ApiService:
                            f"{jobs}; at most {most} (--max-queued): retry shortly", code="overloaded", retry_after=1)
 
     # -- one request's path: the request -> format -> bytes -> close -------------------------------------
-    async def answer(self, http: HttpRequest, submission: Submission):
+    async def answer(self, http: HttpRequest, submission: Submission, tenant: Tenant = OPEN):
         """Submit a body's jobs and answer them as one response (several jobs: a completion with a list of
-        prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream."""
-        opening = self.requests.open(submission.jobs, submission.record, submission.stream, submission.label)
+        prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream.
+        The tenant's quota admits it first (a 429), and its lease ends with the request."""
+        lease = await self.tenancy.admit(tenant)
+        record = {**submission.record, **self.tenancy.record_fields(tenant)}
+        opening = self._leased(self.requests.open(submission.jobs, record, submission.stream, submission.label),
+                               lease)
         if submission.stream:
             return await self.stream(http, opening, submission.fmt)
         return await self.full_answer(http, opening, submission.fmt)
+
+    @staticmethod
+    async def _leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
+        """The opened request, closing with its lease; the lease released if it does not open."""
+        if lease is None:
+            return await opening
+        try:
+            req = await opening
+        except BaseException:
+            await lease.release()
+            raise
+        return LeasedRequest(req, lease)
 
     async def full_answer(self, http: HttpRequest, opening: Awaitable[ApiRequest], fmt: Format):
         """The JSON body, unless the client goes away first (then nothing); the request is closed either way."""

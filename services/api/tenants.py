@@ -1,0 +1,255 @@
+"""Named API keys and their policies, read from `--api-keys-file` (README, "Tenants").
+
+The file is YAML or JSON: a list of entries (or `{"keys": [...]}`), each
+
+    key: <the bearer key>            # or key_sha256: <hex SHA-256 of it>, so the file need not hold it
+    tenant: team-a                   # [A-Za-z0-9._-]{1,64}: the name requests, quotas and usage go under
+    admin: false                     # the operator endpoints; sees every tenant's requests
+    models: [rsinfer-demo]           # the `model`s it may ask for; omitted: every model
+    max_concurrent: 8                # requests open at once, every API process together; omitted: no limit
+    requests_per_minute: 600         # omitted: no limit
+    tokens_per_minute: 100000        # prompt plus generated tokens; omitted: no limit
+    priority: [0, 10]                # the `priority` range it may ask for; omitted: any
+    background: false                # may send `background: true`
+
+Keys are held only as HMAC-SHA256 digests under a secret of this process, and a presented key is compared with
+every one in constant time. Several entries may name one tenant (a key being rotated: both are valid while both
+are listed); they must then agree on the policy, since the tenant's quota is one. `KeyRing` re-reads the file when
+it changes (checked at most every --api-keys-check-s), so a key added to the Secret is honoured and one removed
+from it refused without a restart; a file that no longer parses keeps the keys read last (and is logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MIN_KEY_CHARS = 8
+FIELDS = {"key", "key_sha256", "tenant", "admin", "models", "max_concurrent", "requests_per_minute",
+          "tokens_per_minute", "priority", "background"}
+LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
+LEGACY_TENANT = "default"  # the tenant of --api-key (one admin key, no limits)
+
+
+class KeyFileError(ValueError):
+    """The keys file does not parse: the message names the entry and the field."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one tenant may do (module doc); None: no limit."""
+
+    admin: bool = False
+    models: frozenset[str] | None = None
+    max_concurrent: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    priority: tuple[int, int] | None = None
+    background: bool = False
+
+    @property
+    def limited(self) -> bool:
+        return any(getattr(self, name) is not None for name in LIMITS)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request comes from: its tenant's name and policy (never its key)."""
+
+    name: str
+    policy: Policy
+
+    @property
+    def admin(self) -> bool:
+        return self.policy.admin
+
+
+UNLIMITED = Policy(admin=True, background=True)
+OPEN = Tenant("", UNLIMITED)  # no key configured: today's open mode, where anyone may do anything
+
+
+def key_digest(secret: bytes, sha256_hex: str) -> bytes:
+    return hmac.new(secret, bytes.fromhex(sha256_hex), hashlib.sha256).digest()
+
+
+def _sha256_of(entry: dict, where: str) -> str:
+    if ("key" in entry) == ("key_sha256" in entry):
+        raise KeyFileError(f"{where}: give exactly one of `key` and `key_sha256`")
+    if "key" in entry:
+        key = entry["key"]
+        if not isinstance(key, str) or len(key) < MIN_KEY_CHARS or key != key.strip():
+            raise KeyFileError(f"{where}.key: a string of at least {MIN_KEY_CHARS} characters, without spaces "
+                               "around it")
+        return hashlib.sha256(key.encode()).hexdigest()
+    digest = entry["key_sha256"]
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+        raise KeyFileError(f"{where}.key_sha256: 64 hex digits (the SHA-256 of the key)")
+    return digest.lower()
+
+
+def _limit(entry: dict, name: str, where: str) -> int | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KeyFileError(f"{where}.{name}: a whole number >= 0, or omitted for no limit")
+    return value
+
+
+def _priority(entry: dict, where: str) -> tuple[int, int] | None:
+    value = entry.get("priority")
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = [value.get("min"), value.get("max")]
+    ok = (isinstance(value, list) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and value[0] <= value[1])
+    if not ok:
+        raise KeyFileError(f"{where}.priority: [lowest, highest] (or {{min, max}}), whole numbers")
+    return value[0], value[1]
+
+
+def _models(entry: dict, where: str) -> frozenset[str] | None:
+    value = entry.get("models")
+    if value is None or value == "*" or value == ["*"]:
+        return None
+    if not isinstance(value, list) or not all(isinstance(m, str) and m for m in value):
+        raise KeyFileError(f"{where}.models: a list of model names, or omitted for every model")
+    return frozenset(value)
+
+
+def _flag(entry: dict, name: str, where: str) -> bool:
+    value = entry.get(name, False)
+    if not isinstance(value, bool):
+        raise KeyFileError(f"{where}.{name}: true or false")
+    return value
+
+
+def parse_entry(entry: Any, where: str) -> tuple[str, Tenant]:
+    """(the SHA-256 hex of its key, its tenant) of one entry of the file."""
+    if not isinstance(entry, dict):
+        raise KeyFileError(f"{where}: an object with `key` and `tenant`")
+    unknown = sorted(set(entry) - FIELDS)
+    if unknown:
+        raise KeyFileError(f"{where}: unknown field `{unknown[0]}` (known: {', '.join(sorted(FIELDS))})")
+    name = entry.get("tenant")
+    if not isinstance(name, str) or not TENANT_NAME.match(name):
+        raise KeyFileError(f"{where}.tenant: a name of 1 to 64 letters, digits, `.`, `_` or `-`")
+    policy = Policy(admin=_flag(entry, "admin", where), models=_models(entry, where),
+                    priority=_priority(entry, where), background=_flag(entry, "background", where),
+                    **{limit: _limit(entry, limit, where) for limit in LIMITS})
+    return _sha256_of(entry, where), Tenant(name, policy)
+
+
+def parse_keys(text: str) -> dict[str, Tenant]:
+    """SHA-256 hex of each key -> its tenant, from the file's text (YAML, of which JSON is a subset)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KeyFileError(f"not YAML or JSON: {e}") from None
+    if isinstance(data, dict) and set(data) == {"keys"}:
+        data = data["keys"]
+    if not isinstance(data, list):
+        raise KeyFileError("a list of key entries (or {\"keys\": [...]})")
+    keys: dict[str, Tenant] = {}
+    policies: dict[str, Policy] = {}
+    for i, entry in enumerate(data):
+        digest, tenant = parse_entry(entry, f"keys[{i}]")
+        if digest in keys:
+            raise KeyFileError(f"keys[{i}]: the same key as an entry before it")
+        if policies.setdefault(tenant.name, tenant.policy) != tenant.policy:
+            raise KeyFileError(f"keys[{i}]: tenant `{tenant.name}` has another policy in an entry before it (the "
+                               "entries of one tenant share one policy and one quota)")
+        keys[digest] = tenant
+    return keys
+
+
+def read_keys(path: str) -> dict[str, Tenant]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise KeyFileError(f"cannot read {path}: {e}") from None
+    try:
+        return parse_keys(text)
+    except KeyFileError as e:
+        raise KeyFileError(f"{path}: {e}") from None
+
+
+def _file_state(path: str) -> tuple[int, int, int] | None:
+    """What changes when the file does (a mounted Secret's update swaps a symlink: a new inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class KeyRing:
+    """The keys a request may present: `--api-keys-file`'s, plus `--api-key` (tenant `default`: admin, background,
+    no limits). Empty: open mode (`configured` false)."""
+
+    def __init__(self, path: str = "", api_key: str | None = None, check_s: float = 1.0):
+        self.path, self.check_s = path, check_s
+        self.secret = secrets.token_bytes(32)
+        self.legacy: dict[bytes, Tenant] = {}
+        if api_key:
+            self.legacy[key_digest(self.secret, hashlib.sha256(api_key.encode()).hexdigest())] = Tenant(
+                LEGACY_TENANT, UNLIMITED)
+        self.digests: dict[bytes, Tenant] = dict(self.legacy)
+        self.state: tuple[int, int, int] | None = None
+        self.checked_at = 0.0
+        if path:
+            self._load(read_keys(path), _file_state(path))  # a bad file at start: the process does not start
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.path or self.legacy)
+
+    def _load(self, keys: dict[str, Tenant], state: tuple[int, int, int] | None) -> None:
+        self.digests = {**self.legacy, **{key_digest(self.secret, sha): t for sha, t in keys.items()}}
+        self.state = state
+        log.info("api keys: %d keys of %d tenants", len(self.digests), len({t.name for t in self.digests.values()}))
+
+    def refresh(self, now: float | None = None) -> None:
+        """Re-read the file if it changed since the last look (at most every check_s)."""
+        now = time.monotonic() if now is None else now
+        if not self.path or now - self.checked_at < self.check_s:
+            return
+        self.checked_at = now
+        state = _file_state(self.path)
+        if state == self.state:
+            return
+        try:
+            self._load(read_keys(self.path), state)
+        except KeyFileError as e:
+            self.state = state  # logged once per change, not at every look
+            log.error("api keys file changed but is not valid; keeping the keys read before: %s", e)
+
+    def tenant(self, presented: str | bytes | None) -> Tenant | None:
+        """The tenant of a presented key (OPEN in open mode), None for an unknown one. Every stored digest is
+        compared, in constant time, whichever matches."""
+        if not self.configured:
+            return OPEN
+        self.refresh()
+        if not presented:
+            return None
+        raw = presented.encode() if isinstance(presented, str) else presented
+        digest = key_digest(self.secret, hashlib.sha256(raw).hexdigest())
+        found = None
+        for stored, tenant in self.digests.items():
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        return found

@@ -1,0 +1,168 @@
+"""The keys file (services/api/tenants.py): parsing, hashing, rotation by re-reading, and the policy's decisions
+(services/api/tenancy.py `Tenancy.authorize`, `owns`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from services.api.errors import ApiError
+from services.api.tenancy import Tenancy
+from services.api.tenants import OPEN, KeyFileError, KeyRing, Policy, Tenant, parse_keys
+from shared.settings import ApiSettings
+
+pytestmark = pytest.mark.timeout(30)
+
+A_KEY, A_NEW_KEY, B_KEY, ADMIN_KEY = "sk-tenant-a-0001", "sk-tenant-a-0002", "sk-tenant-b-0001", "sk-admin-0001"
+
+YAML = f"""
+- key: {A_KEY}
+  tenant: team-a
+  models: [rsinfer-demo]
+  max_concurrent: 4
+  requests_per_minute: 60
+  tokens_per_minute: 10000
+  priority: [0, 10]
+  background: true
+- key_sha256: {hashlib.sha256(B_KEY.encode()).hexdigest()}
+  tenant: team-b
+- key: {ADMIN_KEY}
+  tenant: ops
+  admin: true
+"""
+
+
+def test_yaml_entries_become_tenants_with_their_policies():
+    keys = parse_keys(YAML)
+    a = keys[hashlib.sha256(A_KEY.encode()).hexdigest()]
+    assert a == Tenant("team-a", Policy(models=frozenset({"rsinfer-demo"}), max_concurrent=4, requests_per_minute=60,
+                                        tokens_per_minute=10000, priority=(0, 10), background=True))
+    b = keys[hashlib.sha256(B_KEY.encode()).hexdigest()]
+    assert b == Tenant("team-b", Policy()) and not b.policy.limited  # omitted limits mean none
+    assert keys[hashlib.sha256(ADMIN_KEY.encode()).hexdigest()].admin
+
+
+def test_json_is_read_too_and_two_keys_of_one_tenant_agree():
+    entry = {"tenant": "t", "max_concurrent": 2}
+    text = json.dumps({"keys": [{"key": A_KEY, **entry}, {"key": A_NEW_KEY, **entry}]})
+    assert {t.name for t in parse_keys(text).values()} == {"t"}
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("- {tenant: a}", "exactly one of `key` and `key_sha256`"),
+    ("- {key: short, tenant: a}", "keys[0].key"),
+    ("- {key: sk-long-enough, tenant: 'a b'}", "keys[0].tenant"),
+    ("- {key: sk-long-enough, tenant: a, max_concurent: 3}", "unknown field `max_concurent`"),
+    ("- {key: sk-long-enough, tenant: a, max_concurrent: -1}", "keys[0].max_concurrent"),
+    ("- {key: sk-long-enough, tenant: a, max_concurrent: true}", "keys[0].max_concurrent"),
+    ("- {key: sk-long-enough, tenant: a, priority: [5, 1]}", "keys[0].priority"),
+    ("- {key: sk-long-enough, tenant: a, background: 'yes'}", "keys[0].background"),
+    ("- {key: sk-long-enough, tenant: a, models: rsinfer-demo}", "keys[0].models"),
+    ("- {key: sk-long-enough, tenant: a}\n- {key: sk-long-enough, tenant: b}", "keys[1]: the same key"),
+    ("- {key: sk-long-enough, tenant: a}\n- {key: sk-other-key-1, tenant: a, admin: true}", "another policy"),
+    ("{key: sk-long-enough}", "a list of key entries"),
+    ("- [unclosed", "not YAML or JSON"),
+])
+def test_a_bad_file_is_refused_naming_the_entry_and_field(text, names):
+    with pytest.raises(KeyFileError, match=None) as e:
+        parse_keys(text)
+    assert names in str(e.value)
+
+
+def test_keys_are_held_only_as_digests_and_matched_by_them(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(YAML)
+    ring = KeyRing(str(path))
+    assert ring.tenant(A_KEY).name == "team-a"
+    assert ring.tenant(B_KEY.encode()).name == "team-b"  # given as its SHA-256 in the file
+    assert ring.tenant("sk-unknown-key") is None and ring.tenant(None) is None and ring.tenant("") is None
+    held = b"".join(ring.digests)
+    for key in (A_KEY, B_KEY, ADMIN_KEY):
+        assert key.encode() not in held and hashlib.sha256(key.encode()).digest() not in held
+    assert all(len(d) == 32 for d in ring.digests)
+
+
+def test_a_changed_file_is_reread_so_keys_rotate_and_a_removed_one_is_refused(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"- {{key: {A_KEY}, tenant: team-a}}\n")
+    ring = KeyRing(str(path), check_s=1.0)
+    assert ring.tenant(A_KEY).name == "team-a" and ring.tenant(A_NEW_KEY) is None
+    path.write_text(f"- {{key: {A_KEY}, tenant: team-a}}\n- {{key: {A_NEW_KEY}, tenant: team-a}}\n")
+    ring.checked_at -= 2  # the next look is due
+    assert ring.tenant(A_NEW_KEY).name == "team-a" and ring.tenant(A_KEY).name == "team-a"  # both, while rotating
+    path.write_text(f"- {{key: {A_NEW_KEY}, tenant: team-a}}\n")
+    ring.checked_at -= 2
+    assert ring.tenant(A_KEY) is None and ring.tenant(A_NEW_KEY).name == "team-a"
+
+
+def test_a_file_broken_by_an_edit_keeps_the_keys_read_before(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"- {{key: {A_KEY}, tenant: team-a}}\n")
+    ring = KeyRing(str(path))
+    path.write_text("- {key: [")
+    ring.checked_at -= 2
+    assert ring.tenant(A_KEY).name == "team-a"
+
+
+def test_a_bad_file_at_start_stops_the_start(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {tenant: a}")
+    with pytest.raises(KeyFileError):
+        KeyRing(str(path))
+    with pytest.raises(KeyFileError, match="cannot read"):
+        KeyRing(str(tmp_path / "missing.yaml"))
+
+
+def test_no_key_is_open_mode_and_api_key_is_an_admin_tenant():
+    assert KeyRing().tenant(None) is OPEN and not KeyRing().configured
+    ring = KeyRing(api_key="k")
+    assert ring.tenant("k").name == "default" and ring.tenant("k").admin and ring.tenant("x") is None
+
+
+def tenancy(tmp_path) -> Tenancy:
+    path = tmp_path / "keys.yaml"
+    path.write_text(YAML)
+    return Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_keys_file=str(path)), None, None, None)
+
+
+def test_the_policy_refuses_with_a_403_naming_the_field(tmp_path):
+    t = tenancy(tmp_path)
+    a, b = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY)
+    t.authorize(a, "rsinfer-demo", priority=10, background=True)
+    refused = (({"model": "other"}, "model"), ({"priority": 11}, "priority"), ({"priority": -1}, "priority"))
+    for kwargs, field in refused:
+        with pytest.raises(ApiError) as e:
+            t.authorize(a, **{"model": "rsinfer-demo", **kwargs})
+        assert (e.value.status, e.value.param) == (403, field)
+    t.authorize(b, "any-model", priority=-5)  # no range, every model
+    with pytest.raises(ApiError) as e:
+        t.authorize(b, "any-model", background=True)
+    assert (e.value.status, e.value.param) == (403, "background")
+
+
+def test_a_request_is_its_tenants_and_every_admins(tmp_path):
+    t = tenancy(tmp_path)
+    a, b, ops = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY), t.ring.tenant(ADMIN_KEY)
+    record = {"model": "m", **t.record_fields(a)}
+    assert record["tenant"] == "team-a" and A_KEY not in json.dumps(record)
+    assert t.owns(a, record) and t.owns(ops, record) and not t.owns(b, record)
+    assert not t.owns(a, {"model": "m"})  # made in open mode: admins only
+    assert t.needs_admin("/v1/load_lora_adapter") and not t.needs_admin("/metrics")
+
+
+def test_the_file_changes_are_seen_by_inode_too(tmp_path):
+    """A mounted Secret is updated by swapping a symlink: same size and maybe the same mtime, another file."""
+    old, new, link = tmp_path / "a", tmp_path / "b", tmp_path / "keys.yaml"
+    old.write_text(f"- {{key: {A_KEY}, tenant: team-a}}\n")
+    new.write_text(f"- {{key: {B_KEY}, tenant: team-a}}\n")
+    os.utime(new, ns=(old.stat().st_atime_ns, old.stat().st_mtime_ns))
+    link.symlink_to(old)
+    ring = KeyRing(str(link))
+    tmp = tmp_path / "tmp-link"
+    tmp.symlink_to(new)
+    os.replace(tmp, link)
+    ring.checked_at -= 2
+    assert ring.tenant(B_KEY).name == "team-a" and ring.tenant(A_KEY) is None
