@@ -46,6 +46,7 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
                 for g in groups:
                     print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
         await _print_adapters(redis, keys, workers)
+        await _print_usage(redis, keys)
         print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
@@ -56,6 +57,20 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
         return 0
     finally:
         await redis.aclose()
+
+
+async def _print_usage(redis, keys: Keys) -> None:
+    """Each tenant's usage (services/api/tenancy.py): requests, prompt, cached and generated tokens so far."""
+    usage: dict[str, dict[str, str]] = {}
+    for field, value in (await redis.hgetall(keys.usage())).items():
+        tenant, _, counter = field.decode().rpartition(":")
+        usage.setdefault(tenant, {})[counter] = value.decode()
+    if not usage:
+        return
+    counters = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
+    print(f"\n{'TENANT':24} {'REQUESTS':>10} {'PROMPT':>12} {'CACHED':>12} {'GENERATED':>12}")
+    for tenant, row in sorted(usage.items()):
+        print(f"{tenant:24} " + " ".join(f"{row.get(c, '0'):>{10 if c == 'requests' else 12}}" for c in counters))
 
 
 async def _print_adapters(redis, keys: Keys, workers: list) -> None:

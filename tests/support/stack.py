@@ -62,11 +62,13 @@ class Stack(Launcher):
         STARTED.append(proc)
         return proc
 
-    def wait_ready(self, timeout: float = 120.0, model: str | None = MODEL) -> None:
+    def wait_ready(self, timeout: float = 120.0, model: str | None = MODEL, api_key: str | None = None) -> None:
         """Until the API takes requests and `model` has a live worker in every stage. `/ready` alone says
-        only the former (a request would wait for the workers); `model=None` waits for the API alone."""
+        only the former (a request would wait for the workers); `model=None` waits for the API alone.
+        `api_key`: a key the API takes (it lists the models)."""
         url = self.base_url
-        self.wait_until((lambda: serving(url, model)) if model else (lambda: api_ready(url)), timeout, "stack")
+        self.wait_until((lambda: serving(url, model, api_key)) if model else (lambda: api_ready(url)), timeout,
+                        "stack")
 
     def redis(self) -> redis.Redis:
         if self.cluster:
@@ -93,9 +95,11 @@ def start_pipeline(s: Stack, suffix: str = "1", **env: str) -> Stack:
     return s
 
 
-def start_replicas(s: Stack, replicas: dict[str, int], apis: int, timeout: float = 180.0, **env: str) -> list[int]:
+def start_replicas(s: Stack, replicas: dict[str, int], apis: int, timeout: float = 180.0, api_key: str | None = None,
+                   **env: str) -> list[int]:
     """`replicas[role]` processes of each stage (named `<role>1`, `<role>2`...) and `apis` API processes
-    (`api1`...) on ports of their own, the first one the stack's; their ports, once every API serves."""
+    (`api1`...) on ports of their own, the first one the stack's; their ports, once every API serves (`api_key`:
+    a key they take)."""
     ports = [free_port() for _ in range(apis)]
     s.port = ports[0]
     for role in ("tokenizer", "scheduler", "detokenizer"):
@@ -103,7 +107,7 @@ def start_replicas(s: Stack, replicas: dict[str, int], apis: int, timeout: float
             s.start(f"{role}{k}", role, **env)
     for k, port in enumerate(ports, start=1):
         s.start(f"api{k}", "api", RSINFER_PORT=str(port), **env)
-    s.wait_ready(timeout)
+    s.wait_ready(timeout, api_key=api_key)
     for port in ports[1:]:
         s.wait_until(lambda port=port: api_ready(f"http://127.0.0.1:{port}"), timeout, f"api on {port}")
     return ports

@@ -1,0 +1,254 @@
+"""Many tenants on one deployment (README, "Tenants"): named keys from --api-keys-file, request ownership,
+quotas shared by two API processes through Redis, rotation without a restart, the policy's 403s, usage counters.
+
+One stack for the module: tokenizer, scheduler and detokenizer on the synthetic engine (20 ms steps, so a long
+request stays open for seconds) and two API processes reading the same keys file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.helpers import wait_for
+from tests.support.stack import MODEL, Stack, new_stack, start_replicas
+
+pytestmark = [pytest.mark.timeout(120)]
+
+A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = "sk-team-a-1111", "sk-team-b-1111", "sk-team-b-2222", "sk-ops-admin-1111"
+B_MAX = 2
+LEASE_S = 6
+
+
+def entries(b_keys: tuple[str, ...] = (B_KEY,)) -> list[dict]:
+    b_policy = {"tenant": "team-b", "models": [MODEL], "max_concurrent": B_MAX, "requests_per_minute": 1000,
+                "tokens_per_minute": 10_000_000, "priority": [0, 5], "background": False}
+    return [{"key": A_KEY, "tenant": "team-a", "background": True},
+            *({"key": k, **b_policy} for k in b_keys),
+            {"key": ADMIN_KEY, "tenant": "ops", "admin": True}]
+
+
+def write_keys(path: Path, data: list[dict]) -> None:
+    """As a Secret's update: the new file replaces the old at once (never read half-written)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+@pytest.fixture(scope="module")
+def tenants(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[tuple[Stack, list[str], Path]]:
+    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "tenants")
+    keys_file = s.log_dir / "api-keys.json"
+    write_keys(keys_file, entries())
+    try:
+        ports = start_replicas(s, {}, 2, api_key=ADMIN_KEY, RSINFER_API_KEYS_FILE=str(keys_file),
+                               RSINFER_API_KEYS_CHECK_S="0.2", RSINFER_ENGINE="synthetic", RSINFER_STEP_MS="20",
+                               RSINFER_QUOTA_LEASE_S=str(LEASE_S), RSINFER_USAGE_FLUSH_S="0.5")
+        yield s, [f"http://127.0.0.1:{p}" for p in ports], keys_file
+    finally:
+        s.stop()
+
+
+def client(base: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def chat(base: str, key: str, max_tokens: int = 4, **extra):
+    return client(base, key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=max_tokens, **extra)
+
+
+@contextlib.contextmanager
+def open_stream(base: str, key: str, max_tokens: int = 3000, **extra) -> Iterator[str]:
+    """A long stream, open (its first chunk read) until the block ends; its response id."""
+    stream = chat(base, key, max_tokens, stream=True, extra_body={"ignore_eos": True, **extra})
+    try:
+        yield next(iter(stream)).id
+    finally:
+        stream.close()
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_another_tenant_finds_no_request_of_a_through_either_process_and_an_admin_does(tenants):
+    _, (api1, api2), _ = tenants
+    with open_stream(api1, A_KEY, background=True) as rid:
+        uid = rid.removeprefix("chatcmpl-")
+        for base in (api1, api2):
+            for ident in (rid, uid):
+                for method, path, headers in (("GET", f"/v1/requests/{ident}", {}),
+                                              ("GET", f"/v1/requests/{ident}/stream", {"Last-Event-ID": "0-1"}),
+                                              ("GET", f"/v1/requests/{ident}/stream", {}),
+                                              ("DELETE", f"/v1/requests/{ident}", {})):
+                    resp = httpx.request(method, base + path, headers={**auth(B_KEY), **headers}, timeout=10)
+                    assert resp.status_code == 404, (base, method, path, resp.text)
+                    assert resp.json()["error"]["code"] == "request_not_found"  # as for a uid nobody made
+        mine = httpx.get(f"{api2}/v1/requests/{uid}", headers=auth(A_KEY), timeout=10)
+        assert mine.status_code == 200 and mine.json()["tenant"] == "team-a"
+        record = httpx.get(f"{api2}/v1/requests/{rid}", headers=auth(ADMIN_KEY), timeout=10).json()
+        assert record["tenant"] == "team-a" and record["status"] in ("queued", "running")
+        assert A_KEY not in json.dumps(record)
+        with httpx.stream("GET", f"{api2}/v1/requests/{uid}/stream", headers=auth(ADMIN_KEY), timeout=30) as resp:
+            assert resp.status_code == 200
+            assert any(line.startswith("data: {") for line in resp.iter_lines())
+            # the admin reads on and aborts it below, through the other process
+            aborted = httpx.delete(f"{api1}/v1/requests/{uid}", headers=auth(ADMIN_KEY), timeout=10)
+            assert aborted.status_code == 200 and aborted.json()["aborted"] is True
+        wait_for(lambda: httpx.get(f"{api1}/v1/requests/{uid}", headers=auth(A_KEY), timeout=10).json()["status"]
+                 == "aborted", timeout=20, every=0.2)
+
+
+def assert_rate_limited(base: str) -> None:
+    with pytest.raises(openai.RateLimitError) as e:
+        chat(base, B_KEY)
+    h = e.value.response.headers
+    assert int(h["retry-after"]) >= 1
+    assert (h["x-ratelimit-limit-concurrent"], h["x-ratelimit-remaining-concurrent"]) == (str(B_MAX), "0")
+    assert h["x-ratelimit-limit-requests"] == "1000" and int(h["x-ratelimit-remaining-requests"]) < 1000
+    assert h["x-ratelimit-reset-requests"].endswith("s")
+    assert h["x-ratelimit-limit-tokens"] == "10000000" and h["x-ratelimit-reset-tokens"].endswith("s")
+    assert int(h["x-ratelimit-remaining-tokens"]) <= 10_000_000
+    assert e.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_past_b_s_concurrency_b_gets_429s_on_both_processes_and_a_is_unaffected(tenants):
+    _, (api1, api2), _ = tenants
+    with open_stream(api1, B_KEY), open_stream(api2, B_KEY):
+        assert_rate_limited(api1)
+        assert_rate_limited(api2)
+        assert chat(api2, A_KEY).choices[0].finish_reason == "length"
+        assert chat(api1, A_KEY).choices[0].finish_reason == "length"
+    # the streams' clients left: their slots are freed at once, not when their leases expire
+    wait_for(lambda: _admitted(api2), timeout=5, every=0.1)
+    with open_stream(api2, B_KEY), open_stream(api1, B_KEY):  # both slots free again
+        assert_rate_limited(api2)
+
+
+def _admitted(base: str) -> bool:
+    try:
+        chat(base, B_KEY)
+    except openai.RateLimitError:
+        return False
+    return True
+
+
+def test_finished_and_refused_requests_hold_no_slot(tenants):
+    _, (api1, api2), _ = tenants
+    for _ in range(3 * B_MAX):  # finished (non-stream, stream) and refused ones, through both
+        chat(api1, B_KEY)
+        list(chat(api2, B_KEY, stream=True))
+        with pytest.raises(openai.PermissionDeniedError):
+            chat(api1, B_KEY, extra_body={"priority": 9})
+    with open_stream(api1, B_KEY), open_stream(api2, B_KEY):
+        assert_rate_limited(api1)
+
+
+@pytest.mark.parametrize(("extra", "field"), [({"priority": 6}, "priority"), ({"priority": -1}, "priority"),
+                                              ({"background": True}, "background")])
+def test_what_b_s_policy_does_not_allow_is_a_403_naming_the_field(tenants, extra, field):
+    _, (api1, _), _ = tenants
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        chat(api1, B_KEY, extra_body=extra)
+    assert e.value.response.json()["error"]["param"] == field
+    chat(api1, A_KEY, extra_body=extra)  # A's policy allows any priority and background
+
+
+def test_a_model_outside_the_policy_is_a_403_and_not_listed(tenants):
+    _, (api1, _), _ = tenants
+    resp = httpx.post(f"{api1}/generate", headers=auth(B_KEY), timeout=10,
+                      json={"model": "other-model", "text": "x", "priority": 1})
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "model"
+    resp = httpx.post(f"{api1}/generate", headers=auth(B_KEY), timeout=10, json={"text": "x", "priority": 7})
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "priority"
+    assert [m.id for m in client(api1, B_KEY).models.list()] == [MODEL]
+
+
+def test_a_rotated_key_is_honoured_without_restart_and_a_removed_one_refused(tenants):
+    _, apis, keys_file = tenants
+    try:
+        write_keys(keys_file, entries((B_KEY, B_NEW_KEY)))  # both valid while clients move over
+        for base in apis:
+            wait_for(lambda base=base: _accepted(base, B_NEW_KEY), timeout=10, every=0.2)
+            assert _accepted(base, B_KEY)
+        write_keys(keys_file, entries((B_NEW_KEY,)))
+        for base in apis:
+            wait_for(lambda base=base: not _accepted(base, B_KEY), timeout=10, every=0.2)
+            with pytest.raises(openai.AuthenticationError):
+                chat(base, B_KEY)
+            assert _accepted(base, B_NEW_KEY)
+    finally:
+        write_keys(keys_file, entries())
+        for base in apis:
+            wait_for(lambda base=base: _accepted(base, B_KEY), timeout=10, every=0.2)
+
+
+def _accepted(base: str, key: str) -> bool:
+    try:
+        client(base, key).models.list()
+    except openai.AuthenticationError:
+        return False
+    return True
+
+
+def test_operator_endpoints_need_an_admin_key_and_metrics_stay_open(tenants):
+    _, (api1, _), _ = tenants
+    body = {"lora_name": "x", "lora_path": "/nonexistent"}
+    resp = httpx.post(f"{api1}/v1/load_lora_adapter", headers=auth(B_KEY), json=body, timeout=10)
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "admin_required"
+    resp = httpx.post(f"{api1}/v1/load_lora_adapter", headers=auth(ADMIN_KEY), json=body, timeout=10)
+    assert resp.status_code not in (401, 403), resp.text  # past the guard: the adapter's own checks answer
+    assert httpx.get(f"{api1}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{api1}/metrics", timeout=10).status_code == 200  # --metrics-open (the default)
+
+
+def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
+    s, (api1, api2), _ = tenants
+    r = s.redis()
+    before = {k: int(v) for k, v in r.hgetall(s.keys.usage()).items()}
+    usage = chat(api1, A_KEY, max_tokens=7).usage
+    chat(api2, A_KEY, max_tokens=5)
+
+    def counted() -> dict:
+        now = {k: int(v) for k, v in r.hgetall(s.keys.usage()).items()}
+        return {k: now.get(k, 0) - before.get(k, 0) for k in now if k.startswith("team-a:")}
+
+    wait_for(lambda: counted().get("team-a:generated_tokens") == 12, timeout=10, every=0.1)
+    got = counted()
+    assert got["team-a:requests"] == 2 and got["team-a:prompt_tokens"] == 2 * usage.prompt_tokens
+    metrics = httpx.get(f"{api1}/metrics", timeout=10).text
+    assert 'rsinfer_tenant_generated_tokens_total{tenant="team-a"}' in metrics
+    assert 'rsinfer_tenant_requests_total{tenant="team-b"}' in metrics
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", s.redis_url,
+                          "--namespace", s.namespace], capture_output=True, text=True, timeout=60, check=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith("team-a "))
+    total = {k: int(v) for k, v in r.hgetall(s.keys.usage()).items()}
+    assert row.split()[1:] == [str(total.get(f"team-a:{c}", 0)) for c in ("requests", "prompt_tokens", "cached_tokens",
+                                                                      "generated_tokens")]
+
+
+def test_a_crashed_api_processs_slots_expire_with_their_lease(tenants):
+    """Last: it kills the second API process."""
+    s, (api1, api2), _ = tenants
+    streams = [chat(api2, B_KEY, 3000, stream=True, extra_body={"ignore_eos": True}) for _ in range(B_MAX)]
+    for st in streams:
+        next(iter(st))
+    s.kill("api2")
+    for st in streams:
+        with contextlib.suppress(Exception):
+            st.close()
+    killed = time.monotonic()
+    assert_rate_limited(api1)
+    wait_for(lambda: _admitted(api1), timeout=LEASE_S + 5, every=0.25)
+    assert time.monotonic() - killed <= LEASE_S + 5
