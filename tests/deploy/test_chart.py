@@ -845,3 +845,36 @@ def test_notes_print_the_redis_recipes_for_this_release(helm_bin, tmp_path):
     notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
     url = "rediss://clustercfg.redis.example.internal:6379/0"
     assert f"alias rcli='redis-cli -c -u {url} --tls --cacert ca.crt'" in notes
+
+
+# ---------- tenants: the keys file from a Secret ----------
+
+def test_the_api_keys_file_is_mounted_from_a_secret_that_can_change_under_the_pods(render, tmp_path):
+    """auth.apiKeysSecret: the API pods mount it as a whole volume (a subPath mount never sees the kubelet's
+    updates, so rotation would need a restart) and read the file it holds as --api-keys-file; the workers do
+    not get it."""
+    docs = render(sets=["auth.apiKeysSecret=team-keys", "auth.apiKeysKey=keys.yaml"])
+    deployments = kube.by_kind(docs, "Deployment")
+    api = deployments.pop("rs-rsinfer-api")
+    spec, (c,) = kube.pod_spec(api), kube.containers(api)
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"] == {"secretName": "team-keys", "items": [{"key": "keys.yaml", "path": "keys.yaml"}]}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    env = kube.resolve_env(c, docs, pod_name="api-0")
+    assert env["RSINFER_API_KEYS_FILE"] == f"{mount['mountPath']}/keys.yaml"
+    assert ApiSettings(api_keys_file=env["RSINFER_API_KEYS_FILE"]).api_keys_file == env["RSINFER_API_KEYS_FILE"]
+    for dep in deployments.values():
+        (w,) = kube.containers(dep)
+        assert "RSINFER_API_KEYS_FILE" not in kube.resolve_env(w, docs, pod_name="w-0")
+        assert all(v["name"] != "api-keys" for v in kube.pod_spec(dep).get("volumes", []))
+    (default_api,) = kube.containers(kube.by_kind(render([]), "Deployment")["rs-rsinfer-api"])
+    assert "RSINFER_API_KEYS_FILE" not in kube.resolve_env(default_api, render([]), pod_name="api-0")
+    for doc in docs:
+        kube.validate(doc)
+
+
+def test_the_api_keys_key_must_be_a_file_name(helm_bin):
+    proc = helmbin.helm("template", "rs", str(helmbin.CHART), "--set", "auth.apiKeysSecret=k",
+                        "--set", "auth.apiKeysKey=../etc/passwd")
+    assert proc.returncode != 0 and "apiKeysKey" in proc.stdout + proc.stderr
