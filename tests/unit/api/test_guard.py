@@ -37,3 +37,27 @@ async def test_the_key_guards_everything_but_the_probes():
     async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
         assert (await client.get("/v1/models")).status_code == 401
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_named_keys_guard_the_routes_and_admin_alone_reaches_the_operator_endpoints(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {key: sk-user-000001, tenant: users}\n- {key: sk-admin-00001, tenant: ops, admin: true}\n")
+    for metrics_open in (True, False):
+        guard = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_keys_file=str(path),
+                                       metrics_open=metrics_open))
+        transport = httpx.ASGITransport(app=guard, client=("127.0.0.1", 40000))
+        user, admin = {"Authorization": "Bearer sk-user-000001"}, {"Authorization": "Bearer sk-admin-00001"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            assert (await client.get("/v1/models")).status_code == 401
+            basic = {"Authorization": "Basic sk-user-000001"}
+            assert (await client.get("/v1/models", headers=basic)).status_code == 401
+            assert (await client.get("/health")).status_code == 200
+            for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                refused = await client.post(route, headers=user, json={})
+                assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_required"
+                assert (await client.post(route, headers=admin, json={})).status_code == 400  # past the guard
+            metrics = await client.get("/metrics", headers={})
+            assert metrics.status_code == (200 if metrics_open else 401)
+            if not metrics_open:
+                assert (await client.get("/metrics", headers=user)).status_code == 403
+                assert (await client.get("/metrics", headers=admin)).status_code == 200
