@@ -7,7 +7,8 @@ requests it may see, and its quotas, shared by every API process through Redis. 
 - `check_owner(tenant, record, uid)`: a 404, as if it did not exist, for another tenant's request (admins see all);
 - `admit(tenant)`: the quota's admission, one script in Redis (`ADMIT`), a 429 with Retry-After and OpenAI's
   x-ratelimit-* headers past a limit; it returns the request's `Lease`, released (`Lease.release`) when the
-  request closes on whatever path (services/api/service.py wraps the request in `LeasedRequest`).
+  request closes on whatever path (services/api/service.py wraps the request in `LeasedRequest`); a route
+  answered within its handler (e.g. a tokenizer or embeddings route) takes `async with admitted(tenant)` instead.
 
 A lease holds a concurrency slot: a member of the tenant's sorted set whose score is when it expires. Every
 --usage-flush-s (and a third of --quota-lease-s at the most) this process refreshes its leases and adds the tokens
@@ -27,6 +28,7 @@ import contextlib
 import logging
 import secrets
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +39,13 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.api.errors import ApiError
-from services.api.tenants import OPEN, KeyRing, Tenant
+from services.api.tenants import OPEN, KeyRing, Policy, Tenant
 from shared.keys import Keys
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 
+NOBODY = Tenant("", Policy(models=frozenset()))  # keys configured but none presented: no model, no admin
 TENANT = "rsinfer.tenant"  # scope key: the request's Tenant (services/api/app.py Guard sets it)
 WINDOW_TTL_S = 120
 USAGE = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
@@ -292,9 +295,12 @@ class Tenancy:
         return path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") or (
             path == "/metrics" and not self.metrics_open)
 
-    @staticmethod
-    def tenant_of(request: Request) -> Tenant:
-        return request.scope.get(TENANT, OPEN)
+    def tenant_of(self, request: Request) -> Tenant:
+        """The request's tenant; with keys configured, a request the guard did not key (a probe) may do nothing."""
+        tenant = request.scope.get(TENANT)
+        if tenant is None:
+            return NOBODY if self.on else OPEN
+        return tenant
 
     @staticmethod
     def may_use(tenant: Tenant, model: str) -> bool:
@@ -326,6 +332,19 @@ class Tenancy:
         if not self.on:
             return None
         return await self.quotas.admit(tenant)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, tenant: Tenant, counts: Any = None) -> AsyncIterator[Lease | None]:
+        """`admit` for a route answered within its handler (no stream outlives it): the lease is released when
+        the block ends; `counts` (prompt_tokens, cached_tokens, completion_tokens) is what it charges."""
+        lease = await self.admit(tenant)
+        if lease is not None:
+            lease.counts = counts
+        try:
+            yield lease
+        finally:
+            if lease is not None:
+                await lease.release()
 
     def start(self) -> None:
         if self.on:

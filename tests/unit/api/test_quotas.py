@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.api.errors import ApiError
-from services.api.tenancy import Quotas
+from services.api.tenancy import Quotas, Tenancy
 from services.api.tenants import Policy, Tenant
 from shared.keys import Keys
 from shared.redis_conn import connect
@@ -112,3 +112,41 @@ async def test_an_unlimited_tenant_costs_no_script_at_admission(quotas):
     assert not lease.slot and await quotas.redis.exists(quotas.keys.quota_window(t.name)) == 0
     await lease.release()
     assert int(await quotas.redis.hget(quotas.keys.usage(), f"{t.name}:requests")) == 1
+
+
+async def test_a_route_answered_in_its_handler_holds_its_slot_for_the_block(redis_server, tmp_path):
+    """`Tenancy.admitted`: what routes without a stream (tokenize, embeddings...) take; its slot ends with the
+    block however the block ends, and the tokens it was given are counted."""
+    path = tmp_path / "keys.yaml"
+    name = f"t{uuid.uuid4().hex[:6]}"
+    path.write_text(f"- {{key: sk-route-00001, tenant: {name}, max_concurrent: 1}}\n")
+    redis = connect(redis_server.url)
+    keys = Keys(f"q{uuid.uuid4().hex[:8]}")
+    tenancy = Tenancy(ApiSettings(redis_url=redis_server.url, api_keys_file=str(path)), redis, keys,
+                      CollectorRegistry())
+    tenant = tenancy.ring.tenant("sk-route-00001")
+    try:
+        with pytest.raises(RuntimeError):
+            async with tenancy.admitted(tenant, SimpleNamespace(prompt_tokens=5, cached_tokens=0,
+                                                                 completion_tokens=0)):
+                with pytest.raises(ApiError):
+                    await tenancy.quotas.admit(tenant)  # its one slot is taken
+                raise RuntimeError("the handler failed")
+        async with tenancy.admitted(tenant):
+            pass
+        assert await redis.zcard(keys.quota_slots(name)) == 0
+        assert int(await redis.hget(keys.usage(), f"{name}:prompt_tokens")) == 5
+        assert int(await redis.hget(keys.usage(), f"{name}:requests")) == 2
+    finally:
+        await redis.aclose()
+
+
+def test_with_keys_a_request_the_guard_did_not_key_may_do_nothing(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("- {key: sk-route-00001, tenant: a}\n")
+    tenancy = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_keys_file=str(path)), None, None,
+                      CollectorRegistry())
+    nobody = tenancy.tenant_of(SimpleNamespace(scope={}))
+    assert not nobody.admin and not tenancy.may_use(nobody, "rsinfer-demo")
+    open_mode = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0"), None, None, CollectorRegistry())
+    assert open_mode.tenant_of(SimpleNamespace(scope={})).admin
