@@ -148,7 +148,8 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
         params = body.checked(limits)
         tenant = svc.tenancy.tenant_of(request)
         name = body.model or _only_model(svc)  # only /generate may leave the model out
-        svc.tenancy.authorize(tenant, name, priority=body.priority, background=getattr(body, "background", None))
+        svc.tenancy.authorize(tenant, name, priority=getattr(body, "priority", None),
+                              background=getattr(body, "background", None))
         # a LoRA adapter's name stands for its base model and the adapter
         model, adapter = await adapters.target(name, body.lora_path)
         await svc.admit(model, body.budget(params))
