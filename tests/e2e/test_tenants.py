@@ -124,14 +124,16 @@ def assert_rate_limited(base: str) -> None:
 
 
 def test_past_b_s_concurrency_b_gets_429s_on_both_processes_and_a_is_unaffected(tenants):
-    _, (api1, api2), _ = tenants
+    s, (api1, api2), _ = tenants
     with open_stream(api1, B_KEY), open_stream(api2, B_KEY):
         assert_rate_limited(api1)
         assert_rate_limited(api2)
         assert chat(api2, A_KEY).choices[0].finish_reason == "length"
         assert chat(api1, A_KEY).choices[0].finish_reason == "length"
-    # the streams' clients left: their slots are freed at once, not when their leases expire
-    wait_for(lambda: _admitted(api2), timeout=5, every=0.1)
+    # the streams' clients left: their slots are freed at once, not when their leases expire (LEASE_S)
+    slots = s.keys.quota_slots("team-b")
+    wait_for(lambda: s.redis().zcard(slots) == 0, timeout=LEASE_S - 2, every=0.05)
+    assert _admitted(api2)
     with open_stream(api2, B_KEY), open_stream(api1, B_KEY):  # both slots free again
         assert_rate_limited(api2)
 
@@ -145,12 +147,15 @@ def _admitted(base: str) -> bool:
 
 
 def test_finished_and_refused_requests_hold_no_slot(tenants):
-    _, (api1, api2), _ = tenants
+    s, (api1, api2), _ = tenants
     for _ in range(3 * B_MAX):  # finished (non-stream, stream) and refused ones, through both
         chat(api1, B_KEY)
         list(chat(api2, B_KEY, stream=True))
         with pytest.raises(openai.PermissionDeniedError):
             chat(api1, B_KEY, extra_body={"priority": 9})
+    # a stream's slot is freed once its last byte is sent, which its client may see a moment before
+    slots = s.keys.quota_slots("team-b")
+    wait_for(lambda: s.redis().zcard(slots) == 0, timeout=5, every=0.05)
     with open_stream(api1, B_KEY), open_stream(api2, B_KEY):
         assert_rate_limited(api1)
 
