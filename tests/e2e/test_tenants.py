@@ -160,6 +160,24 @@ def test_finished_and_refused_requests_hold_no_slot(tenants):
         assert_rate_limited(api1)
 
 
+def test_an_aborted_or_timed_out_request_frees_its_slot(tenants):
+    s, (api1, api2), _ = tenants
+    slots = s.keys.quota_slots("team-b")
+    stream = chat(api1, B_KEY, 3000, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    uid = next(chunks).id.removeprefix("chatcmpl-")
+    assert s.redis().zcard(slots) == 1
+    aborted = httpx.delete(f"{api2}/v1/requests/{uid}", headers=auth(B_KEY), timeout=10)  # its own: allowed
+    assert aborted.status_code == 200
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "abort"
+    wait_for(lambda: s.redis().zcard(slots) == 0, timeout=LEASE_S - 2, every=0.05)
+    stream.close()
+    with pytest.raises(openai.APIStatusError) as e:  # its deadline passes while it generates
+        chat(api2, B_KEY, 3000, extra_body={"ignore_eos": True, "timeout": 1})
+    assert e.value.status_code == 504
+    wait_for(lambda: s.redis().zcard(slots) == 0, timeout=LEASE_S - 2, every=0.05)
+
+
 @pytest.mark.parametrize(("extra", "field"), [({"priority": 6}, "priority"), ({"priority": -1}, "priority"),
                                               ({"background": True}, "background")])
 def test_what_b_s_policy_does_not_allow_is_a_403_naming_the_field(tenants, extra, field):
