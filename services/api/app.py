@@ -70,8 +70,8 @@ class BodyReader:
 
 
 class Guard:
-    """Pure ASGI middleware (it does not buffer streams): bearer-key check, the body's size and pace, and the
-    last word on unexpected errors."""
+    """Pure ASGI middleware (it does not buffer streams): the bearer key's tenant (services/api/tenancy.py), the
+    body's size and pace, and the last word on unexpected errors."""
 
     def __init__(self, app: FastAPI, settings: ApiSettings):
         self.app = app
@@ -95,7 +95,6 @@ class Guard:
             await self.app(scope, BodyReader(receive, self.max_body, self.body_timeout), send)
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
-
 
     def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
         """The key's tenant into the scope (services/api/tenancy.py `TENANT`), or the 401 or 403 of the request."""
