@@ -112,7 +112,7 @@ class PromptEncoder:
         if job.input_ids is not None:
             return job, self._from_ids(job, job.input_ids)
         if job.messages is not None:
-            rendered = self._render_chat(job)
+            rendered = self.render_chat(job)
             if isinstance(rendered, ReplyError):
                 return job, rendered
             if (refused := self.too_long(rendered, "messages")) is not None:
@@ -156,7 +156,7 @@ class PromptEncoder:
         return invalid(f"`{guided.param or guided.kind}` cannot be used as a constraint: {problem}",
                        guided.param or None, "invalid_constraint")
 
-    def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
+    def render_chat(self, job: TokenizeJob) -> str | ReplyError:
         try:
             return self.tokenizer.apply_chat_template(
                 tools.template_messages(job), tools=job.tools, add_generation_prompt=job.add_generation_prompt,
