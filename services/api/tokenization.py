@@ -22,7 +22,7 @@ from services.api.errors import ApiError, redis_down
 from services.api.limits import too_large
 from services.api.reply_hub import HubError, Subscription
 from services.api.request import until_disconnect
-from services.api.schemas import BadRequest, Message, Tool
+from services.api.schemas import BadRequest, Message, Tool, check_continuation, generation_prompt
 from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode
 from shared.redis_conn import barrier
@@ -64,9 +64,7 @@ class TokenizeRequest(BaseModel):
             return self
         if not self.messages:
             raise BadRequest("messages must not be empty", "messages")
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise BadRequest("continue_final_message needs add_generation_prompt false and an assistant message "
-                             "last", "continue_final_message")
+        check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         return self
 
     def checked(self, svc: ApiService) -> None:
@@ -88,8 +86,7 @@ class TokenizeRequest(BaseModel):
         if self.messages is None:
             return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens,
                     "return_token_strs": bool(self.return_token_strs)}
-        generation = (not self.continue_final_message if self.add_generation_prompt is None
-                      else self.add_generation_prompt)
+        generation = generation_prompt(self.add_generation_prompt, self.continue_final_message)
         return {"messages": [m.flat() for m in self.messages], "add_special_tokens": self.add_special_tokens,
                 "add_generation_prompt": generation, "continue_final_message": self.continue_final_message,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
