@@ -510,7 +510,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # null or omitted: OpenAI's default prompt, `<|endoftext|>` (the tokenizer's bos or eos text without it)
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
@@ -551,6 +552,8 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
         """The request's prompts, each as text or as token ids (OpenAI takes one or a list of either)."""
         p = self.prompt
+        if p is None:
+            return [(None, None)]  # the tokenizer's default prompt (services/tokenizer/encode.py)
         if isinstance(p, str):
             return [(p, None)]
         if not p:
@@ -569,7 +572,8 @@ class CompletionRequest(SamplingFields):
     def budget(self, params: SamplingParams) -> Budget:
         """Logprobs count only when returned (best_of ranks choices by logprobs the answer leaves out)."""
         prompts = self.prompt_list
-        echoed = tuple(len(text.encode()) if text is not None else len(ids or ()) for text, ids in prompts)
+        echoed = tuple(len(text.encode()) if text is not None else len(ids) if ids is not None else 1
+                       for text, ids in prompts)
         return Budget(len(prompts), params.n, params.max_tokens, self.logprobs,
                       echoed if self.echo and self.logprobs is not None else (),
                       choices_param="best_of" if self.best_of else "n")
