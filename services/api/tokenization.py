@@ -175,7 +175,6 @@ class TokenizerCall:
                     await self.svc.store.abort_now(self.uid, status, None)  # no scheduler holds it: no notice
                 except (RedisError, OSError) as e:
                     log.warning("uid=%s could not set abort flag: %s", self.uid, e)
-
             metrics.requests.labels(self.query.model, self.query.op, status).inc()
             metrics.duration.labels(self.query.model).observe(time.monotonic() - self.started)
 
