@@ -116,6 +116,8 @@ def test_answered_with_no_scheduler(no_scheduler):
     r = s.redis()
     (uid,) = [k.split("{")[1].rstrip("}") for k in r.scan_iter(match=f"{s.namespace}:req:*")]
     assert r.get(s.keys.abort(uid)) == "timeout" and r.ttl(s.keys.abort(uid)) > 0
+    # what KEDA's tokenizer trigger scales on (lagCount of the tokenize stream's group): the query counts
+    assert {g["name"]: g["lag"] for g in r.xinfo_groups(s.keys.tokenize(MODEL))}["tokenizer"] == 1
 
     s.start("tokenizer1", "tokenizer", **LIFECYCLE_ENV)
     wait_for(lambda: workers(s, "tokenizer"), timeout=90, every=0.2)
@@ -131,6 +133,7 @@ def test_answered_with_no_scheduler(no_scheduler):
         if key.startswith((f"{s.namespace}:req:", f"{s.namespace}:reply:", f"{s.namespace}:abort:")):
             assert r.ttl(key) > 0, key  # every key a query leaves expires
     assert wait_for(lambda: r.hget(s.keys.request(uid), "status") == "aborted", timeout=10)  # skipped
+    assert {g["name"]: g["lag"] for g in r.xinfo_groups(s.keys.tokenize(MODEL))}["tokenizer"] == 0
 
 
 def test_limits_of_a_query(no_scheduler):
