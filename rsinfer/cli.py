@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                           allow_abbrev=False)
     flag_parser(CommonSettings, insp)
     insp.add_argument("uid", nargs="?")
+    insp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                      help="show the overview again every SECONDS (default 2) until Ctrl-C")
 
     health = sub.add_parser("healthcheck", help="liveness: exit 0 if this worker's loop moves (a local file; "
                             "Redis is not asked); with --ready, also its heartbeat in Redis is fresh",
@@ -158,13 +161,25 @@ def _drain(args: argparse.Namespace) -> int:
 def _healthcheck(args: argparse.Namespace) -> int:
     from rsinfer import tools
 
-    return tools.healthcheck(settings_from_args(ProbeSettings, args), args)
+    return tools.healthcheck(_next_to_up(ProbeSettings, args), args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from rsinfer import tools
 
-    return asyncio.run(tools.inspect(settings_from_args(CommonSettings, args), args))
+    logging.disable(logging.WARNING)  # it reports what goes wrong itself, in one line (a lost Redis, say)
+    try:
+        return asyncio.run(tools.inspect(_next_to_up(CommonSettings, args), args))
+    except KeyboardInterrupt:  # the end of a --watch
+        return 0
+
+
+def _next_to_up(cls: type, args: argparse.Namespace):
+    """A tool's settings; without a Redis URL, those of the local `rsinfer up`'s Redis (rsinfer/local.py)."""
+    from rsinfer import local
+
+    given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
+    return cls(**given, **local.overrides(given))
 
 
 TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -7,6 +7,9 @@ import argparse
 import asyncio
 import json
 import time
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from services.api.admin import admin_socket_path
 from services.api.admin import call as admin_call
@@ -20,70 +23,133 @@ from shared.settings import ApiSettings, CommonSettings, ProbeSettings
 
 
 async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
-    keys = Keys(settings.namespace)
-    redis = connect(settings.redis_url, **settings.redis_options())
-    requests = RequestStore(redis, keys, settings.request_ttl_s, settings.reply_maxlen)
+    """One request's record (`uid`), or the overview: workers with their load, stage backlogs, adapters and
+    requests; with `--watch` the overview again every so many seconds, until Ctrl-C. A Redis that cannot be
+    reached is one line and exit status 1."""
+    redis = None
     try:
+        redis = connect(settings.redis_url, **settings.redis_options())
+        keys = Keys(settings.namespace)
+        requests = RequestStore(redis, keys, settings.request_ttl_s, settings.reply_maxlen)
         if args.uid:
-            record = await requests.record(args.uid)
-            if not record:
-                print(f"no request {args.uid}")
-                return 1
-            print(json.dumps(record, indent=2))
-            return 0
-        workers = await live_workers(redis, keys, settings.heartbeat_ttl_s)
-        print(f"{'ROLE':12} {'WORKER':32} {'MODEL':20} LOAD")
-        for w in sorted(workers, key=lambda w: (w.role, w.id)):
-            print(f"{w.role:12} {w.id:32} {w.model:20} {json.dumps(w.load)}")
-        print(f"\n{'MODEL':20} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
-        # declared models too: one scaled to zero has requests waiting for its workers
-        for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
-            for stage in STAGES:
-                try:
-                    groups = await streams.groups(redis, keys.stage_stream(stage, model))
-                except Exception:
-                    continue
-                for g in groups:
-                    print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
-        await _print_adapters(redis, keys, workers)
-        await _print_usage(redis, keys)
-        print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
-        now = time.time()
-        async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
-            r = await requests.record(keys.uid_of_request_key(key.decode()))
-            age = now - float(r.get("created_at", now))
-            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
-                  f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
-        return 0
+            return await _print_record(requests, args.uid)
+        while True:
+            text = "\n".join(await overview(redis, keys, requests, settings.heartbeat_ttl_s))
+            print(f"\033[H\033[2J{text}" if args.watch else text, flush=True)  # a watch redraws the screen
+            if not args.watch:
+                return 0
+            await asyncio.sleep(args.watch)
+    except (RedisError, RedisClusterException, OSError) as e:
+        print(f"rsinfer inspect: cannot reach Redis at {redacted(settings.redis_url)}: {e}")
+        return 1
     finally:
-        await redis.aclose()
+        if redis is not None:
+            await redis.aclose()
 
 
-async def _print_usage(redis, keys: Keys) -> None:
+def redacted(url: str) -> str:
+    """The URL without a password in it."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.hostname}"
+                                            f"{f':{parts.port}' if parts.port else ''}"))
+
+
+async def _print_record(requests: RequestStore, uid: str) -> int:
+    record = await requests.record(uid)
+    if not record:
+        print(f"no request {uid}")
+        return 1
+    print(json.dumps(record, indent=2))
+    return 0
+
+
+async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: float) -> list[str]:
+    workers = await live_workers(redis, keys, heartbeat_ttl_s)
+    lines = worker_tables(workers, time.time())
+    lines.append(f"{'MODEL':20} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
+    # declared models too: one scaled to zero has requests waiting for its workers
+    for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
+        for stage in STAGES:
+            try:
+                groups = await streams.groups(redis, keys.stage_stream(stage, model))
+            except ResponseError:  # no such stream yet
+                continue
+            for g in groups:
+                lines.append(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
+    lines += await _adapter_lines(redis, keys, workers)
+    lines += await _usage_lines(redis, keys)
+    # KIND: chat, completion, generate, or a /tokenize or /detokenize query (answered by a tokenizer)
+    lines.append(f"\n{'UID':34} {'STATUS':10} {'KIND':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
+    now = time.time()
+    async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
+        uid = keys.uid_of_request_key(key.decode())
+        r = await requests.record(uid)
+        age = now - float(r.get("created_at", now))
+        lines.append(f"{uid:34} {r.get('status', '?'):10} {r.get('kind', '-'):10} {r.get('model', ''):20} "
+                     f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
+    return lines
+
+
+def worker_tables(workers: list, now: float) -> list[str]:
+    """One table per role: a worker per row, a column per figure of its load (what its heartbeat reports;
+    nested objects such as `model_info` are left out, times shown as ages)."""
+    lines: list[str] = []
+    for role in sorted({w.role for w in workers}):
+        rows = sorted((w for w in workers if w.role == role), key=lambda w: w.id)
+        columns = list(dict.fromkeys(k for w in rows for k, v in w.load.items() if not isinstance(v, dict)))
+        header = ["WORKER", "MODEL", *(c.upper() for c in columns)]
+        cells = [[w.id, w.model or "-", *(_cell(c, w.load.get(c), now) for c in columns)] for w in rows]
+        lines += [role.upper(), *aligned([header, *cells]), ""]
+    return lines
+
+
+def _cell(name: str, value, now: float) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if name.endswith("_at") and isinstance(value, int | float):
+        return f"{max(0.0, now - value):.1f}s ago"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+async def _usage_lines(redis, keys: Keys) -> list[str]:
     """Each tenant's usage (services/api/tenancy.py): requests, prompt, cached and generated tokens so far."""
     usage: dict[str, dict[str, str]] = {}
     for field, value in (await redis.hgetall(keys.usage())).items():
         tenant, _, counter = field.decode().rpartition(":")
         usage.setdefault(tenant, {})[counter] = value.decode()
     if not usage:
-        return
+        return []
     counters = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
-    print(f"\n{'TENANT':24} {'REQUESTS':>10} {'PROMPT':>12} {'CACHED':>12} {'GENERATED':>12}")
+    lines = [f"\n{'TENANT':24} {'REQUESTS':>10} {'PROMPT':>12} {'CACHED':>12} {'GENERATED':>12}"]
     for tenant, row in sorted(usage.items()):
-        print(f"{tenant:24} " + " ".join(f"{row.get(c, '0'):>{10 if c == 'requests' else 12}}" for c in counters))
+        lines.append(f"{tenant:24} " + " ".join(f"{row.get(c, '0'):>{10 if c == 'requests' else 12}}"
+                                                for c in counters))
+    return lines
 
 
-async def _print_adapters(redis, keys: Keys, workers: list) -> None:
+async def _adapter_lines(redis, keys: Keys, workers: list) -> list[str]:
     """The LoRA adapters registered (shared/adapters.py), and which live schedulers hold each loaded."""
     from shared.adapters import registered
 
     records = await registered(redis, keys)
     if not records:
-        return
-    print(f"\n{'ADAPTER':24} {'BASE':20} {'RANK':>4} {'RESIDENT ON':32} SOURCE")
+        return []
+    lines = [f"\n{'ADAPTER':24} {'BASE':20} {'RANK':>4} {'RESIDENT ON':32} SOURCE"]
     for name, r in sorted(records.items()):
         on = [w.id for w in workers if w.role == "scheduler" and r.identity in w.load.get("lora_adapters", ())]
-        print(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
+        lines.append(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
+    return lines
 
 
 def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:

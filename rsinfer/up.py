@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings
 
+from rsinfer import local
 from rsinfer.launcher import SINGLE_THREAD, Launcher, ProcessDied
 from shared.logs import setup_logging
 from shared.models import resolve_model
@@ -54,6 +55,8 @@ def run_up(settings: UpSettings) -> int:
     redis_server = None if settings.redis_url else embedded_redis(settings)
     redis_url = settings.redis_url or redis_server.url
     stack = Launcher()
+    # where `rsinfer inspect` and `rsinfer healthcheck` find the embedded Redis without flags (rsinfer/local.py)
+    left = local.remember(redis_url, str(password_file(redis_server)), settings.namespace) if redis_server else None
     try:
         model_path, model_name = resolve_model(settings)
         common: dict[str, str | None] = {
@@ -87,6 +90,8 @@ def run_up(settings: UpSettings) -> int:
         return 0
     finally:
         stack.stop(settings.grace_period_s)
+        if left is not None:
+            local.forget(left)
         if redis_server:
             redis_server.stop()
 

@@ -27,6 +27,8 @@ from shared.messages import (
     ReplyFence,
     ScheduleJob,
     TokenizeJob,
+    TokenizerAnswer,
+    TokenizerQuery,
 )
 from shared.streams import Member
 
@@ -49,14 +51,15 @@ class Stream:
 def stream_catalogue(keys: Keys) -> list[Stream]:
     model, uid = "{model}", "uid"  # the reply key has the uid in braces (its hash tag): rsinfer:reply:{uid}
     return [
-        Stream("tokenize", keys.tokenize(model), (TokenizeJob,), "api", "tokenizer workers", TOKENIZER_GROUP, True),
+        Stream("tokenize", keys.tokenize(model), (TokenizeJob, TokenizerQuery), "api", "tokenizer workers (a query "
+               "of /tokenize or /detokenize is answered on its reply stream, never forwarded)", TOKENIZER_GROUP, True),
         Stream("schedule", keys.schedule(model), (ScheduleJob,), "tokenizer", "scheduler workers (XREADGROUP only "
                "while their KV cache has room; an entry is acknowledged when its request ends)", SCHEDULER_GROUP),
         Stream("detokenize", keys.detokenize(model), (DetokenizeBatch,), "scheduler (one entry per engine step)",
                "detokenizer workers", DETOKENIZER_GROUP, True),
-        Stream("reply", keys.reply(uid), (ReplyEvent, ReplyError, ReplyFence, ReplyCheckpoint), "detokenizer (text "
-               "ranges); tokenizer and scheduler (errors); scheduler (fences when it takes a request over, "
-               "checkpoints of the tokens so far)",
+        Stream("reply", keys.reply(uid), (ReplyEvent, ReplyError, ReplyFence, ReplyCheckpoint, TokenizerAnswer),
+               "detokenizer (text ranges); tokenizer (errors, answers to queries) and scheduler (errors); "
+               "scheduler (fences when it takes a request over, checkpoints of the tokens so far)",
                "the API process that serves the request (XREAD, no group; any API process when a client "
                "reattaches); a scheduler taking the request over. The braces are part of the key: the uid is the "
                "request's Redis Cluster hash tag, e.g. rsinfer:reply:{3f9a...}"),

@@ -121,6 +121,32 @@ class ScheduleJob(RequestJob, frozen=True, tag_field="kind", tag="schedule", omi
     input_ids: list[int]
 
 
+class TokenizerQuery(msgspec.Struct, frozen=True, tag_field="kind", tag="query", omit_defaults=True, kw_only=True):
+    """api -> tokenizer (on the tokenize stream, beside TokenizeJob): `POST /tokenize` (`op` "tokenize": text as
+    the model's tokens, with its chat template for `messages`) or `POST /detokenize` (`op` "detokenize": `tokens`
+    as text). The tokenizer answers it on the request's reply stream (a TokenizerAnswer or a ReplyError); it never
+    reaches a scheduler. `add_special_tokens` None: the chat route's choice (False for messages, whose template
+    has them; True for a prompt), so that `count` is the `usage.prompt_tokens` of the same generation request."""
+
+    uid: str
+    model: str
+    pod: str
+    created_at: float
+    deadline: float
+    op: str = "tokenize"
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tokens: list[int] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    return_token_strs: bool = False
+    trace: str | None = None
+    v: int = VERSION
+
+
 class TokenDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one choice of one request, with what a detokenizer needs to turn them into text
     without any state of its own: the tokens just before them (`context`) and the stop strings. The context
@@ -223,6 +249,19 @@ class ReplyError(msgspec.Struct, frozen=True, tag_field="kind", tag="error", omi
     type: str = "server_error"
     code: str | None = None
     param: str | None = None
+    v: int = VERSION
+
+
+class TokenizerAnswer(msgspec.Struct, frozen=True, tag_field="kind", tag="tokens", omit_defaults=True):
+    """tokenizer -> api (rsinfer:reply:{<uid>}): the answer to a TokenizerQuery. Tokenize: `tokens` (their
+    `count`), the model's `max_model_len`, and with return_token_strs each token's vocabulary string;
+    detokenize: `prompt`, the text of the tokens."""
+
+    tokens: list[int] = []
+    count: int = 0
+    max_model_len: int = 0
+    token_strs: list[str] | None = None
+    prompt: str | None = None
     v: int = VERSION
 
 

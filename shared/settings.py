@@ -324,6 +324,10 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_tools_bytes: int = Field(1 << 20, ge=1, description="largest `tools` list, as compact JSON")
     max_template_kwargs_bytes: int = Field(64 << 10, ge=1, description="largest `chat_template_kwargs`, as "
                                            "compact JSON")
+    max_tokenize_chars: int = Field(1 << 20, ge=1, description="most characters of text one /tokenize may ask "
+                                    "for: its prompt, or its messages' contents together")
+    max_tokenize_messages: int = Field(4096, ge=1, description="most `messages` of one /tokenize")
+    max_detokenize_tokens: int = Field(1 << 18, ge=1, description="most `tokens` of one /detokenize")
     max_request_sequences: int = Field(128, ge=1, description="most sequences one request runs: prompts x "
                                        "choices per prompt (best_of or n)")
     max_request_tokens: int = Field(1 << 18, ge=1, description="most completion tokens one request may ask "

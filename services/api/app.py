@@ -16,18 +16,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
-from services.api import errors
+from services.api import errors, tokenization
 from services.api.adapters import Adapters
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
 from services.api.request import bare_uid
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.schemas import Budget, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from services.api.tenancy import TENANT, Tenancy
 from services.api.tenants import Tenant
+from shared.messages import TokenizerQuery
 from shared.request_states import EndReason
 from shared.settings import ApiSettings
 
@@ -133,6 +134,7 @@ def create_app(settings: ApiSettings) -> Guard:
     errors.install(app)
     adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
     add_generation_routes(app, svc, adapters)
+    add_tokenizer_routes(app, svc, adapters)
     add_model_routes(app, svc, adapters)
     add_request_routes(app, svc)
     add_probe_routes(app, svc)
@@ -170,6 +172,33 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
         return await answer(request, body)
+
+
+def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
+    """vLLM's /tokenize and /detokenize, answered by the model's tokenizer stage (services/api/tokenization.py):
+    admitted like a request of one token, so a draining server, an unknown model or a full backlog refuse it."""
+    limits = svc.limits
+
+    async def ask(request: Request, body: tokenization.TokenizeRequest | tokenization.DetokenizeRequest, op: str):
+        body.checked(svc)
+        tenant, name = svc.tenancy.tenant_of(request), body.model or _only_model(svc)
+        svc.tenancy.authorize(tenant, name)
+        model, _ = await adapters.target(name)  # an adapter shares its base's tokenizer
+        await svc.admit(model, Budget(prompts=1, choices=1, max_tokens=1))
+        now = time.time()
+        query = TokenizerQuery(uid=svc.hub.new_uid(), model=model, pod=svc.pod, created_at=now,
+                               deadline=now + svc.settings.request_timeout_s, op=op, **body.fields())
+        request.scope[errors.UID] = query.uid
+        async with svc.tenancy.admitted(tenant):  # a quota's concurrency and requests per minute
+            return await tokenization.ask(svc, request, query, svc.tenancy.record_fields(tenant))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await ask(request, await parse_body(request, tokenization.TokenizeRequest, limits), "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await ask(request, await parse_body(request, tokenization.DetokenizeRequest, limits), "detokenize")
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
@@ -211,6 +240,8 @@ def add_request_routes(app: FastAPI, svc: ApiService) -> None:
     @app.get("/v1/requests/{uid}/stream")
     async def reattach(uid: str, request: Request):
         record = await _record(svc, uid, svc.tenancy.tenant_of(request))
+        if record.get("kind") in tokenization.OPS:
+            raise ApiError(400, f"`{uid}` is a /{record['kind']} request: it has no stream to follow", param="uid")
         request.scope[errors.UID] = bare_uid(uid)
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
 

@@ -217,6 +217,8 @@ class ChatFormat(Format):
             self.calls[index] += len(parsed.tool_calls)
         if c.started and len(delta) == 0 and finish is None and not lps:
             return None
+        if lps and not delta.keys() & {"content", "reasoning_content", "tool_calls"}:
+            delta["content"] = ""  # a token whose text is held back (part of a character) still has its logprobs
         logprobs = {"content": _lp_chat(lps), "refusal": None} if self.want_logprobs and lps else None
         finish = TOOL_CALLS if finish == Finish.STOP and self.calls[index] else finish
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -54,6 +54,23 @@ UNSUPPORTED_EXTENSIONS = {
 }
 
 
+def generation_prompt(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
+    """Whether the chat template opens the answer: as asked, else not when the last message is continued."""
+    return not continue_final_message if add_generation_prompt is None else add_generation_prompt
+
+
+def check_continuation(add_generation_prompt: bool | None, continue_final_message: bool,
+                       messages: list[Message]) -> None:
+    """continue_final_message continues the last message, an assistant's: it opens no new answer."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise BadRequest("continue_final_message cannot be combined with add_generation_prompt true (it continues "
+                         "the last message instead of opening an answer)", "continue_final_message")
+    if messages[-1].role != "assistant":
+        raise BadRequest("continue_final_message needs an assistant message last", "continue_final_message")
+
+
 def refuse_unless(value: Any, allowed: tuple, field: str, why: str) -> None:
     """A known field we cannot honour is accepted only at a value that asks for nothing."""
     if value not in allowed:
@@ -391,7 +408,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: Any = None
     function_call: Any = None
     moderation: Any = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # omitted: true, unless continue_final_message (SGLang infers it)
     continue_final_message: bool = False
 
     @model_validator(mode="after")
@@ -414,9 +431,7 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("reasoning_effort", "verbosity", "audio", "prediction", "web_search_options", "functions",
                      "function_call", "moderation"):
             refuse_unless(getattr(self, name), (None,), name, "this server does not offer it")
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise BadRequest("continue_final_message needs add_generation_prompt false and an assistant message "
-                             "last", "continue_final_message")
+        check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         return self
 
     def checked(self, limits: Limits) -> SamplingParams:
@@ -429,7 +444,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
         job = stamp.job(self.timeout, self.background, params=params, messages=self.chat_messages(),
-                        add_generation_prompt=self.add_generation_prompt,
+                        add_generation_prompt=generation_prompt(self.add_generation_prompt,
+                                                                self.continue_final_message),
                         continue_final_message=self.continue_final_message, tools=self.tool_dicts,
                         tool_choice=self.tool_choice_struct(), chat_template_kwargs=self.chat_template_kwargs or {},
                         priority=self.priority)
@@ -494,7 +510,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # null or omitted: OpenAI's default prompt, `<|endoftext|>` (the tokenizer's bos or eos text without it)
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
@@ -535,6 +552,8 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
         """The request's prompts, each as text or as token ids (OpenAI takes one or a list of either)."""
         p = self.prompt
+        if p is None:
+            return [(None, None)]  # the tokenizer's default prompt (services/tokenizer/encode.py)
         if isinstance(p, str):
             return [(p, None)]
         if not p:
@@ -553,7 +572,8 @@ class CompletionRequest(SamplingFields):
     def budget(self, params: SamplingParams) -> Budget:
         """Logprobs count only when returned (best_of ranks choices by logprobs the answer leaves out)."""
         prompts = self.prompt_list
-        echoed = tuple(len(text.encode()) if text is not None else len(ids or ()) for text, ids in prompts)
+        echoed = tuple(len(text.encode()) if text is not None else len(ids) if ids is not None else 1
+                       for text, ids in prompts)
         return Budget(len(prompts), params.n, params.max_tokens, self.logprobs,
                       echoed if self.echo and self.logprobs is not None else (),
                       choices_param="best_of" if self.best_of else "n")

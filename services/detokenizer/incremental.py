@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.detokenizer.token_bytes import TokenBytes
 from shared.messages import TokenDelta, TokenLogprob, TopLogprob
 
 REPLACEMENT = "\ufffd"
@@ -132,6 +133,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.token_bytes = TokenBytes(tokenizer)  # logprobs' `bytes`: each token's own
 
     def render(self, items: list[TokenDelta]) -> list[Rendered]:
         """Render many deltas with one batched decode per skip_special_tokens setting: each window before
@@ -168,10 +170,12 @@ class Detokenizer:
         if it.logprobs is None:
             return None
         tops = it.top_logprobs or [[] for _ in it.ids]
-        return [TokenLogprob(token=(t := self._token(tid)), logprob=lp, bytes=list(t.encode()),
-                             top_logprobs=[TopLogprob(token=(s := self._token(i)), logprob=v,
-                                                      bytes=list(s.encode())) for i, v in top])
-                for tid, lp, top in zip(it.ids, it.logprobs, tops, strict=False)]
+        return [self._logprob(tid, lp, top) for tid, lp, top in zip(it.ids, it.logprobs, tops, strict=False)]
+
+    def _logprob(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenLogprob:
+        return TokenLogprob(token=self._token(token_id), logprob=logprob, bytes=self.token_bytes(token_id),
+                            top_logprobs=[TopLogprob(token=self._token(i), logprob=v, bytes=self.token_bytes(i))
+                                          for i, v in top])
 
     def first_range(self, it: TokenDelta) -> dict:
         """A choice's first range: the prompt's text (echo), its tokens' logprobs, the cached tokens."""
@@ -182,11 +186,8 @@ class Detokenizer:
             out["prompt_text"] = self.tokenizer.decode(it.prompt_ids, skip_special_tokens=it.skip_special_tokens)
             if it.prompt_logprobs is not None:
                 scores = [(None, []), *it.prompt_logprobs][:len(it.prompt_ids)]
-                out["prompt_logprobs"] = [
-                    TokenLogprob(token=(t := self._token(tid)), logprob=lp, bytes=list(t.encode()),
-                                 top_logprobs=[TopLogprob(token=(s := self._token(i)), logprob=v,
-                                                          bytes=list(s.encode())) for i, v in top])
-                    for tid, (lp, top) in zip(it.prompt_ids, scores, strict=False)]
+                out["prompt_logprobs"] = [self._logprob(tid, lp, top)
+                                          for tid, (lp, top) in zip(it.prompt_ids, scores, strict=False)]
         return out
 
     def _token(self, token_id: int) -> str:

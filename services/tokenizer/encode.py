@@ -15,6 +15,7 @@ from shared.messages import ReplyError, ScheduleJob, TokenizeJob
 
 # Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+DEFAULT_PROMPT = "<|endoftext|>"  # OpenAI's, for `"prompt": null`
 # Normalizers that may shorten text before it is split into tokens (compatibility forms, stripped accents or
 # spaces): with one, a prompt's bytes bound its tokens less tightly, so the byte bound below is widened.
 SHRINKING_NORMALIZERS = ("NFKC", "NFKD", "Strip", "StripAccents", "BertNormalizer", "Precompiled")
@@ -35,6 +36,10 @@ class PromptEncoder:
         vocab = tokenizer.get_vocab()
         self.max_prompt_bytes = max_context * self._bytes_per_token_bound(vocab)
         self.fim = next((names for names in FIM_TOKENS if all(t in vocab for t in names)), None)
+        # OpenAI's default prompt, `<|endoftext|>` (a document's start for GPT vocabularies), else this tokenizer's
+        # own start (bos) or end (eos) of a document: the text of one special token, encoded as it is.
+        self.default_prompt = next((t for t in (DEFAULT_PROMPT, tokenizer.bos_token, tokenizer.eos_token)
+                                    if t and t in vocab), "")
         self.call_tokens = all(len(tokenizer.encode(m, add_special_tokens=False)) == 1
                                for m in (tools.HERMES_OPEN, tools.HERMES_CLOSE))
         self.think_close: list[int] = []
@@ -112,12 +117,14 @@ class PromptEncoder:
         if job.input_ids is not None:
             return job, self._from_ids(job, job.input_ids)
         if job.messages is not None:
-            rendered = self._render_chat(job)
+            rendered = self.render_chat(job)
             if isinstance(rendered, ReplyError):
                 return job, rendered
             if (refused := self.too_long(rendered, "messages")) is not None:
                 return job, refused
             return self._answer_after_thinking(job, rendered), (rendered, False)
+        if job.prompt is None and job.suffix is None:  # completions' `"prompt": null`
+            return job, (self.default_prompt, False)
         prompt = (job.prompt or "") if job.suffix is None else self._fill_in_the_middle(job)
         if isinstance(prompt, ReplyError):
             return job, prompt
@@ -156,7 +163,7 @@ class PromptEncoder:
         return invalid(f"`{guided.param or guided.kind}` cannot be used as a constraint: {problem}",
                        guided.param or None, "invalid_constraint")
 
-    def _render_chat(self, job: TokenizeJob) -> str | ReplyError:
+    def render_chat(self, job: TokenizeJob) -> str | ReplyError:
         try:
             return self.tokenizer.apply_chat_template(
                 tools.template_messages(job), tools=job.tools, add_generation_prompt=job.add_generation_prompt,

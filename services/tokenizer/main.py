@@ -4,6 +4,10 @@ Each read is one batch: skip aborted and expired jobs, encode the rest together,
 writes the request records and error replies, then the schedule entries, and acknowledges the whole read.
 With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
 (shared/routing.py: one more round trip per batch).
+
+A read's `/tokenize` and `/detokenize` queries (TokenizerQuery) are answered here, on their reply streams, in one
+pipeline with their records: they never reach a scheduler, so they are answered while the schedulers are scaled
+to zero (services/tokenizer/queries.py).
 """
 
 from __future__ import annotations
@@ -16,15 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import RedisError
 
+from services.tokenizer import queries
 from services.tokenizer.encode import PromptEncoder
 from shared import streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
-from shared.messages import ReplyError, ScheduleJob, TokenizeJob
+from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
 from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
-from shared.request_states import NOT_SCHEDULED, Status
+from shared.request_states import NOT_SCHEDULED, TERMINAL, Status
 from shared.request_store import RequestStore
 from shared.routing import Router
 from shared.settings import TokenizerSettings
@@ -37,12 +42,13 @@ log = logging.getLogger(__name__)
 # model's tokenizer, a 4 MiB one seconds, and a read's small jobs must not wait for it.
 HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
+Entry = TokenizeJob | TokenizerQuery  # what the tokenize stream carries
 
 
-class TokenizerWorker(PushWorker[TokenizeJob]):
+class TokenizerWorker(PushWorker[Entry]):
     role = "tokenizer"
     group = TOKENIZER_GROUP
-    message_type = TokenizeJob
+    message_type = Entry
 
     def __init__(self, settings: TokenizerSettings, model_path: str, model_name: str):
         super().__init__(settings, model_name)
@@ -78,11 +84,13 @@ class TokenizerWorker(PushWorker[TokenizeJob]):
     def held_entries(self) -> list[str]:
         return [*super().held_entries(), *self._heavy.values()]
 
-    def heavy(self, job: TokenizeJob) -> bool:
+    def heavy(self, job: Entry) -> bool:
+        if isinstance(job, TokenizerQuery):
+            return queries.query_chars(job) > HEAVY_JOB_CHARS
         guided = job.params.guided
         return self.encoder.job_bytes(job) > HEAVY_JOB_CHARS or (guided is not None and not checked(guided))
 
-    async def handle(self, batch: list[Delivery[TokenizeJob]], claimed: bool) -> None:
+    async def handle(self, batch: list[Delivery[Entry]], claimed: bool) -> None:
         """Small jobs are encoded together; each heavy one (much text, a new grammar) apart, in the background,
         so that the read's other jobs, and the reads after it, do not wait for it."""
         light = []
@@ -94,11 +102,21 @@ class TokenizerWorker(PushWorker[TokenizeJob]):
             task = asyncio.create_task(self._encode_apart(d, claimed), name=f"tokenize-{d.msg.uid}")
             self._heavy[task] = d.entry_id
         if light:
-            await self._encode(light, claimed)
+            await self._process(light, claimed)
 
-    async def _encode_apart(self, d: Delivery[TokenizeJob], claimed: bool) -> None:
+    async def _process(self, batch: list[Delivery[Entry]], claimed: bool, thread: ThreadPoolExecutor | None = None
+                       ) -> None:
+        """Queries are answered, jobs encoded and forwarded: each kind in a pipeline of its own."""
+        asked = [d for d in batch if isinstance(d.msg, TokenizerQuery)]
+        jobs = [d for d in batch if not isinstance(d.msg, TokenizerQuery)]
+        if asked:
+            await self._answer(asked, claimed, thread)  # type: ignore[arg-type]
+        if jobs:
+            await self._encode(jobs, claimed, thread)  # type: ignore[arg-type]
+
+    async def _encode_apart(self, d: Delivery[Entry], claimed: bool) -> None:
         try:
-            await self._encode([d], claimed, self._heavy_thread)
+            await self._process([d], claimed, self._heavy_thread)
         except (RedisError, OSError) as e:  # left pending: claimed and done again once Redis is back
             log.warning("uid=%s: could not write its tokenization (%s)", d.msg.uid, e)
         except Exception:
@@ -151,7 +169,57 @@ class TokenizerWorker(PushWorker[TokenizeJob]):
                 result = encoded.get(job.uid)
                 span.end(error=result.message if isinstance(result, ReplyError) else None)
 
-    async def answer_dead(self, messages: list[TokenizeJob]) -> None:
+    async def _answer(self, batch: list[Delivery[TokenizerQuery]], claimed: bool,
+                      thread: ThreadPoolExecutor | None = None) -> None:
+        """Answer /tokenize and /detokenize queries on their reply streams, skipping aborted and expired ones."""
+        if claimed:  # a dead peer may have answered some before it could acknowledge them
+            batch = await self._not_yet_answered(batch)
+        asked = [d.msg for d in batch]
+        spans = [self.tracer.start("tokenize_query", q.trace, uid=q.uid, op=q.op) for q in asked]
+        answers: dict[str, TokenizerAnswer | ReplyError] = {}
+        try:
+            aborted = await self.requests.abort_reasons(q.uid for q in asked)
+            now = time.time()
+            todo = [q for q in asked if q.uid not in aborted and q.deadline > now]
+            results = await asyncio.get_running_loop().run_in_executor(
+                thread, lambda: [queries.answer(self.encoder, q) for q in todo])
+            answers = dict(zip((q.uid for q in todo), results, strict=True))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for q in asked:
+                    self._record_answer(pipe, q, answers.get(q.uid), aborted.get(q.uid))
+                self.source.ack_in(pipe, [d.entry_id for d in batch])
+                await pipe.execute()
+        finally:
+            for q, span in zip(asked, spans, strict=True):
+                result = answers.get(q.uid)
+                span.end(error=result.message if isinstance(result, ReplyError) else None)
+
+    async def _not_yet_answered(self, batch: list[Delivery[TokenizerQuery]]) -> list[Delivery[TokenizerQuery]]:
+        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
+        done = [d.entry_id for d in batch if statuses[d.msg.uid] in TERMINAL]
+        await self.source.ack(done)
+        return [d for d in batch if d.entry_id not in done]
+
+    def _record_answer(self, pipe, query: TokenizerQuery, result: TokenizerAnswer | ReplyError | None,
+                       aborted: str | None) -> None:
+        """Queue a query's reply and its record's end."""
+        uid = query.uid
+        if aborted is not None:  # its client is gone: nobody reads a reply
+            log.info("uid=%s skipped: aborted (%s)", uid, aborted)
+            self.requests.set_status(pipe, uid, Status.ABORTED, error=f"aborted: {aborted}")
+        elif result is None:
+            log.info("uid=%s skipped: deadline passed", uid)
+            self.requests.end_timed_out(pipe, uid)
+        elif isinstance(result, ReplyError):
+            log.info("uid=%s refused: %s", uid, result.message)
+            self.requests.end_failed(pipe, uid, result)
+        else:
+            self.requests.reply(pipe, uid, result)
+            self.requests.set_status(pipe, uid, Status.FINISHED, prompt_tokens=result.count if result.tokens
+                                     else None)
+        self.metrics.published("reply")
+
+    async def answer_dead(self, messages: list[Entry]) -> None:
         """A job whose handling failed every time it was delivered: its client gets the error now."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in messages:

@@ -140,3 +140,18 @@ def test_priority_is_accepted_and_suffix_needs_a_fim_template(stack):
     resp = post(stack, "/v1/completions", {"model": MODEL, "prompt": "def f(", "suffix": "\n    return x"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix"
     assert "fill-in-the-middle" in resp.json()["error"]["message"]
+
+
+def test_a_null_prompt_is_openais_default(stack, tok):
+    """OpenAI's prompt is nullable and defaults to `<|endoftext|>`: null or omitted, the prompt is that one token
+    (the demo vocabulary has it), echoed as its text."""
+    (endoftext,) = tok.encode("<|endoftext|>", add_special_tokens=False)
+    for body in ({"prompt": None}, {}):
+        resp = post(stack, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == 1
+    explicit = post(stack, "/v1/completions", {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                                               "prompt": [endoftext]}).json()
+    default = post(stack, "/v1/completions", {"model": MODEL, "max_tokens": 4, "temperature": 0,
+                                              "prompt": None}).json()
+    assert default["choices"][0]["text"] == explicit["choices"][0]["text"]

@@ -120,8 +120,9 @@ def test_malformed_stream_entry_goes_to_dead_letter(stack):
     ({"store": True}, "store", "not supported"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
-    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
-    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message", "assistant"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+     "add_generation_prompt true"),
+    ({"continue_final_message": True}, "continue_final_message", "assistant"),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(stack, extra, param, says):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, **extra}
@@ -165,7 +166,8 @@ def test_chat_template_options_are_honoured(stack, demo_model_dir):
 
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
     messages = [{"role": "user", "content": "Write a word"}, {"role": "assistant", "content": "The word is"}]
-    for options in ({"add_generation_prompt": False, "continue_final_message": True},
+    # continue_final_message alone infers add_generation_prompt false, as SGLang does
+    for options in ({"add_generation_prompt": False, "continue_final_message": True}, {"continue_final_message": True},
                     {"add_generation_prompt": False}, {"add_generation_prompt": True}):
         rendered = tok.apply_chat_template(messages, tokenize=False, **options)
         chat = _post(stack, "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8,

@@ -62,3 +62,36 @@ def test_detokenizer_holds_partial_characters_chunk_by_chunk(stack, demo_model_d
     assert all("\ufffd" not in c for c in chunks), chunks
     assert len([c for c in chunks if c]) > 10  # it really streamed piece by piece
 
+
+
+CONSTRAINED = "🌍你好，世界🚀"  # a regex that admits only this text: the demo model must spell it, token by token
+
+
+def _joined(lps: list) -> str:
+    return b"".join(bytes(t.bytes) for t in lps).decode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_rebuild_split_characters(stack, demo_model_dir, stream):
+    """Tokens that hold part of a character report their own bytes, so joining a choice's logprob bytes gives its
+    text back, chat and completions, streamed and not; and a chunk of such a token, whose text is held back,
+    still says `content` (an empty string) beside its logprobs, never an empty delta."""
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    assert any("\ufffd" in tok.decode([t]) for t in tok.encode(CONSTRAINED, add_special_tokens=False))
+    client, body = stack.client(), {"model": MODEL, "max_tokens": 40, "extra_body": {"regex": CONSTRAINED}}
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                          top_logprobs=2, stream=stream, **body)
+    comp = client.completions.create(prompt="hi", logprobs=2, stream=stream, **body)
+    if not stream:
+        assert chat.choices[0].message.content == CONSTRAINED
+        assert _joined(chat.choices[0].logprobs.content) == CONSTRAINED
+        assert comp.choices[0].text == CONSTRAINED
+        assert "\ufffd" in "".join(comp.choices[0].logprobs.tokens)  # the split characters' tokens are there
+        return
+    chunks = [c for c in chat if c.choices]
+    with_lps = [c.choices[0] for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.content]
+    assert all(isinstance(c.delta.content, str) for c in with_lps)  # "" while held back, never missing
+    assert any(c.delta.content == "" for c in with_lps)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == CONSTRAINED
+    assert _joined([t for c in with_lps for t in c.logprobs.content]) == CONSTRAINED
+    assert "".join(c.choices[0].text for c in comp if c.choices) == CONSTRAINED

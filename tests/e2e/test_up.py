@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # `make test-fast` le
 def start_up(port: int, model_dir, *args: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
     """`rsinfer up` and its output up to "ready on" (an assertion error with the lines if it exits first)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+    env.setdefault("RSINFER_CACHE", tempfile.mkdtemp(prefix="rsinfer-up-"))  # where it leaves its Redis's address
     proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
                              str(model_dir), "--served-model-name", "demo", *args],
                             env={**base, "OMP_NUM_THREADS": "1", "RSINFER_THREADS": "1", **env},
@@ -58,9 +60,16 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def tool(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    """`rsinfer <args>` as a user runs it next to `up`: no Redis flag or variable, the same cache directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+    return subprocess.run([sys.executable, "-m", "rsinfer.cli", *args], env={**env, "RSINFER_CACHE": str(cache)},
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_up_with_embedded_redis(demo_model_dir, tmp_path):
     port = free_port()
-    proc, lines = start_up(port, demo_model_dir)
+    proc, lines = start_up(port, demo_model_dir, RSINFER_CACHE=str(tmp_path))
     try:
         text = "".join(lines)
         # the printed recipe works: the password comes from a 0600 file, the URL carries none
@@ -87,8 +96,17 @@ def test_up_with_embedded_redis(demo_model_dir, tmp_path):
                                               max_tokens=3).usage.completion_tokens == 3
         roles = sorted(m.decode().split(":")[0] for m in r.zrange(Keys().workers(), 0, -1))
         assert roles == ["api", "detokenizer", "scheduler", "tokenizer"]
+        # inspect and healthcheck find up's Redis with no flag (the file it left in the cache directory)
+        shown = tool(tmp_path, "inspect")
+        assert shown.returncode == 0, shown
+        assert all(role.upper() in shown.stdout.splitlines() for role in roles) and "{" not in shown.stdout
+        ready = tool(tmp_path, "healthcheck", "--role", "scheduler", "--ready")
+        assert ready.returncode == 0, ready
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        assert not (tmp_path / "up.json").exists()
+        gone = tool(tmp_path, "inspect", "--redis-url", url)  # its Redis is gone: one line, no traceback
+        assert gone.returncode == 1 and len(gone.stdout.splitlines()) == 1 and "Traceback" not in gone.stderr
         time.sleep(0.2)
         with pytest.raises(redis.ConnectionError):
             redis.Redis.from_url(url, password=password, socket_connect_timeout=1).ping()
@@ -146,7 +164,7 @@ def test_children_do_not_outlive_a_killed_up(demo_model_dir):
     """kill -9 of `rsinfer up` (a test runner's timeout, an OOM kill) leaves no worker or redis-server behind."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
-    env.update(OMP_NUM_THREADS="1", RSINFER_THREADS="1")
+    env.update(OMP_NUM_THREADS="1", RSINFER_THREADS="1", RSINFER_CACHE=tempfile.mkdtemp(prefix="rsinfer-up-"))
     proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
                              str(demo_model_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, start_new_session=True)

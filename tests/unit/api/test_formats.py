@@ -19,6 +19,16 @@ def test_a_token_whose_text_is_held_back_still_streams_its_logprob():
         fmt.chunks([ReplyEvent(0, 1, "a", 3, logprobs=[lp("a", -1.0)])], NO_COUNTS)
         chunks = fmt.chunks([ReplyEvent(1, 2, "", 3, logprobs=[lp("\ufffd", -2.0)])], NO_COUNTS)
         assert len(chunks) == 1, type(fmt).__name__
+        (choice,) = chunks[0]["choices"]
+        assert choice.get("delta", {"content": choice.get("text")})["content"] == ""  # not an empty delta
+
+
+def test_held_back_logprobs_keep_content_with_a_parser():
+    """A reasoning parser's chat: the held-back token's chunk still says `content` (clients read it)."""
+    fmt = ChatFormat(Head("c", "m", 0, 1, True, False), {"reasoning": "qwen3"})
+    fmt.chunks([ReplyEvent(0, 1, "a", 3, logprobs=[lp("a", -1.0)])], NO_COUNTS)
+    (chunk,) = fmt.chunks([ReplyEvent(1, 2, "", 3, logprobs=[lp("\ufffd", -2.0)])], NO_COUNTS)
+    assert chunk["choices"][0]["delta"] == {"content": ""} and chunk["choices"][0]["logprobs"]["content"]
 
 
 def test_echo_prepends_the_prompt_and_its_logprobs():

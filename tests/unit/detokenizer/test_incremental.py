@@ -124,3 +124,34 @@ def test_the_batched_backend_decode_is_transformers_decode(request, tok_name):
     for skip in (True, False):
         assert detok.decode_batch(windows, skip) == tokenizer.batch_decode(
             windows, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def metaspace_tok():
+    from tests.metaspace_tokenizer import metaspace_tokenizer
+
+    return metaspace_tokenizer(64)
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+def test_logprob_bytes_are_each_tokens_own(request, tok_name):
+    """A token holding part of a character reports its own bytes (not U+FFFD's, nor none): joined, the bytes
+    of a choice's tokens are its text, prompt logprobs and top alternatives alike."""
+    tok = request.getfixturevalue(tok_name)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    d = TokenDelta(uid="u", start=0, ids=ids, prompt_tokens=len(ids), logprobs=[-0.5] * len(ids),
+                   top_logprobs=[[(t, -0.5)] for t in ids], prompt_ids=ids, prompt_logprobs=[(-1.0, [])] * len(ids))
+    detok = Detokenizer(tok)
+    lps = detok.logprobs(d)
+    assert b"".join(bytes(t.bytes) for t in lps).decode() == TEXT
+    assert all(t.bytes == t.top_logprobs[0].bytes and t.bytes for t in lps)
+    assert [t.bytes for t in detok.first_range(d)["prompt_logprobs"]] == [t.bytes for t in lps]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert detok.token_bytes(im_end) == list(b"<|im_end|>")  # a special token is its text
+
+
+def test_logprob_bytes_of_sentencepiece_pieces(metaspace_tok):
+    ids = metaspace_tok.encode("Hello world there!", add_special_tokens=False)
+    d = TokenDelta(uid="u", start=0, ids=ids, prompt_tokens=1, logprobs=[-0.5] * len(ids))
+    assert b"".join(bytes(t.bytes) for t in Detokenizer(metaspace_tok).logprobs(d)) == b" Hello world there!"

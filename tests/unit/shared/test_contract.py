@@ -39,7 +39,8 @@ def test_every_stream_is_documented_with_its_group_and_message():
     for name, message in doc["components"]["messages"].items():
         refs = [message["payload"]] if "$ref" in message["payload"] else message["payload"]["oneOf"]
         kinds[name.split(":")[0]] = {r["$ref"].rsplit("/", 1)[1] for r in refs}
-    assert kinds == {"tokenize": {"TokenizeJob"}, "schedule": {"ScheduleJob"}, "detokenize": {"DetokenizeBatch"},
-                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint"}}
+    assert kinds == {"tokenize": {"TokenizeJob", "TokenizerQuery"}, "schedule": {"ScheduleJob"},
+                     "detokenize": {"DetokenizeBatch"},
+                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint", "TokenizerAnswer"}}
     tokenize = doc["components"]["schemas"]["TokenizeJob"]
     assert tokenize["properties"]["kind"] == {"enum": ["tokenize"]} and "uid" in tokenize["required"]

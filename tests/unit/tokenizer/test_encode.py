@@ -117,3 +117,11 @@ def test_chat_template_kwargs_reach_the_template(encoder):
 def test_logit_bias_outside_the_vocabulary_is_refused(encoder):
     [out] = encoder.encode([job(prompt="hi", params=SamplingParams(logit_bias={10**6: 5.0}))])
     assert isinstance(out, ReplyError) and out.param == "logit_bias"
+
+
+def test_a_null_prompt_is_the_default_document_start(encoder):
+    """Completions' `"prompt": null`: OpenAI's `<|endoftext|>` where the vocabulary has it."""
+    (null,) = encoder.encode([job(prompt=None)])
+    assert isinstance(null, ScheduleJob)
+    assert null.input_ids == encoder.tokenizer.encode("<|endoftext|>", add_special_tokens=False)
+    assert len(null.input_ids) == 1

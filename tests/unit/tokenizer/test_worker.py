@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from services.tokenizer.main import HEAVY_JOB_CHARS, TokenizerWorker
-from shared.messages import SamplingParams, TokenizeJob, encode
+from shared.messages import ReplyError, SamplingParams, TokenizeJob, TokenizerAnswer, TokenizerQuery, decode, encode
 from shared.settings import TokenizerSettings
 from shared.streams import FIELD
 
@@ -90,3 +90,49 @@ async def test_a_heavy_job_does_not_hold_back_the_small_ones_of_its_read(worker)
     # (past the demo model's 4,096-token context: its answer is a 400, written once it is encoded)
     assert (await w.redis.hget(w.keys.request("big"), "status")) == b"failed"
     assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+
+
+def query(uid: str, **kw) -> TokenizerQuery:
+    return TokenizerQuery(uid=uid, model="demo", pod="p", created_at=time.time(),
+                          deadline=kw.pop("deadline", time.time() + 60), **kw)
+
+
+async def replies(w: TokenizerWorker, uid: str) -> list:
+    return [decode(f[FIELD], TokenizerAnswer | ReplyError) for _, f in await w.redis.xrange(w.keys.reply(uid))]
+
+
+async def test_queries_are_answered_on_their_reply_streams_and_never_forwarded(worker):
+    """A read with a job and queries: the job goes to the schedulers; each query gets its answer (or its 400)
+    on its reply stream and its record's end; an aborted or expired query is skipped; every key has a TTL and
+    every entry is acknowledged."""
+    w = worker
+    await w.redis.set(w.keys.abort("gone"), "client_disconnected")
+    entries = await read(w, job("gen", "hello there"), query("tok", prompt="hello there"),
+                         query("detok", op="detokenize", tokens=[1, 2, 3]),
+                         query("bad", op="detokenize", tokens=[10**6]), query("gone", prompt="x"),
+                         query("late", prompt="x", deadline=time.time() - 1))
+    await w._deliver(entries, claimed=False)
+    assert await scheduled(w) == {"gen"}
+    (tok,) = await replies(w, "tok")
+    assert tok.tokens == w.encoder.tokenizer.encode("hello there") and tok.count == len(tok.tokens)
+    assert (await replies(w, "detok"))[0].prompt == w.encoder.tokenizer.decode([1, 2, 3])
+    (bad,) = await replies(w, "bad")
+    assert isinstance(bad, ReplyError) and (bad.status, bad.param) == (400, "tokens")
+    assert await replies(w, "gone") == []
+    (late,) = await replies(w, "late")
+    assert isinstance(late, ReplyError) and late.status == 504
+    statuses = {u: (await w.redis.hget(w.keys.request(u), "status")).decode()
+                for u in ("tok", "detok", "bad", "gone", "late")}
+    assert statuses == {"tok": "finished", "detok": "finished", "bad": "failed", "gone": "aborted", "late": "failed"}
+    for uid in ("tok", "detok", "bad", "late"):
+        assert await w.redis.ttl(w.keys.reply(uid)) > 0 and await w.redis.ttl(w.keys.request(uid)) > 0
+    assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+
+
+async def test_a_claimed_query_already_answered_is_not_answered_again(worker):
+    w = worker
+    entries = await read(w, query("once", prompt="hi"))
+    await w._deliver(entries, claimed=False)
+    await w.redis.xclaim(w.source.key, w.group, w.id, 0, [entries[0][0]], force=True)  # as a peer's claim would
+    await w._deliver(entries, claimed=True)
+    assert len(await replies(w, "once")) == 1

@@ -1,0 +1,101 @@
+"""`rsinfer inspect` and the local `up`'s file: the load as columns, one line for a Redis it cannot reach, a watch
+that redraws, and the file that lets it run next to `up` without flags (rsinfer/local.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rsinfer import local
+from rsinfer.cli import build_parser
+from rsinfer.tools import inspect, redacted, worker_tables
+from shared.redis_server import free_port
+from shared.registry import WorkerInfo
+from shared.settings import CommonSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_load_is_shown_as_columns():
+    now = 1000.0
+    workers = [WorkerInfo("scheduler", "s2@1", "m", now, {"running": 3, "waiting": 0, "last_step_at": now - 1.5,
+                                                          "kv_cache_usage": 0.25, "model_info": {"root": "/x"}}),
+               WorkerInfo("scheduler", "s1@1", "m", now, {"running": 12, "lora_adapters": ["a", "b"]}),
+               WorkerInfo("api", "api@1", "", now, {"inflight": 2, "draining": False})]
+    lines = worker_tables(workers, now)
+    assert "{" not in "".join(lines)  # no raw JSON
+    api, scheduler = lines.index("API"), lines.index("SCHEDULER")
+    assert lines[api + 1].split() == ["WORKER", "MODEL", "INFLIGHT", "DRAINING"]
+    assert lines[api + 2].split() == ["api@1", "-", "2", "no"]
+    assert lines[scheduler + 1].split() == ["WORKER", "MODEL", "RUNNING", "LORA_ADAPTERS", "WAITING",
+                                            "LAST_STEP_AT", "KV_CACHE_USAGE"]
+    assert lines[scheduler + 2].split() == ["s1@1", "m", "12", "a,b", "-", "-", "-"]
+    assert lines[scheduler + 3].split() == ["s2@1", "m", "3", "-", "0", "1.5s", "ago", "0.25"]
+    header, row = lines[scheduler + 1], lines[scheduler + 3]
+    assert row.index("0.25") == header.index("KV_CACHE_USAGE")  # aligned under its column
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"uid": None, "watch": None, **kw})
+
+
+def test_an_unreachable_redis_is_one_line(capsys):
+    url = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    assert asyncio.run(inspect(CommonSettings(redis_url=url), args())) == 1
+    out = capsys.readouterr()
+    assert out.out.count("\n") == 1 and "cannot reach Redis at redis://:***@127.0.0.1" in out.out
+    assert "secret" not in out.out and "Traceback" not in out.out + out.err
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_the_cli_says_one_line_too():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url",
+                          f"redis://127.0.0.1:{free_port()}/0"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr == "" and len(out.stdout.splitlines()) == 1, out
+
+
+def test_watch_redraws_until_stopped(redis_server, capsys):
+    settings = CommonSettings(redis_url=redis_server.url, namespace="watch-test")
+
+    async def watched() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(inspect(settings, args(watch=0.05)), 0.6)
+
+    asyncio.run(watched())
+    screens = capsys.readouterr().out.split("\033[H\033[2J")
+    assert len(screens) >= 3 and all("UID" in s for s in screens[1:])
+    assert build_parser().parse_args(["inspect", "--watch"]).watch == 2.0
+    assert build_parser().parse_args(["inspect", "--watch", "0.5"]).watch == 0.5
+
+
+def test_up_leaves_where_its_redis_is(tmp_path, monkeypatch):
+    monkeypatch.setenv("RSINFER_CACHE", str(tmp_path))
+    for name in ("RSINFER_REDIS_URL", "RSINFER_NAMESPACE", "RSINFER_REDIS_PASSWORD", "RSINFER_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert local.overrides({}) == {}
+    path = local.remember("redis://127.0.0.1:7001/0", "/run/pw", "ns1")
+    assert path == tmp_path / "up.json" and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert local.overrides({}) == {"redis_url": "redis://127.0.0.1:7001/0", "redis_password_file": "/run/pw",
+                                   "namespace": "ns1"}
+    assert local.overrides({"namespace": "x"}) == {"redis_url": "redis://127.0.0.1:7001/0",
+                                                   "redis_password_file": "/run/pw"}
+    assert local.overrides({"redis_url": "redis://elsewhere"}) == {}  # a URL given wins
+    monkeypatch.setenv("RSINFER_REDIS_URL", "redis://env")
+    assert local.overrides({}) == {}
+    monkeypatch.delenv("RSINFER_REDIS_URL")
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": int(gone.stdout)}))
+    assert local.found() is None and local.overrides({}) == {}  # the `up` that wrote it is gone
+    local.forget(path)
+    assert path.exists()  # not this process's: left for whoever wrote it
+    local.remember("redis://127.0.0.1:7001/0", "", "ns1")
+    local.forget(path)
+    assert not path.exists()
