@@ -45,7 +45,8 @@ class Pooling(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt token; such a prompt is computed whole, not read from the prefix cache), L2-`normalize`d after
     keeping the first `dimensions` (0: all). "score": the probabilities of `label_token_ids` as the next token,
     softmax over those labels' logits with `apply_softmax`, else their probabilities over the whole vocabulary
-    (SGLang's /v1/score)."""
+    (SGLang's /v1/score). A prompt may fill the model's context but for one token (the engine's room for the
+    position it scores), and at most `max_input_tokens`."""
 
     task: str
     pooling: str = "last"
@@ -53,6 +54,8 @@ class Pooling(msgspec.Struct, frozen=True, omit_defaults=True):
     dimensions: int = 0
     label_token_ids: list[int] = []
     apply_softmax: bool = False
+    max_input_tokens: int = 0  # the tokenizer refuses a longer prompt (0: the model's context alone)
+    param: str = ""  # the request field the prompt came from (`input`, `items`), named in errors
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -53,6 +53,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         super().__init__(settings, model_name)
         self.engine = engine
         self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
+        if (card := getattr(engine, "pooling_card", None)) is not None:  # embeddings and scores (paged engine)
+            self.model_info.update(card())
         # LoRA adapters from the registry (services/scheduler/adapters.py); what the API checks a load against
         self.adapters = adapters
         if adapters is not None:

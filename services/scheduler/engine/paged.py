@@ -350,6 +350,11 @@ class PagedEngine:
     def resident_adapters(self) -> list[str]:
         return self.lora.resident() if self.lora is not None else []
 
+    def pooling_card(self) -> dict:
+        """What the API checks a prefill-only request against before it queues it (services/api/prefill.py)."""
+        return {"vocab_size": self.runner.vocab_size, "hidden_size": self.hidden_size,
+                "matryoshka_dimensions": self.truncation or None}
+
     def evict_adapter(self, name: str) -> bool:
         """Unload LoRA adapter `name` (lora.py `LoraManager.evict`); True if it was known."""
         return self.lora.evict(name) if self.lora is not None else False
