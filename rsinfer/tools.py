@@ -46,12 +46,14 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
                 for g in groups:
                     print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
         await _print_adapters(redis, keys, workers)
-        print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
+        # KIND: the record's (chat, completion, generate, and the prefill-only embedding and score)
+        print(f"\n{'UID':34} {'KIND':10} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
             r = await requests.record(keys.uid_of_request_key(key.decode()))
             age = now - float(r.get("created_at", now))
-            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
+            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('kind', ''):10} {r.get('status', '?'):10} "
+                  f"{r.get('model', ''):20} "
                   f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
         return 0
     finally:

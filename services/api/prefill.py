@@ -72,7 +72,9 @@ class PrefillBody(BaseModel):
         self.check_model(stamp.model_info)
         jobs = [stamp.job(None, False, params=params, prompt=text, input_ids=ids) for text, ids in self._prompts]
         head = Head(f"{self.kind}-{jobs[0].uid}", self.model or stamp.model, int(jobs[0].created_at), len(jobs))
-        return submission(jobs, self.fmt(head, self._prompts), self.kind, False, label=self.kind)
+        user = getattr(self, "user", None)  # kept in the record, as chat and completions keep it
+        return submission(jobs, self.fmt(head, self._prompts), self.kind, False, label=self.kind,
+                          annotations={"user": user} if user else None)
 
 
 class EmbeddingRequest(PrefillBody):

@@ -183,3 +183,32 @@ def test_metrics_count_embeddings_and_scores(stack):
     for endpoint in ("embedding", "score"):
         assert f'endpoint="{endpoint}",model="{MODEL}",status="ok"' in text or \
             f'model="{MODEL}",endpoint="{endpoint}",status="ok"' in text
+
+
+def test_prefill_only_requests_pass_the_tokenize_and_schedule_streams_not_the_detokenizer(stack):
+    """What KEDA's triggers read (the tokenize stream's lag, the schedule stream's pending entries: helm's
+    keda.yaml) counts them as it counts generations; no detokenize entry is written for them."""
+    r, k = stack.redis(), stack.keys
+
+    def read(stream: str) -> int:
+        return sum(int(g["entries-read"] or 0) for g in r.xinfo_groups(stream))
+
+    before = (read(k.tokenize(MODEL)), read(k.schedule(MODEL)), r.xinfo_stream(k.detokenize(MODEL))["entries-added"])
+    stack.client().embeddings.create(model=MODEL, input=TEXTS)
+    post(stack, "/v1/score", {"query": "q", "items": ["a", "b"], "label_token_ids": [1]})
+    after = (read(k.tokenize(MODEL)), read(k.schedule(MODEL)), r.xinfo_stream(k.detokenize(MODEL))["entries-added"])
+    assert after[0] - before[0] == 5 and after[1] - before[1] == 5  # one job per input and per item
+    assert after[2] == before[2]
+
+
+def test_inspect_shows_embeddings_and_scores(stack):
+    import subprocess
+    import sys
+
+    stack.client().embeddings.create(model=MODEL, input="shown")
+    post(stack, "/v1/score", {"query": "q", "items": ["shown"], "label_token_ids": [1]})
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", stack.redis_url,
+                          "--namespace", stack.namespace], capture_output=True, text=True, timeout=30)
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert any(row[1:3] == ["embedding", "finished"] for row in rows if len(row) > 3), out.stdout
+    assert any(row[1:3] == ["score", "finished"] for row in rows if len(row) > 3), out.stdout

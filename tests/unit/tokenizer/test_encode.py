@@ -117,3 +117,21 @@ def test_chat_template_kwargs_reach_the_template(encoder):
 def test_logit_bias_outside_the_vocabulary_is_refused(encoder):
     [out] = encoder.encode([job(prompt="hi", params=SamplingParams(logit_bias={10**6: 5.0}))])
     assert isinstance(out, ReplyError) and out.param == "logit_bias"
+
+
+def test_a_prefill_only_prompt_is_bounded_by_its_limit_and_the_context(encoder):
+    from shared.messages import Pooling
+
+    def pooled(limit: int, **kw) -> TokenizeJob:
+        return job(params=SamplingParams(max_tokens=1, pooling=Pooling("embed", max_input_tokens=limit,
+                                                                       param="input")), **kw)
+
+    fits, over_limit, over_context, bad_id = encoder.encode([
+        pooled(8, input_ids=list(range(1, 9))), pooled(8, input_ids=list(range(1, 10))),
+        pooled(0, input_ids=[1] * 64), pooled(0, input_ids=[10**6])])
+    assert isinstance(fits, ScheduleJob) and fits.params.pooling.task == "embed"
+    assert isinstance(over_limit, ReplyError) and over_limit.param == "input" and "--max-pooling-input-tokens" in \
+        over_limit.message and over_limit.status == 400
+    assert isinstance(over_context, ReplyError) and over_context.param == "input" and "at most 63" in \
+        over_context.message and over_context.code == "context_length_exceeded"
+    assert isinstance(bad_id, ReplyError) and bad_id.param == "input"
