@@ -61,18 +61,19 @@ def test_unnormalized_embedding_and_prefix_cache_for_last_pooling(demo_model):
     assert torch.allclose(vector(mean), hf_embedding(demo_model, prompt, "mean"), atol=1e-4)
 
 
-def test_embeddings_and_scores_batch_with_a_generation(demo_model):
+@pytest.mark.parametrize("overlap", [False, True])  # True: the step launched before the last one is read (CUDA)
+def test_embeddings_and_scores_batch_with_a_generation(demo_model, overlap):
     vocab = demo_model.config.vocab_size
     gen_prompt, *others = prompts([7, 9, 30, 6], vocab, seed=13)
     alone = drain(engine(clone_model(demo_model)), {0: [EngineRequest("g", gen_prompt, greedy(12))]})
-    eng = engine(clone_model(demo_model), prefill_budget=16)
+    eng = engine(clone_model(demo_model), prefill_budget=16, overlap=overlap)
     arrivals = {0: [EngineRequest("g", gen_prompt, greedy(12))],
                 2: [EngineRequest("e", others[0], embed()), EngineRequest("m", others[1], embed("mean"))],
                 4: [EngineRequest("s", others[2], score([3, 4, 5], True))]}
     steps_before = eng.steps
     out = drain(eng, arrivals)
     assert [t for o in out[("g", 0)] for t in o.ids] == [t for o in alone[("g", 0)] for t in o.ids]
-    assert eng.steps - steps_before <= 13  # no step of their own: they ran in the generation's steps
+    assert eng.steps - steps_before <= 14  # no step of their own: they ran in the generation's steps
     assert torch.allclose(vector(out[("e", 0)][0]), hf_embedding(demo_model, others[0], "last"), atol=1e-4)
     assert torch.allclose(vector(out[("m", 0)][0]), hf_embedding(demo_model, others[1], "mean"), atol=1e-4)
     assert len(out[("s", 0)]) == 1 and len(out[("s", 0)][0].scores) == 3
@@ -133,3 +134,16 @@ def test_an_aborted_embedding_releases_its_pages(demo_model):
     assert eng.pool.used() > 0
     assert eng.abort("a")
     assert eng.pool.used() == 0 and not eng.has_work()
+
+
+def test_a_preempted_mean_pooled_prefill_sums_each_position_once(demo_model):
+    eng = engine(clone_model(demo_model), prefill_budget=8)
+    [prompt] = prompts([30], demo_model.config.vocab_size, seed=17)
+    eng.add(EngineRequest("p", prompt, embed("mean")))
+    eng.step()
+    eng.step()  # 16 of its 30 positions summed
+    [seq] = eng.scheduler.running
+    assert seq.pooled_upto == 16
+    eng.scheduler._preempt(seq)  # as when a decode needs its pages: recomputed from the start
+    out = drain(eng)
+    assert torch.allclose(vector(out[("p", 0)][0]), hf_embedding(demo_model, prompt, "mean"), atol=1e-4)
