@@ -424,7 +424,7 @@ class PagedEngine:
         logits, deferred = self._forward(batch)
         pooled: list[Seq] = []
         pooled_out = None
-        if any(s.req.params.pooling is not None for s in sampling):
+        if any(s.pooling is not None for s in sampling):
             sampling, logits, pooled, pooled_out = self._pool(sampling, logits)
         if not sampling:
             self._end_pooled(pooled)
@@ -462,11 +462,11 @@ class PagedEngine:
         """Take the prefill-only sequences out of those that sample: the sequences that still sample and their
         logits, and the others with their results (an embedding, or scores from their logits row) on their way
         to the host, one transfer for all."""
-        keep = [j for j, s in enumerate(sampling) if s.req.params.pooling is None]
-        pooled = [s for s in sampling if s.req.params.pooling is not None]
+        keep = [j for j, s in enumerate(sampling) if s.pooling is None]
+        pooled = [s for s in sampling if s.pooling is not None]
         values = []
         for j, seq in enumerate(sampling):
-            p = seq.req.params.pooling
+            p = seq.pooling
             if p is not None:
                 values.append(embedding(p, seq.pool_sum, seq.prompt_len) if p.task == "embed" else scores(p, logits[j]))
         if keep and len(keep) != len(sampling):
@@ -634,10 +634,11 @@ def _hidden_rows(batch: list[Scheduled], firsts: list[int]) -> tuple[list[int], 
     idx: list[int] = []
     spans = []
     for sc, first in zip(batch, firsts, strict=True):
-        seq, c, n = sc.seq, sc.seq.num_computed, sc.num_new
-        p = seq.req.params.pooling
+        seq = sc.seq
+        p = seq.pooling
         if p is None or p.task != "embed":
             continue
+        c, n = seq.num_computed, sc.num_new
         if p.pooling == "mean":
             positions = range(max(c, seq.pooled_upto), c + n)
         elif c + n == len(seq.tokens):
@@ -664,7 +665,7 @@ def _pooled_outputs(flight: _InFlight) -> list[StepOutput]:
     assert flight.pooled_out is not None
     outputs = []
     for seq, values in zip(flight.pooled, flight.pooled_out.wait(), strict=True):
-        p = seq.req.params.pooling
+        p = seq.pooling
         assert p is not None
         out = StepOutput(seq.uid, 0, [], 0, "stop", cached_tokens=max(seq.cached_tokens, 0))
         if p.task == "embed":

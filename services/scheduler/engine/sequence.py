@@ -11,6 +11,7 @@ from shared.pages import adapter_root
 
 if TYPE_CHECKING:
     from services.scheduler.engine.grammar import SeqGrammar
+    from shared.messages import Pooling
 
 UNRESOLVED = -1  # a sampled token still on the device (see `Seq.unresolved`)
 
@@ -50,11 +51,13 @@ class Seq:
     # the sum over prompt positions [0, pooled_upto), which a preempted prefill does not add again).
     pool_sum: Any = None
     pooled_upto: int = 0
+    pooling: Pooling | None = field(init=False, default=None)  # the request's, read once per step per row
 
     def __post_init__(self) -> None:
         if self.req.adapter is not None:
             self.digest_root = adapter_root(self.req.adapter)
         p = self.req.params
+        self.pooling = p.pooling
         self.host_bound = p.guided is not None or (
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
@@ -67,7 +70,7 @@ class Seq:
     @property
     def pools_every_token(self) -> bool:
         """A mean-pooled embedding: every prompt token's hidden state is needed, none is read from the cache."""
-        p = self.req.params.pooling
+        p = self.pooling
         return p is not None and p.task == "embed" and p.pooling == "mean"
 
     @property
