@@ -177,12 +177,20 @@ def test_score_errors_name_the_field(stack, hf):
 
 
 def test_metrics_count_embeddings_and_scores(stack):
+    def ttft_count() -> float:
+        text = httpx.get(f"{stack.base_url}/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("rsinfer_time_to_first_token_seconds_count"))
+
+    before = ttft_count()
     stack.client().embeddings.create(model=MODEL, input="count me")
+    stack.client().embeddings.create(model=MODEL, input=["count", "us"])
     post(stack, "/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1]})
     text = httpx.get(f"{stack.base_url}/metrics").text
     for endpoint in ("embedding", "score"):
         assert f'endpoint="{endpoint}",model="{MODEL}",status="ok"' in text or \
             f'model="{MODEL}",endpoint="{endpoint}",status="ok"' in text
+    assert ttft_count() == before  # they make no token
 
 
 def test_prefill_only_requests_pass_the_tokenize_and_schedule_streams_not_the_detokenizer(stack):
