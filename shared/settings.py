@@ -324,11 +324,14 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                           "score prompt (query and item), as OpenAI's 8192; the model's context "
                                           "bounds them too")
     max_score_labels: int = Field(256, ge=1, description="most `label_token_ids` of a /v1/score request")
-    embedding_pooling: Literal["last", "mean"] = Field("last", description="how /v1/embeddings pools the final "
-                                                       "hidden states: the last token's, or the mean over every "
-                                                       "token (computed whole, not from the prefix cache)")
-    embedding_normalize: bool = Field(True, description="L2-normalize embeddings (as vLLM's pooling models do "
-                                      "by default)")
+    embedding_pooling: Literal["auto", "last", "mean"] = Field("auto", description="how /v1/embeddings pools the "
+                                                               "final hidden states: the last token's, or the mean "
+                                                               "over every token (computed whole, not from the prefix "
+                                                               "cache); auto: as the model's sentence-transformers "
+                                                               "config says, else last")
+    embedding_normalize: bool | None = Field(None, description="L2-normalize embeddings; unset: as the model's "
+                                             "sentence-transformers config says, else normalized (as vLLM's pooling "
+                                             "models do)")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))

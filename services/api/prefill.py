@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
@@ -42,6 +43,7 @@ class PrefillBody(BaseModel):
     model_config = FORBID
     kind: ClassVar[str] = ""  # the record's, the metrics' label, and the response id's prefix
     _prompts: list[Prompt] = PrivateAttr(default_factory=list)
+    _chosen: tuple = PrivateAttr(default=("last", True))  # what the settings chose of the pooling
 
     @property
     def lora_path(self) -> None:
@@ -55,6 +57,10 @@ class PrefillBody(BaseModel):
 
     def check_model(self, info: dict) -> None:
         """Against what the schedulers report of the model (when one has: the engine checks again)."""
+
+    def for_model(self, params: SamplingParams, info: dict) -> SamplingParams:
+        """The parameters as the model's defaults make them."""
+        return params
 
     def fmt(self, head: Head, prompts: list[Prompt]) -> Format:
         raise NotImplementedError
@@ -70,6 +76,7 @@ class PrefillBody(BaseModel):
 
     def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
         self.check_model(stamp.model_info)
+        params = self.for_model(params, stamp.model_info)
         jobs = [stamp.job(None, False, params=params, prompt=text, input_ids=ids) for text, ids in self._prompts]
         head = Head(f"{self.kind}-{jobs[0].uid}", self.model or stamp.model, int(jobs[0].created_at), len(jobs))
         user = getattr(self, "user", None)  # kept in the record, as chat and completions keep it
@@ -107,8 +114,21 @@ class EmbeddingRequest(PrefillBody):
 
     def pooling(self, limits: Limits) -> Pooling:
         s = limits.s
-        return Pooling("embed", pooling=s.embedding_pooling, normalize=s.embedding_normalize,
+        self._chosen = (s.embedding_pooling, s.embedding_normalize)
+        return Pooling("embed", pooling=s.embedding_pooling, normalize=s.embedding_normalize is not False,
                        dimensions=self.dimensions or 0, max_input_tokens=s.max_pooling_input_tokens, param="input")
+
+    def for_model(self, params: SamplingParams, info: dict) -> SamplingParams:
+        """`auto` pooling and an unset normalization as the model says (its sentence-transformers config, reported
+        by its schedulers: shared/models.py), else last-token pooling, normalized."""
+        pooling, normalize = self._chosen
+        if pooling == "auto":
+            pooling = info.get("embedding_pooling") or "last"
+        if normalize is None:
+            normalize = info.get("embedding_normalize", True)
+        assert params.pooling is not None
+        chosen = msgspec.structs.replace(params.pooling, pooling=pooling, normalize=bool(normalize))
+        return msgspec.structs.replace(params, pooling=chosen)
 
     def check_model(self, info: dict) -> None:
         hidden, allowed = info.get("hidden_size"), info.get("matryoshka_dimensions")

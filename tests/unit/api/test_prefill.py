@@ -126,3 +126,16 @@ def test_answers_from_the_engine_events():
     sub.fmt.add([ReplyEvent(start=0, end=0, text="", prompt_tokens=1, index=0, finish_reason="stop", scores=[0.5])])
     body = sub.fmt.response(Counts())
     assert body["scores"] == [[0.5], [0.25]] and body["object"] == "scoring" and body["model"] == "m"
+
+
+@pytest.mark.parametrize(("settings", "info", "chosen"), [
+    ({}, {}, ("last", True)),  # auto, and a model that says nothing
+    ({}, {"embedding_pooling": "mean", "embedding_normalize": False}, ("mean", False)),  # as its config says
+    ({"embedding_pooling": "last", "embedding_normalize": True}, {"embedding_pooling": "mean",
+                                                                  "embedding_normalize": False}, ("last", True))])
+def test_pooling_follows_the_model_unless_set(settings, info, chosen):
+    limits = Limits(ApiSettings(**settings))
+    body = EmbeddingRequest.model_validate({"model": "m", "input": "x"})
+    params = body.checked(limits)
+    [job] = body.submission(params, stamp({**INFO, **info})).jobs
+    assert (job.params.pooling.pooling, job.params.pooling.normalize) == chosen
