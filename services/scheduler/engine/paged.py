@@ -487,13 +487,14 @@ class PagedEngine:
         prompt token)."""
         rows, ids, sample_idx, scored = [], [], [], []
         patch_pos, patch_rows = [], []
-        deferred, firsts = [], []
+        deferred, pooled = [], []  # pooled: (row, its first packed index) of the prefill-only rows
         for sc in batch:
             seq, n = sc.seq, sc.num_new
             c, tokens = seq.num_computed, seq.tokens
             rows.append(RowSpec(seq.pages, c, n))
             first = len(ids)
-            firsts.append(first)
+            if seq.pooling is not None:
+                pooled.append((sc, first))
             if n == 1:
                 ids.append(tokens[c])
             else:
@@ -513,22 +514,28 @@ class PagedEngine:
                 scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
         extra = [i for _, idx, _ in scored for i in idx]
         pending = DeviceTokens(patch_pos, patch_rows, self._inflight.out.ids) if patch_pos else None
-        adapters = None  # the rows' adapter slots, when some row has one (a base-only step runs the model as is)
-        if self.lora is not None and any(sc.seq.adapter_slot for sc in batch):
-            adapters = [sc.seq.adapter_slot for sc in batch]
-        hidden_idx, spans = _hidden_rows(batch, firsts)
-        if hidden_idx:
-            logits, hidden = self.runner.forward_hidden(rows, ids, sample_idx + extra, hidden_idx,
-                                                         device_tokens=pending, adapters=adapters)
-            _add_pooled(spans, hidden)
-        else:
-            logits = self.runner.forward(rows, ids, sample_idx + extra, pending, adapters)
+        logits = self._run_model(rows, ids, sample_idx + extra, pending, batch=batch, pooled=pooled)
         if scored:
             self._score_prompts(scored, logits[len(sample_idx):])
         self.scheduler.advance(batch)
         self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved] if deferred else
                                   [sc.seq for sc in batch])
         return logits[:len(sample_idx)], deferred
+
+    def _run_model(self, rows: list[RowSpec], ids: list[int], keep: list[int], pending: DeviceTokens | None, *,
+                   batch: list[Scheduled], pooled: list[tuple[Scheduled, int]]) -> torch.Tensor:
+        """The packed forward's logits at `keep`; the embeddings among the rows (`pooled`) add the hidden states
+        they pool to their sequences, on the device."""
+        adapters = None  # the rows' adapter slots, when some row has one (a base-only step runs the model as is)
+        if self.lora is not None and any(sc.seq.adapter_slot for sc in batch):
+            adapters = [sc.seq.adapter_slot for sc in batch]
+        hidden_idx, spans = _hidden_rows(pooled) if pooled else ([], [])
+        if not hidden_idx:
+            return self.runner.forward(rows, ids, keep, pending, adapters)
+        logits, hidden = self.runner.forward_hidden(rows, ids, keep, hidden_idx, device_tokens=pending,
+                                                     adapters=adapters)
+        _add_pooled(spans, hidden)
+        return logits
 
     @staticmethod
     def _score_prompts(scored: list, logits: torch.Tensor) -> None:
@@ -627,13 +634,13 @@ class PagedEngine:
         return outputs
 
 
-def _hidden_rows(batch: list[Scheduled], firsts: list[int]) -> tuple[list[int], list[tuple[Seq, int, int, int]]]:
-    """The packed token indices whose final hidden states the embeddings of the batch pool (pooling.py), and per
+def _hidden_rows(rows: list[tuple[Scheduled, int]]) -> tuple[list[int], list[tuple[Seq, int, int, int]]]:
+    """The packed token indices whose final hidden states the embeddings of these rows pool (pooling.py), and per
     such sequence (seq, its first index in them, how many, the prompt position pooled up to after this step):
     last pooling reads its last prompt token, mean pooling every position of the chunk not summed before."""
     idx: list[int] = []
     spans = []
-    for sc, first in zip(batch, firsts, strict=True):
+    for sc, first in rows:
         seq = sc.seq
         p = seq.pooling
         if p is None or p.task != "embed":
