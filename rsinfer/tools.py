@@ -80,7 +80,8 @@ async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: f
                 lines.append(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
     lines += await _adapter_lines(redis, keys, workers)
     lines += await _usage_lines(redis, keys)
-    # KIND: chat, completion, generate, or a /tokenize or /detokenize query (answered by a tokenizer)
+    # KIND: chat, completion, generate, response, the prefill-only embedding and score, or a /tokenize or
+    # /detokenize query (answered by a tokenizer)
     lines.append(f"\n{'UID':34} {'STATUS':10} {'KIND':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
     now = time.time()
     async for key in redis.scan_iter(match=keys.request_pattern(), count=500):

@@ -59,7 +59,8 @@ def stream_catalogue(keys: Keys) -> list[Stream]:
                "detokenizer workers", DETOKENIZER_GROUP, True),
         Stream("reply", keys.reply(uid), (ReplyEvent, ReplyError, ReplyFence, ReplyCheckpoint, TokenizerAnswer),
                "detokenizer (text ranges); tokenizer (errors, answers to queries) and scheduler (errors); "
-               "scheduler (fences when it takes a request over, checkpoints of the tokens so far)",
+               "scheduler (fences when it takes a request over, checkpoints of the tokens so far, a prefill-only "
+               "request's one range with its embedding or scores)",
                "the API process that serves the request (XREAD, no group; any API process when a client "
                "reattaches); a scheduler taking the request over. The braces are part of the key: the uid is the "
                "request's Redis Cluster hash tag, e.g. rsinfer:reply:{3f9a...}"),

@@ -36,6 +36,28 @@ class Guided(msgspec.Struct, frozen=True, omit_defaults=True):
     param: str = ""
 
 
+class Pooling(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A prefill-only request (`POST /v1/embeddings`, `POST /v1/score`): the engine computes the prompt and ends
+    the request after its prefill, with no token sampled and no detokenize step; what it computes goes straight
+    into the reply stream (ReplyEvent `embedding` or `scores`).
+
+    `task`: "embed" pools the final hidden states: `pooling` "last" (the last token's) or "mean" (over every
+    prompt token; such a prompt is computed whole, not read from the prefix cache), L2-`normalize`d after
+    keeping the first `dimensions` (0: all). "score": the probabilities of `label_token_ids` as the next token,
+    softmax over those labels' logits with `apply_softmax`, else their probabilities over the whole vocabulary
+    (SGLang's /v1/score). A prompt may fill the model's context but for one token (the engine's room for the
+    position it scores), and at most `max_input_tokens`."""
+
+    task: str
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int = 0
+    label_token_ids: list[int] = []
+    apply_softmax: bool = False
+    max_input_tokens: int = 0  # the tokenizer refuses a longer prompt (0: the model's context alone)
+    param: str = ""  # the request field the prompt came from (`input`, `items`), named in errors
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int | None = None  # None: up to the context, as far as the engine's KV cache can hold
     min_tokens: int = 0
@@ -58,6 +80,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None  # echo with logprobs: score the prompt's tokens, with this many top
     guided: Guided | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI: -100..100)
+    pooling: Pooling | None = None  # a prefill-only request: an embedding or scores, no tokens
 
     @property
     def greedy(self) -> bool:
@@ -220,6 +243,11 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
     epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py, fencing)
+    # A prefill-only request's one range (SamplingParams.pooling), written by the scheduler (start = end = 0,
+    # finish_reason "stop"): the embedding as base64 of little-endian float32 (as OpenAI's base64 encoding), or
+    # one probability per label token id.
+    embedding: str | None = None
+    scores: list[float] | None = None
     v: int = VERSION
 
 

@@ -35,3 +35,28 @@ def context_length(path: str, trust_remote_code: bool = False) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
+
+
+def sentence_transformers_pooling(path: str) -> dict:
+    """How the checkpoint's sentence-transformers config pools its embeddings, as vLLM reads it (`modules.json`,
+    its Pooling module's `config.json`, a Normalize module): {"embedding_pooling": "last" | "mean",
+    "embedding_normalize": bool}, or {} where it says nothing (or asks for a pooling the engine does not run)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "modules.json")) as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    pooling = kinds.get("Pooling")
+    if pooling is None:
+        return {}
+    try:
+        with open(os.path.join(path, str(pooling.get("path", "")), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    mode = ("last" if config.get("pooling_mode_lasttoken") else
+            "mean" if config.get("pooling_mode_mean_tokens") else None)
+    return {"embedding_pooling": mode, "embedding_normalize": "Normalize" in kinds} if mode else {}

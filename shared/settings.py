@@ -338,6 +338,22 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_response_bytes: int = Field(16 << 20, ge=1024, description="largest non-stream answer (its text and "
                                     "logprobs as they arrive): past it the request is aborted with a 400 "
                                     "(stream it instead)")
+    # -- prefill-only requests: POST /v1/embeddings and POST /v1/score (shared/messages.py Pooling)
+    max_pooling_inputs: int = Field(128, ge=1, description="most inputs of one /v1/embeddings request, and items "
+                                    "of one /v1/score request (each is one prefill; --max-request-sequences "
+                                    "bounds them too)")
+    max_pooling_input_tokens: int = Field(8192, ge=1, description="most tokens of one embedding input or one "
+                                          "score prompt (query and item), as OpenAI's 8192; the model's context "
+                                          "bounds them too")
+    max_score_labels: int = Field(256, ge=1, description="most `label_token_ids` of a /v1/score request")
+    embedding_pooling: Literal["auto", "last", "mean"] = Field("auto", description="how /v1/embeddings pools the "
+                                                               "final hidden states: the last token's, or the mean "
+                                                               "over every token (computed whole, not from the prefix "
+                                                               "cache); auto: as the model's sentence-transformers "
+                                                               "config says, else last")
+    embedding_normalize: bool | None = Field(None, description="L2-normalize embeddings; unset: as the model's "
+                                             "sentence-transformers config says, else normalized (as vLLM's pooling "
+                                             "models do)")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))

@@ -22,6 +22,7 @@ from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
+from services.api.prefill import EmbeddingRequest, ScoreRequest
 from services.api.request import bare_uid
 from services.api.schemas import Budget, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
@@ -34,7 +35,7 @@ from shared.settings import ApiSettings
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 M = TypeVar("M", bound=BaseModel)
-Body = ChatCompletionRequest | CompletionRequest | GenerateRequest
+Body = ChatCompletionRequest | CompletionRequest | GenerateRequest | EmbeddingRequest | ScoreRequest
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -171,6 +172,17 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
     @app.post("/generate")
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
+        return await answer(request, body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        """Prefill-only (services/api/prefill.py): one job per input, answered by the engine after its prefill."""
+        body = await parse_body(request, EmbeddingRequest, limits)
+        return await answer(request, body)
+
+    @app.post("/v1/score")
+    async def score(request: Request):
+        body = await parse_body(request, ScoreRequest, limits)
         return await answer(request, body)
 
 

@@ -152,7 +152,7 @@ class Limits:
         s = self.s
         sequences = b.prompts * b.choices
         if sequences > s.max_request_sequences:
-            param = b.choices_param if b.choices > 1 else "prompt"
+            param = b.choices_param if b.choices > 1 else b.prompts_param
             raise too_large(param, f"this request runs {sequences} sequences ({b.prompts} prompts x {b.choices} "
                             f"choices); at most {s.max_request_sequences} (--max-request-sequences)")
         if b.max_tokens is not None:

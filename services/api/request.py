@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
 
 UID_PREFIXES = ("chatcmpl-", "cmpl-")
+TOKENLESS_KINDS = ("embedding", "score")  # prefill-only requests (services/api/prefill.py): no time to first token
 
 
 def bare_uid(uid: str) -> str:
@@ -276,6 +277,7 @@ class SingleRequest:
             raise
         req = cls(ctx, info, label=label, span=span, resume_window=ctx.settings.resume_window_s if stream else 0.0,
                   sub=sub)
+        req.times_first_token = record.get("kind") not in TOKENLESS_KINDS
         ctx.opened(req)
         ctx.metrics.inflight.labels(job.model).inc()
         log.info("uid=%s queued for %s", job.uid, job.model)
@@ -480,6 +482,7 @@ class RequestGroup:
         self.members, self.per = members, per
         self.counts = GroupCounts(members)
         self.uid, self.model = members[0].uid, members[0].model
+        self.times_first_token = members[0].times_first_token
         for m in members:
             m.times_first_token = False
 
@@ -514,7 +517,7 @@ class RequestGroup:
         first = self.members[0]
         try:
             async for batch in merged([m.replies(idle_s) for m in self.members], self.per):
-                if batch and first.first_token_at is None:
+                if batch and first.first_token_at is None and self.times_first_token:
                     first.first_token()
                 yield batch
         except EndedEarly as e:

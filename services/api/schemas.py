@@ -134,6 +134,7 @@ class Budget:
     echo_prompt_tokens: tuple[int, ...] = ()  # per prompt, when an echoed prompt's logprobs are returned
     tokens_param: str = "max_tokens"
     choices_param: str = "n"
+    prompts_param: str = "prompt"  # the field the prompts come from (`input`, `items` in prefill-only requests)
     logprobs_param: str = "logprobs"
 
 

@@ -139,7 +139,8 @@ class ApiService:
         jobs, most = budget.prompts, self.settings.max_queued
         if jobs > most:
             raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "
-                           "(--max-queued); send them in smaller requests", param="prompt", code="request_too_large")
+                           "(--max-queued); send them in smaller requests", param=budget.prompts_param,
+                           code="request_too_large")
         if snap.queued(model) + jobs > most and time.time() - snap.at > 0.25:
             snap = await self.stages.refresh()  # don't turn work away on a stale backlog figure
         if snap.queued(model) + jobs > most:

@@ -8,14 +8,15 @@ said comes in as arguments (`Ends`), so tests/unit/scheduler/test_book.py runs i
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 
-from services.scheduler.effects import Ack, Checkpoint, Effect, Fail, Publish, RecordAbort
+from services.scheduler.effects import Ack, Checkpoint, Effect, Fail, Pooled, Publish, RecordAbort
 from services.scheduler.engine.base import Engine, StepOutput
-from shared.messages import ReplyCheckpoint, ReplyError, ScheduleJob, TokenDelta
+from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ScheduleJob, TokenDelta
 from shared.request_states import EndReason, Finish, Status
 from shared.request_store import deadline_error
 from shared.tracing import NO_SPAN, Span
@@ -214,6 +215,9 @@ class RequestBook:
             if out.error is not None:
                 effects += self.fail(out.uid, out.error, out.error_status, out.error_param)
                 continue
+            if out.embedding is not None or out.scores is not None:
+                effects += self.pooled(out)
+                continue
             if out.uid not in stepped:
                 stepped.add(out.uid)
                 run.count_step()
@@ -223,6 +227,17 @@ class RequestBook:
                 ended.append(self.running.pop(out.uid).entry_id)
                 run.end_span(Status.FINISHED)
         return effects + self.published(items, step, ended)
+
+    def pooled(self, out: StepOutput) -> list[Effect]:
+        """A prefill-only request ended with its one output: its answer goes to its reply stream, not to a
+        detokenizer (shared/messages.py Pooling)."""
+        run = self.running.pop(out.uid)
+        run.count_step()
+        run.end_span(Status.FINISHED)
+        vector = base64.b64encode(out.embedding).decode() if out.embedding is not None else None
+        event = ReplyEvent(start=0, end=0, text="", prompt_tokens=len(run.job.input_ids), finish_reason=Finish.STOP,
+                           cached_tokens=out.cached_tokens, epoch=run.epoch, embedding=vector, scores=out.scores)
+        return [Pooled(out.uid, event), Ack([run.entry_id])]
 
     def published(self, items: list[TokenDelta], step: int, ended: list[str]) -> list[Effect]:
         """A step's deltas as one Publish, the checkpoints now due of the requests in it, and the acknowledgement

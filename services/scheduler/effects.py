@@ -14,7 +14,7 @@ from redis.asyncio.client import Pipeline
 
 from shared import streams
 from shared.consumer_group import GroupConsumer
-from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, TokenDelta, encode
+from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, ReplyEvent, TokenDelta, encode
 from shared.request_states import Status
 from shared.request_store import RequestStore
 from shared.routing import PageChanges, SchedulerLanes
@@ -38,6 +38,15 @@ class Checkpoint:
 
     uid: str
     checkpoint: ReplyCheckpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """A prefill-only request's answer (an embedding or scores), straight into its reply stream with no detokenize
+    step; its record says it finished."""
+
+    uid: str
+    event: ReplyEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +94,7 @@ class RecordRunning:
     stop: str | None  # its stop strings as JSON, for a detokenizer that did not see a choice's first delta
 
 
-Effect = Publish | Checkpoint | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
+Effect = Publish | Checkpoint | Pooled | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
 
 
 class EffectWriter:
@@ -99,8 +108,9 @@ class EffectWriter:
         self.budget_bytes = detokenize_budget_mb * 2**20
         self.entry_bytes = 1024.0  # mean size of the detokenize entries published (bytes), for their MAXLEN
         self._write: dict[type, Callable[[Pipeline, Any], None]] = {
-            Publish: self.publish, Checkpoint: self.checkpoint, Fail: self.fail, EndAborted: self.end_aborted,
-            RecordAbort: self.record_abort, RecordRunning: self.record_running, PageChanges: lanes.write_pages}
+            Publish: self.publish, Checkpoint: self.checkpoint, Pooled: self.pooled, Fail: self.fail,
+            EndAborted: self.end_aborted, RecordAbort: self.record_abort, RecordRunning: self.record_running,
+            PageChanges: lanes.write_pages}
 
     def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> None:
         """Queue every effect's commands, in order, then one acknowledgement of all the entries they end."""
@@ -124,6 +134,11 @@ class EffectWriter:
 
     def checkpoint(self, pipe: Pipeline, e: Checkpoint) -> None:
         self.requests.reply(pipe, e.uid, e.checkpoint, refresh_ttl=False)
+
+    def pooled(self, pipe: Pipeline, e: Pooled) -> None:
+        self.requests.reply(pipe, e.uid, e.event)
+        self.requests.set_status(pipe, e.uid, Status.FINISHED, finish_reason=e.event.finish_reason,
+                                 completion_tokens=0)
 
     def fail(self, pipe: Pipeline, e: Fail) -> None:
         self.requests.end_failed(pipe, e.uid, e.error)

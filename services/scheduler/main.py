@@ -33,6 +33,7 @@ from services.scheduler.recovery import AbortNotes, Recovery
 from shared.consumer_group import Delivery
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
+from shared.models import sentence_transformers_pooling
 from shared.request_store import RequestStore
 from shared.routing import SchedulerLanes
 from shared.settings import SchedulerSettings
@@ -53,6 +54,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         super().__init__(settings, model_name)
         self.engine = engine
         self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
+        if (card := getattr(engine, "pooling_card", None)) is not None:  # embeddings and scores (paged engine)
+            self.model_info.update(card(), **(sentence_transformers_pooling(model_path) if model_path else {}))
         # LoRA adapters from the registry (services/scheduler/adapters.py); what the API checks a load against
         self.adapters = adapters
         if adapters is not None:

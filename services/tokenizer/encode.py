@@ -11,7 +11,7 @@ import msgspec
 from services.tokenizer import tools
 from shared.context_limits import LengthError, completion_limit
 from shared.grammars import check
-from shared.messages import ReplyError, ScheduleJob, TokenizeJob
+from shared.messages import Pooling, ReplyError, ScheduleJob, TokenizeJob
 
 # Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
@@ -176,8 +176,22 @@ class PromptEncoder:
     def _from_ids(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            return invalid(f"token id {bad} is outside the vocabulary (size {self.vocab_size})", "prompt")
+            pooling = job.params.pooling
+            return invalid(f"token id {bad} is outside the vocabulary (size {self.vocab_size})",
+                           pooling.param if pooling is not None and pooling.param else "prompt")
         return self.fit(job, ids)
+
+    def _pooled_too_long(self, p: Pooling, tokens: int) -> ReplyError | None:
+        """A prefill-only prompt (an embedding's input, a score's item) past its own limit or the context."""
+        most = self.max_context - 1
+        why = f"the model's context is {self.max_context} tokens"
+        if p.max_input_tokens and p.max_input_tokens < most:
+            most, why = p.max_input_tokens, "--max-pooling-input-tokens"
+        if tokens <= most:
+            return None
+        param = p.param or "input"
+        return invalid(f"an input of `{param}` is {tokens} tokens; at most {most} ({why})", param,
+                       "context_length_exceeded")
 
     def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
         """Refuse a request that cannot fit the context. An omitted max_tokens stays None: it means up to
@@ -185,6 +199,8 @@ class PromptEncoder:
         p = job.params
         if not ids:
             return invalid("the prompt is empty after tokenization", "prompt")
+        if p.pooling is not None and (too_long := self._pooled_too_long(p.pooling, len(ids))) is not None:
+            return too_long
         try:
             completion_limit(len(ids), p.max_tokens, p.min_tokens, self.max_context)
         except LengthError as e:

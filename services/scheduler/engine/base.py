@@ -32,6 +32,12 @@ def allowed_completion(prompt: int, params: SamplingParams, context: int, kv_tok
         raise RequestRejected(str(e), e.code or "invalid_request", e.param) from None
 
 
+def refuse_prefill_only(engine: str) -> RequestRejected:
+    """What an engine without pooling answers a prefill-only request."""
+    return RequestRejected(f"embeddings and scores need the paged engine; this scheduler runs the {engine} engine "
+                           "(--engine paged)")
+
+
 @dataclass
 class EngineRequest:
     uid: str
@@ -61,6 +67,10 @@ class StepOutput:
     # the logprob and top alternatives of each prompt token after the first.
     cached_tokens: int = 0
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # A prefill-only request's one output (shared/messages.py Pooling): its embedding as little-endian float32,
+    # or its label tokens' scores.
+    embedding: bytes | None = None
+    scores: list[float] | None = None
 
 
 class Engine(Protocol):

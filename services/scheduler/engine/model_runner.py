@@ -116,6 +116,24 @@ class ModelRunner:
         both = torch.cat([decode, prefill])
         return both if order == list(range(both.shape[0])) else both[self._index(order)]
 
+    @torch.inference_mode()
+    def forward_hidden(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int], hidden_idx: list[int],
+                       *, device_tokens: DeviceTokens | None = None, adapters: list[int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final hidden states (after the model's last norm) of the token indices `hidden_idx`
+        (pooling.py); always eager (a CUDA graph keeps no hidden states)."""
+        captured: list[torch.Tensor] = []
+
+        def keep(_module, _args, out) -> None:
+            captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+        hook = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            logits = self._eager(rows, input_ids, sample_idx, device_tokens, adapters)
+        finally:
+            hook.remove()
+        return logits, captured[-1][0].index_select(0, self._index(hidden_idx)).float()
+
     def _index(self, idx: list[int]) -> torch.Tensor:
         (t,) = to_device([idx], torch.int64, self.device)
         return t

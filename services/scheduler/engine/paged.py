@@ -32,11 +32,12 @@ from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGra
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
 from services.scheduler.engine.lora import SEGMENT_WORKSPACE_BYTES, AdapterSource, LoraManager
 from services.scheduler.engine.model_runner import ModelRunner, attention_geometry, max_context
+from services.scheduler.engine.pooling import check_pooling, embedding, float32_bytes, scores, truncatable
 from services.scheduler.engine.prefix_cache import PrefixCache
 from services.scheduler.engine.sampling import SampleOut, Sampler, SampleRow
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
 from services.scheduler.engine.sequence import UNRESOLVED, Seq
-from services.scheduler.engine.transfer import to_device
+from services.scheduler.engine.transfer import DeviceResult, to_device
 from services.scheduler.engine.warm_up import run_warm_up
 from shared.messages import SamplingParams
 
@@ -122,8 +123,13 @@ class _InFlight:
     seqs: list[Seq]
     token_index: list[int]
     epochs: list[int]
-    out: SampleOut
+    out: SampleOut | None  # None: no sequence samples (the step only ended prefill-only requests)
     deferred: list[Seq]  # sequences whose pages are named once the previous step's tokens are known
+    pooled: list[Seq]  # prefill-only requests the step ended (pooling.py), their results in `pooled_out`
+    pooled_out: DeviceResult | None = None
+
+    def results(self) -> list[DeviceResult]:
+        return [r for r in (self.out.transfer if self.out is not None else None, self.pooled_out) if r is not None]
 
 
 class PagedEngine:
@@ -135,6 +141,9 @@ class PagedEngine:
         self.eos_ids = set(eos_ids)
         self.dtype = param.dtype
         self.max_context = max_context(model)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.hidden_size = int(text_config.hidden_size)  # what an embedding has (pooling.py)
+        self.truncation = truncatable(model.config)
         self.kv = KVCache(geometry.kv_shape(config.page_size), config.num_pages, param.dtype, param.device)
         backend = make_backend(config.backend, self.kv, model, param.dtype)
         cache = PrefixCache() if config.prefix_cache else None
@@ -271,6 +280,10 @@ class PagedEngine:
             raise RequestRejected(f"input token ids must be in [0, {vocab})")
         if p.n < 1:
             raise RequestRejected("n must be at least 1")
+        if p.pooling is not None:
+            if p.n != 1:
+                raise RequestRejected("a prefill-only request has one choice", param="n")
+            check_pooling(p.pooling, vocab, self.hidden_size, self.truncation)
         max_tokens = allowed_completion(len(prompt), p, self.max_context, self.pool.usable * self.config.page_size)
         return max_tokens if p.max_tokens is not None else self._default_max_tokens(p, len(prompt))
 
@@ -308,7 +321,7 @@ class PagedEngine:
     def has_work(self) -> bool:
         flight = self._inflight  # a step in flight whose sequences all ended has nothing left to say
         return bool(self.scheduler.running or self.scheduler.waiting or self._pending or
-                    (flight is not None and any(not s.ended for s in flight.seqs)))
+                    (flight is not None and (flight.pooled or any(not s.ended for s in flight.seqs))))
 
     def stats(self) -> dict:
         s, ps = self.scheduler, self.config.page_size
@@ -337,13 +350,19 @@ class PagedEngine:
     def resident_adapters(self) -> list[str]:
         return self.lora.resident() if self.lora is not None else []
 
+    def pooling_card(self) -> dict:
+        """What the API checks a prefill-only request against before it queues it (services/api/prefill.py)."""
+        return {"vocab_size": self.runner.vocab_size, "hidden_size": self.hidden_size,
+                "matryoshka_dimensions": self.truncation or None}
+
     def evict_adapter(self, name: str) -> bool:
         """Unload LoRA adapter `name` (lora.py `LoraManager.evict`); True if it was known."""
         return self.lora.evict(name) if self.lora is not None else False
 
     def close(self) -> None:
         if self._inflight is not None:  # let the device finish what it was given; its results are dropped
-            self._inflight.out.transfer.wait()
+            for result in self._inflight.results():
+                result.wait()
             self._inflight = None
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.drop(seq.uid)
@@ -403,6 +422,13 @@ class PagedEngine:
         # the sequences that sample (before _forward records the batch as computed)
         sampling = [sc.seq for sc in batch if sc.seq.num_computed + sc.num_new == len(sc.seq.tokens)]
         logits, deferred = self._forward(batch)
+        pooled: list[Seq] = []
+        pooled_out = None
+        if any(s.pooling is not None for s in sampling):
+            sampling, logits, pooled, pooled_out = self._pool(sampling, logits)
+        if not sampling:
+            self._end_pooled(pooled)
+            return _InFlight([], [], [], None, deferred, pooled, pooled_out)
         seqs, logit_rows = sampling, list(range(len(sampling)))
         if any(seq.forks for seq in sampling):  # n > 1: the siblings sample from their parent's logits
             seqs, logit_rows = [], []
@@ -428,7 +454,32 @@ class PagedEngine:
             n = len(tokens)
             seq.final = n - seq.prompt_len >= seq.max_tokens or n >= context
             at.append(n - 1)
-        return _InFlight(seqs, at, [s.epoch for s in seqs], out, deferred)
+        self._end_pooled(pooled)
+        return _InFlight(seqs, at, [s.epoch for s in seqs], out, deferred, pooled, pooled_out)
+
+    def _pool(self, sampling: list[Seq], logits: torch.Tensor
+              ) -> tuple[list[Seq], torch.Tensor, list[Seq], DeviceResult]:
+        """Take the prefill-only sequences out of those that sample: the sequences that still sample and their
+        logits, and the others with their results (an embedding, or scores from their logits row) on their way
+        to the host, one transfer for all."""
+        keep = [j for j, s in enumerate(sampling) if s.pooling is None]
+        pooled = [s for s in sampling if s.pooling is not None]
+        values = []
+        for j, seq in enumerate(sampling):
+            p = seq.pooling
+            if p is not None:
+                values.append(embedding(p, seq.pool_sum, seq.prompt_len) if p.task == "embed" else scores(p, logits[j]))
+        if keep and len(keep) != len(sampling):
+            (index,) = to_device([keep], torch.int64, logits.device)
+            logits = logits.index_select(0, index)
+        return [sampling[j] for j in keep], logits, pooled, DeviceResult(values)
+
+    def _end_pooled(self, pooled: list[Seq]) -> None:
+        """The prefill-only sequences' pages go back once their step is launched (the device runs the steps in
+        order, so a later step that takes a page writes it after this one has read it)."""
+        for seq in pooled:
+            seq.pool_sum = None
+            self.scheduler.finish(seq)
 
     def _forward(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[Seq]]:
         """Logits of the sampling rows, and the sequences whose new pages cannot be named yet; a sequence
@@ -436,12 +487,14 @@ class PagedEngine:
         prompt token)."""
         rows, ids, sample_idx, scored = [], [], [], []
         patch_pos, patch_rows = [], []
-        deferred = []
+        deferred, pooled = [], []  # pooled: (row, its first packed index) of the prefill-only rows
         for sc in batch:
             seq, n = sc.seq, sc.num_new
             c, tokens = seq.num_computed, seq.tokens
             rows.append(RowSpec(seq.pages, c, n))
             first = len(ids)
+            if seq.pooling is not None:
+                pooled.append((sc, first))
             if n == 1:
                 ids.append(tokens[c])
             else:
@@ -461,16 +514,28 @@ class PagedEngine:
                 scored.append((seq, [first + p - seq.num_computed for p in positions], positions))
         extra = [i for _, idx, _ in scored for i in idx]
         pending = DeviceTokens(patch_pos, patch_rows, self._inflight.out.ids) if patch_pos else None
-        adapters = None  # the rows' adapter slots, when some row has one (a base-only step runs the model as is)
-        if self.lora is not None and any(sc.seq.adapter_slot for sc in batch):
-            adapters = [sc.seq.adapter_slot for sc in batch]
-        logits = self.runner.forward(rows, ids, sample_idx + extra, pending, adapters)
+        logits = self._run_model(rows, ids, sample_idx + extra, pending, batch=batch, pooled=pooled)
         if scored:
             self._score_prompts(scored, logits[len(sample_idx):])
         self.scheduler.advance(batch)
         self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved] if deferred else
                                   [sc.seq for sc in batch])
         return logits[:len(sample_idx)], deferred
+
+    def _run_model(self, rows: list[RowSpec], ids: list[int], keep: list[int], pending: DeviceTokens | None, *,
+                   batch: list[Scheduled], pooled: list[tuple[Scheduled, int]]) -> torch.Tensor:
+        """The packed forward's logits at `keep`; the embeddings among the rows (`pooled`) add the hidden states
+        they pool to their sequences, on the device."""
+        adapters = None  # the rows' adapter slots, when some row has one (a base-only step runs the model as is)
+        if self.lora is not None and any(sc.seq.adapter_slot for sc in batch):
+            adapters = [sc.seq.adapter_slot for sc in batch]
+        hidden_idx, spans = _hidden_rows(pooled) if pooled else ([], [])
+        if not hidden_idx:
+            return self.runner.forward(rows, ids, keep, pending, adapters)
+        logits, hidden = self.runner.forward_hidden(rows, ids, keep, hidden_idx, device_tokens=pending,
+                                                     adapters=adapters)
+        _add_pooled(spans, hidden)
+        return logits
 
     @staticmethod
     def _score_prompts(scored: list, logits: torch.Tensor) -> None:
@@ -491,8 +556,11 @@ class PagedEngine:
         """Wait for the step in flight and turn its tokens into outputs (the step's one host sync)."""
         flight, self._inflight = self._inflight, None
         assert flight is not None
+        outputs = _pooled_outputs(flight) if flight.pooled else []
+        if flight.out is None:
+            return outputs
         result = flight.out.result()
-        outputs, refused = [], []
+        refused = []
         with_logprobs = bool(flight.out.want)
         for k, (seq, at, epoch, tok) in enumerate(zip(flight.seqs, flight.token_index, flight.epochs, result.ids,
                                                       strict=True)):
@@ -564,3 +632,52 @@ class PagedEngine:
                         outputs.append(StepOutput(s.uid, s.completion_len, [], index, "error", error=error,
                                                   error_status=status, error_param=param))
         return outputs
+
+
+def _hidden_rows(rows: list[tuple[Scheduled, int]]) -> tuple[list[int], list[tuple[Seq, int, int, int]]]:
+    """The packed token indices whose final hidden states the embeddings of these rows pool (pooling.py), and per
+    such sequence (seq, its first index in them, how many, the prompt position pooled up to after this step):
+    last pooling reads its last prompt token, mean pooling every position of the chunk not summed before."""
+    idx: list[int] = []
+    spans = []
+    for sc, first in rows:
+        seq = sc.seq
+        p = seq.pooling
+        if p is None or p.task != "embed":
+            continue
+        c, n = seq.num_computed, sc.num_new
+        if p.pooling == "mean":
+            positions = range(max(c, seq.pooled_upto), c + n)
+        elif c + n == len(seq.tokens):
+            positions = range(c + n - 1, c + n)
+        else:
+            continue
+        if positions:
+            spans.append((seq, len(idx), len(positions), c + n))
+            idx.extend(first + q - c for q in positions)
+    return idx, spans
+
+
+def _add_pooled(spans: list[tuple[Seq, int, int, int]], hidden: torch.Tensor) -> None:
+    """Add each sequence's hidden states of the step to its pooled state, on the device."""
+    for seq, at, k, upto in spans:
+        part = hidden[at:at + k].sum(0)
+        mean = seq.pools_every_token
+        seq.pool_sum = part if seq.pool_sum is None or not mean else seq.pool_sum + part
+        seq.pooled_upto = upto
+
+
+def _pooled_outputs(flight: _InFlight) -> list[StepOutput]:
+    """The prefill-only requests' one output each: finished, with their embedding or scores."""
+    assert flight.pooled_out is not None
+    outputs = []
+    for seq, values in zip(flight.pooled, flight.pooled_out.wait(), strict=True):
+        p = seq.pooling
+        assert p is not None
+        out = StepOutput(seq.uid, 0, [], 0, "stop", cached_tokens=max(seq.cached_tokens, 0))
+        if p.task == "embed":
+            out.embedding = float32_bytes(values)
+        else:
+            out.scores = values
+        outputs.append(out)
+    return outputs

@@ -143,7 +143,8 @@ class BatchScheduler:
 
     def _match_prefix(self, seq: Seq) -> int:
         """Share the cached pages of the sequence's longest cached prefix; always leave a token to run."""
-        if self.cache is None or seq.pages or seq.scores_prompt:  # scoring the prompt computes all of it
+        # scoring the prompt, or mean-pooling it, computes all of it
+        if self.cache is None or seq.pages or seq.scores_prompt or seq.pools_every_token:
             return 0
         limit = (len(seq.tokens) - 1) // self.page_size
         extend_digests(seq.digests, seq.tokens, self.page_size, limit, seq.digest_root)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.scheduler.engine.base import EngineRequest
 from shared.pages import adapter_root
 
 if TYPE_CHECKING:
     from services.scheduler.engine.grammar import SeqGrammar
+    from shared.messages import Pooling
 
 UNRESOLVED = -1  # a sampled token still on the device (see `Seq.unresolved`)
 
@@ -46,11 +47,17 @@ class Seq:
     # page's parent digest, so its prefix-cache pages are its adapter's alone.
     adapter_slot: int = 0
     digest_root: bytes = b""
+    # A prefill-only embedding (pooling.py): its pooled final hidden state so far on the device (mean pooling:
+    # the sum over prompt positions [0, pooled_upto), which a preempted prefill does not add again).
+    pool_sum: Any = None
+    pooled_upto: int = 0
+    pooling: Pooling | None = field(init=False, default=None)  # the request's, read once per step per row
 
     def __post_init__(self) -> None:
         if self.req.adapter is not None:
             self.digest_root = adapter_root(self.req.adapter)
         p = self.req.params
+        self.pooling = p.pooling
         self.host_bound = p.guided is not None or (
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
@@ -59,6 +66,12 @@ class Seq:
         """Its prefill must also score the prompt's tokens (echo with logprobs); the first choice does it."""
         return (self.req.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None
                 and not any(self.req.output_ids))
+
+    @property
+    def pools_every_token(self) -> bool:
+        """A mean-pooled embedding: every prompt token's hidden state is needed, none is read from the cache."""
+        p = self.pooling
+        return p is not None and p.task == "embed" and p.pooling == "mean"
 
     @property
     def ready(self) -> bool:

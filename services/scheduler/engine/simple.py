@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
+from services.scheduler.engine.base import (
+    EngineRequest,
+    RequestRejected,
+    StepOutput,
+    allowed_completion,
+    refuse_prefill_only,
+)
 from services.scheduler.engine.grammar import GrammarCache, GrammarError, SeqGrammar
 from services.scheduler.engine.sampling import Sampler, SampleRow
 
@@ -42,6 +48,8 @@ class SimpleEngine:
     def add(self, req: EngineRequest) -> int:
         """Queue a request and return its max_tokens; an omitted one is what the context leaves (no KV cache)."""
         p = req.params
+        if p.pooling is not None:
+            raise refuse_prefill_only("simple")
         if req.adapter is not None:
             raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "
                                   "does, with --max-loras)", code="model_not_found", param="model")

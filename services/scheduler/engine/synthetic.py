@@ -18,7 +18,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.engine.base import EngineRequest, RequestRejected, StepOutput, allowed_completion
+from services.scheduler.engine.base import (
+    EngineRequest,
+    RequestRejected,
+    StepOutput,
+    allowed_completion,
+    refuse_prefill_only,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +133,8 @@ class SyntheticEngine:
 
     def add(self, req: EngineRequest) -> int:
         p = req.params
+        if p.pooling is not None:
+            raise refuse_prefill_only("synthetic")
         max_tokens = self._validate(req)
         if req.adapter is not None:
             raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none; the paged engine "

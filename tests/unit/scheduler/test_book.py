@@ -216,3 +216,49 @@ def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline():
     assert names[-3:] == ["MULTI", "XACK", "EXEC"] and names.count("XACK") == 1
     assert pipe.command_stack[-2][0][3:] == ("1-0", "1-0", "2-0")  # "a" ended in its first step: entry 1-0 too
     assert {"XADD", "HSET", "SADD", "PEXPIRE"} <= set(names)
+
+
+def test_a_prefill_only_answer_goes_to_its_reply_stream_and_ends_the_request():
+    """An embedding's one output (services/scheduler/engine/pooling.py) is no delta for a detokenizer: it is written
+    to the reply stream (base64 of its float32) with the record finished, and its entry acknowledged."""
+    import base64
+
+    import numpy as np
+
+    from services.scheduler.book import Running
+    from services.scheduler.effects import Pooled
+    from services.scheduler.engine.base import StepOutput
+    from shared.messages import Pooling
+
+    book, adm = book_of()
+    admitted(book, adm, delivery("g"))  # a generation in the same step
+    book.running["e"] = Running("9-0", job("e", max_tokens=1, pooling=Pooling("embed")), [[]])
+    vector = np.asarray([0.5, -1.25, 3.0], dtype="<f4")
+    outputs = [StepOutput("e", 0, [], 0, "stop", cached_tokens=2, embedding=vector.tobytes()), *book.engine.step()]
+    effects = book.stepped(outputs, 1)
+    [pooled] = [e for e in effects if isinstance(e, Pooled)]
+    assert pooled.uid == "e" and Ack(["9-0"]) in effects and "e" not in book.running
+    ev = pooled.event
+    assert (ev.start, ev.end, ev.finish_reason, ev.prompt_tokens, ev.cached_tokens) == (0, 0, "stop", 3, 2)
+    assert np.frombuffer(base64.b64decode(ev.embedding), dtype="<f4").tolist() == vector.tolist()
+    [publish] = [e for e in effects if isinstance(e, Publish)]
+    assert {d.uid for d in publish.deltas} == {"g"}  # only the generation goes to the detokenizer
+    keys = Keys("t")
+    redis = Redis()  # never connected: the pipeline only queues
+    source = GroupConsumer(redis, keys.schedule("m"), Member("scheduler", "s1"), ScheduleJob, keys.dead())
+    writer = EffectWriter(RequestStore(redis, keys, ttl=60, maxlen=100), source,
+                          SchedulerLanes(redis, keys, "m", source, page_size=16, heartbeat_ttl_s=5), "s1",
+                          keys.detokenize("m"), detokenize_budget_mb=1)
+    pipe = redis.pipeline(transaction=False)
+    writer.apply(pipe, [pooled])
+    commands = [c[0] for c in pipe.command_stack]
+    assert any(c[0] == "XADD" and c[1] == keys.reply("e") for c in commands)
+    assert any(c[0] == "HSET" and "finished" in c for c in commands)
+
+
+def test_an_engine_without_pooling_refuses_prefill_only_requests():
+    from shared.messages import Pooling
+
+    _, adm = book_of()
+    [fail, ack] = adm.start(delivery("e", pooling=Pooling("score", label_token_ids=[1])), None)
+    assert fail.error.status == 400 and "paged engine" in fail.error.message and ack == Ack(["1-0"])

@@ -125,3 +125,21 @@ def test_a_null_prompt_is_the_default_document_start(encoder):
     assert isinstance(null, ScheduleJob)
     assert null.input_ids == encoder.tokenizer.encode("<|endoftext|>", add_special_tokens=False)
     assert len(null.input_ids) == 1
+
+
+def test_a_prefill_only_prompt_is_bounded_by_its_limit_and_the_context(encoder):
+    from shared.messages import Pooling
+
+    def pooled(limit: int, **kw) -> TokenizeJob:
+        return job(params=SamplingParams(max_tokens=1, pooling=Pooling("embed", max_input_tokens=limit,
+                                                                       param="input")), **kw)
+
+    fits, over_limit, over_context, bad_id = encoder.encode([
+        pooled(8, input_ids=list(range(1, 9))), pooled(8, input_ids=list(range(1, 10))),
+        pooled(0, input_ids=[1] * 64), pooled(0, input_ids=[10**6])])
+    assert isinstance(fits, ScheduleJob) and fits.params.pooling.task == "embed"
+    assert isinstance(over_limit, ReplyError) and over_limit.param == "input" and "--max-pooling-input-tokens" in \
+        over_limit.message and over_limit.status == 400
+    assert isinstance(over_context, ReplyError) and over_context.param == "input" and "at most 63" in \
+        over_context.message and over_context.code == "context_length_exceeded"
+    assert isinstance(bad_id, ReplyError) and bad_id.param == "input"

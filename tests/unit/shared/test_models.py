@@ -1,0 +1,36 @@
+"""What shared/models.py reads of a checkpoint folder: its sentence-transformers pooling (as vLLM reads it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.models import sentence_transformers_pooling
+
+
+def folder(tmp_path, pooling: dict | None, normalize: bool = True):
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    if pooling is not None:
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("pooling", "normalize", "expected"), [
+    ({"pooling_mode_lasttoken": True}, True, {"embedding_pooling": "last", "embedding_normalize": True}),
+    ({"pooling_mode_mean_tokens": True}, False, {"embedding_pooling": "mean", "embedding_normalize": False}),
+    ({"pooling_mode_cls_token": True}, True, {}),  # not a pooling the engine runs: the setting's default
+    (None, True, {})])
+def test_sentence_transformers_pooling(tmp_path, pooling, normalize, expected):
+    assert sentence_transformers_pooling(folder(tmp_path, pooling, normalize)) == expected
+
+
+def test_a_folder_without_modules_says_nothing(tmp_path):
+    assert sentence_transformers_pooling(str(tmp_path)) == {}
+    (tmp_path / "modules.json").write_text("not json")
+    assert sentence_transformers_pooling(str(tmp_path)) == {}
