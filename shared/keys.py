@@ -79,6 +79,11 @@ class Keys:
     def request(self, uid: str) -> str:
         return f"{self.namespace}:req:{{{uid}}}"
 
+    def response(self, uid: str) -> str:
+        """A stored response of the Responses API (services/api/responses.py): its request's fields, input items
+        and, once it ended, its final object, as JSON; under the request's hash tag."""
+        return f"{self.namespace}:resp:{{{uid}}}"
+
     def request_pattern(self) -> str:
         return f"{self.namespace}:req:*"
 

@@ -317,6 +317,17 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                     "logprobs as they arrive): past it the request is aborted with a 400 "
                                     "(stream it instead)")
 
+    # -- The Responses API (services/api/responses.py): what one stored response may hold, and for how long.
+    response_ttl_s: int = Field(86400, ge=60, description="how long a stored response (`store`, the default) is "
+                                "kept after it was created or last ended: for GET, cancel, input_items and "
+                                "previous_response_id")
+    max_stored_response_bytes: int = Field(4 << 20, ge=1024, description="largest stored response (its input, "
+                                           "its conversation and its output, as JSON): a request past it is a "
+                                           "400; an output past it is not stored (its reply stream still is, "
+                                           "for --request-ttl-s)")
+    max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
+                                    "input and the conversation of its previous_response_id")
+
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
 

@@ -8,10 +8,10 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,6 +24,8 @@ from services.api.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.limits import Limits
 from services.api.request import bare_uid
+from services.api.response_schemas import ResponseRequest
+from services.api.responses import Responses
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
@@ -114,6 +116,7 @@ def create_app(settings: ApiSettings) -> Guard:
             yield
         finally:
             await control.close()
+            await responses.close()
             await adapters.close()
             await svc.close()
 
@@ -122,6 +125,8 @@ def create_app(settings: ApiSettings) -> Guard:
     errors.install(app)
     adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
     add_generation_routes(app, svc, adapters)
+    responses = Responses(svc, adapters)
+    add_response_routes(app, svc, responses)
     add_model_routes(app, svc, adapters)
     add_request_routes(app, svc)
     add_probe_routes(app, svc)
@@ -155,6 +160,33 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest, limits)
         return await answer(request, body)
+
+
+def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> None:
+    """The Responses API (services/api/responses.py): create, read back (or stream again), cancel, delete."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await parse_body(request, ResponseRequest, svc.limits)
+        return await responses.create(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str, stream: bool = False,
+                                starting_after: int | None = None):
+        return await responses.retrieve(request, response_id, stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                                   order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return await responses.input_items(response_id, limit, order, after)
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
