@@ -187,10 +187,14 @@ def test_json_schema_text_format_validates(stack):
     ({"input": "hi", "previous_response_id": "resp_nosuchthing"}, "previous_response_id", 404),
     ({"input": [{"type": "image", "url": "x"}]}, "input", 400),
     ({"input": []}, "input", 400),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", 400),  # --max-response-items
+    ({"input": "x" * (4 << 20)}, "input", 400),  # --max-stored-response-bytes
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", 400),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice", 400),
 ])
 def test_bad_requests_are_refused_naming_the_field(stack, body, param, status):
     resp = httpx.post(f"{stack.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
-    assert resp.status_code == status, resp.text
+    assert resp.status_code == status, resp.text[:300]
     err = resp.json()["error"]
     assert param in (err["param"] or "") or param in err["message"]
 
