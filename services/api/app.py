@@ -21,7 +21,9 @@ from services.api import errors
 from services.api.adapters import Adapters
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
+from services.api.batches import Batches, BatchRunner, CreateBatch
 from services.api.errors import ApiError
+from services.api.files import Files
 from services.api.limits import Limits
 from services.api.request import bare_uid
 from services.api.response_schemas import ResponseRequest
@@ -111,12 +113,15 @@ def create_app(settings: ApiSettings) -> Guard:
     async def lifespan(_: FastAPI):
         await svc.start()
         await adapters.register_configured()  # --lora-modules
+        runner.start()
         try:
             await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
             await control.close()
+            await runner.close()
             await responses.close()
+            await files.close()
             await adapters.close()
             await svc.close()
 
@@ -127,6 +132,10 @@ def create_app(settings: ApiSettings) -> Guard:
     add_generation_routes(app, svc, adapters)
     responses = Responses(svc, adapters)
     add_response_routes(app, svc, responses)
+    files = Files(settings, svc.redis, svc.keys)
+    batches = Batches(svc, adapters, responses, files)
+    runner = BatchRunner(batches)  # this process's part in running batches (services/api/batches.py)
+    add_batch_routes(app, svc, files, batches)
     add_model_routes(app, svc, adapters)
     add_request_routes(app, svc)
     add_probe_routes(app, svc)
@@ -187,6 +196,42 @@ def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> 
     async def response_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None):
         return await responses.input_items(response_id, limit, order, after)
+
+
+def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batches) -> None:
+    """The Files and Batch APIs (services/api/files.py, services/api/batches.py)."""
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        return await files.upload(request)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str):
+        return await files.get(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str):
+        return Response(await files.content(file_id), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str):
+        return await files.delete(file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        return await batches.create(await parse_body(request, CreateBatch, svc.limits))
+
+    @app.get("/v1/batches")
+    async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None):
+        return await batches.list(limit, after)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str):
+        return await batches.get(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str):
+        return await batches.cancel(batch_id)
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -34,7 +36,7 @@ from services.api.adapters import Adapters
 from services.api.errors import ApiError
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
-from services.api.schemas import BadRequest
+from services.api.schemas import BadRequest, Submission
 from services.api.service import ApiService
 from shared.keys import Keys
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
@@ -124,28 +126,37 @@ class Responses:
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
-        history = await self.history(body.previous_response_id) if body.previous_response_id else []
-        items = body.input_items()
-        params = body.checked(self.svc.limits, len(history) + len(items))
-        model, adapter = await self.adapters.target(body.model, None)
-        await self.svc.admit(model, body.budget(params))
-        stamp = self.svc.stamp(model, adapter)
-        parse = answer_parsing(body, stamp.model_info)
-        fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
-        submission = body.submission(params, stamp, body.messages(history, items), fmt)
-        uid = fmt.uid
-        http.scope[errors.UID] = uid
-        if body.store is not False:
-            doc = {"shown": fmt.shown, "parse": parse, "created": fmt.created, "input": items, "history": history,
-                   "resumable": bool(body.background and body.stream)}
-            await self.store.put(uid, doc)
-            fmt.on_end = lambda final: self.store.finish(uid, final)
+        submission, fmt = await self.prepare(body)
+        http.scope[errors.UID] = fmt.uid
         if body.background and not body.stream:
             return await self.start_background(submission, fmt)
         answer = await self.svc.answer(http, submission)
         if isinstance(answer, dict) and fmt.on_end is not None:
             await fmt.on_end(answer)
         return answer
+
+    async def prepare(self, body: ResponseRequest, new_uid: Callable[[], str] | None = None
+                      ) -> tuple[Submission, ResponseFormat]:
+        """What a body submits, once checked and admitted, and its stored document written (with `store`);
+        `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
+        history = await self.history(body.previous_response_id) if body.previous_response_id else []
+        items = body.input_items()
+        params = body.checked(self.svc.limits, len(history) + len(items))
+        model, adapter = await self.adapters.target(body.model, None)
+        await self.svc.admit(model, body.budget(params))
+        stamp = self.svc.stamp(model, adapter)
+        if new_uid is not None:
+            stamp = dataclasses.replace(stamp, new_uid=new_uid)
+        parse = answer_parsing(body, stamp.model_info)
+        fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
+        submission = body.submission(params, stamp, body.messages(history, items), fmt)
+        if body.store is not False:
+            uid = fmt.uid
+            doc = {"shown": fmt.shown, "parse": parse, "created": fmt.created, "input": items, "history": history,
+                   "resumable": bool(body.background and body.stream)}
+            await self.store.put(uid, doc)
+            fmt.on_end = lambda final: self.store.finish(uid, final)
+        return submission, fmt
 
     async def start_background(self, submission, fmt: ResponseFormat) -> dict:
         """Submit it, answer at once (queued), and follow it here to store its final object."""
