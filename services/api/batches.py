@@ -45,6 +45,7 @@ from services.api.responses import Responses
 from services.api.schemas import FORBID, ChatCompletionRequest, CompletionRequest, Submission
 from services.api.service import ApiService
 from shared import streams
+from shared.messages import BatchWork, decode
 from shared.request_states import EndReason
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class Batches:
             pipe.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
             pipe.zadd(self.keys.batches(), {batch_id: now})
             pipe.zremrangebyscore(self.keys.batches(), "-inf", now - self.s.file_ttl_s)
-            streams.add_fields(pipe, self.keys.batch_work(), {"batch": batch_id})
+            streams.add(pipe, self.keys.batch_work(), BatchWork(batch_id))
             await pipe.execute()
         log.info("batch=%s created: %s lines of %s", batch_id, body.endpoint, body.input_file_id)
         return batch_object({k: str(v) for k, v in h.items()})
@@ -413,7 +414,13 @@ class BatchRunner:
         if not rows:
             return None
         entry_id, fields = rows[0]
-        return streams.as_str(entry_id), streams.as_str(fields[b"batch"])
+        try:
+            work = decode(fields[b"data"], BatchWork)
+        except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+            log.error("unreadable batch work entry %s: acknowledged", streams.as_str(entry_id))
+            await streams.ack(self.b.redis, key, GROUP, [streams.as_str(entry_id)])
+            return None
+        return streams.as_str(entry_id), work.batch_id
 
     async def run_held(self, key: str, entry_id: str, batch_id: str) -> None:
         """Run the batch while this process holds its entry (touched every third of the claim idle time); one

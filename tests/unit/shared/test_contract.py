@@ -40,6 +40,8 @@ def test_every_stream_is_documented_with_its_group_and_message():
         refs = [message["payload"]] if "$ref" in message["payload"] else message["payload"]["oneOf"]
         kinds[name.split(":")[0]] = {r["$ref"].rsplit("/", 1)[1] for r in refs}
     assert kinds == {"tokenize": {"TokenizeJob"}, "schedule": {"ScheduleJob"}, "detokenize": {"DetokenizeBatch"},
-                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint"}}
+                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint"},
+                     "batch-work": {"BatchWork"}}
+    assert by_address[(keys.batch_work(), "xreadgroup")]["bindings"]["redis"]["groupName"] == "batch"
     tokenize = doc["components"]["schemas"]["TokenizeJob"]
     assert tokenize["properties"]["kind"] == {"enum": ["tokenize"]} and "uid" in tokenize["required"]
