@@ -1,8 +1,8 @@
 """The Files and Batch APIs through the official `openai` SDK, on a stack of separate processes (two API
-processes, two schedulers) sharing one object store: a batch mixing chat, completions and responses lines with a
-few bad ones completes with one output line per good line and one error line per bad one; the same batch with the
-API process that accepted it and a scheduler SIGKILLed mid-way completes with the same outputs and runs no line
-twice; cancel stops it."""
+processes, two schedulers) sharing one S3 bucket (moto in server mode): a batch mixing chat, completions and
+responses lines with a few bad ones completes with one output line per good line and one error line per bad one;
+the same batch with the API process that accepted it and a scheduler SIGKILLed mid-way completes with the same
+outputs and runs no line twice; cancel stops it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from services.api.batch_lines import line_uid
+from tests.s3_server import CLIENT_ENV
 from tests.support.helpers import wait_for
 from tests.support.stack import LIFECYCLE_ENV, MODEL, new_stack, start_replicas
 
@@ -26,9 +27,11 @@ BAD = ['{"custom_id": "broken", ', '{"method": "POST", "url": "/v1/completions",
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, demo_model_dir, tmp_path_factory):
+def stack(redis_server, demo_model_dir, tmp_path_factory, s3_server):
+    """Files in a bucket of a real S3-compatible server (moto), which every process shares."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "batch")
-    env = {**LIFECYCLE_ENV, "RSINFER_STORAGE_URL": f"file://{tmp_path_factory.mktemp('store')}",
+    env = {**LIFECYCLE_ENV, **CLIENT_ENV, "RSINFER_STORAGE_URL": f"s3://{s3_server.new_bucket()}/batch",
+           "RSINFER_STORAGE_ENDPOINT_URL": s3_server.url, "RSINFER_STORAGE_ADDRESSING_STYLE": "path",
            "RSINFER_BATCH_CLAIM_IDLE_S": "3", "RSINFER_BATCH_MAX_INFLIGHT": "12", "RSINFER_BATCH_MAX_BACKLOG": "6"}
     try:
         ports = start_replicas(s, {"scheduler": 2}, apis=2, **env)
