@@ -46,12 +46,14 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
                 for g in groups:
                     print(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
         await _print_adapters(redis, keys, workers)
-        print(f"\n{'UID':34} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
+        await _print_batches(redis, keys)
+        print(f"\n{'UID':34} {'KIND':10} {'STATUS':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
         now = time.time()
         async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
             r = await requests.record(keys.uid_of_request_key(key.decode()))
             age = now - float(r.get("created_at", now))
-            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('status', '?'):10} {r.get('model', ''):20} "
+            print(f"{keys.uid_of_request_key(key.decode()):34} {r.get('kind', ''):10} {r.get('status', '?'):10} "
+                  f"{r.get('model', ''):20} "
                   f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
         return 0
     finally:
@@ -69,6 +71,19 @@ async def _print_adapters(redis, keys: Keys, workers: list) -> None:
     for name, r in sorted(records.items()):
         on = [w.id for w in workers if w.role == "scheduler" and r.identity in w.load.get("lora_adapters", ())]
         print(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
+
+
+async def _print_batches(redis, keys: Keys, newest: int = 20) -> None:
+    """The newest batches (services/api/batches.py) with their status and counts."""
+    ids = [i.decode() for i in await redis.zrevrange(keys.batches(), 0, newest - 1)]
+    rows = [(i, await redis.hgetall(keys.batch(i))) for i in ids]
+    rows = [(i, {k.decode(): v.decode() for k, v in h.items()}) for i, h in rows if h]
+    if not rows:
+        return
+    print(f"\n{'BATCH':34} {'STATUS':11} {'ENDPOINT':22} {'TOTAL':>6} {'DONE':>6} {'FAILED':>6}")
+    for i, h in rows:
+        print(f"{i:34} {h.get('status', '?'):11} {h.get('endpoint', ''):22} {h.get('total', '-'):>6} "
+              f"{h.get('completed', '0'):>6} {h.get('failed', '0'):>6}")
 
 
 def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:

@@ -168,9 +168,13 @@ class Batches:
             await self.fail(batch_id, str(e) if isinstance(e, BadInput) else e.message)
             return
         run = BatchRun(self, h, lines)
-        await run.start()
-        await run.feed()
-        await run.finalize()
+        self.svc.metrics.batches_running.inc()
+        try:
+            await run.start()
+            await run.feed()
+            await run.finalize()
+        finally:
+            self.svc.metrics.batches_running.dec()
 
     async def fail(self, batch_id: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": "invalid_file", "message": message, "param": "input_file_id",
@@ -269,6 +273,7 @@ class BatchRun:
         await self.b.files.store().put(self.result_key(line.index), orjson.dumps({"ok": ok, "line": out}))
         self.done[line.index] = {"ok": ok, "line": out}
         await self.b.redis.hincrby(self.key, "completed" if ok else "failed", 1)
+        self.b.svc.metrics.batch_lines.labels("ok" if ok else "error").inc()
 
     async def answer(self, line: Line) -> tuple[bool, dict]:
         """The line's answer (200 and the body) or its HTTP error, as the endpoint would answer it."""
@@ -355,6 +360,7 @@ class BatchRun:
         end = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}.get(status, status)
         fields.update(status=end, completed=len(out), failed=len(err), **{f"{end}_at": int(time.time())})
         await self.b.redis.hset(self.key, mapping=fields)
+        self.b.svc.metrics.batches.labels(end).inc()
         await self.clean_up()
         log.info("batch=%s %s: %d ok, %d failed", self.id, end, len(out), len(err))
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request as HttpRequest
+from prometheus_client import Counter
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -52,10 +53,11 @@ def not_found(response_id: str) -> ApiError:
 
 
 class ResponseStore:
-    """Stored responses in Redis: one JSON document each, under the request's hash tag, with a TTL."""
+    """Stored responses in Redis: one JSON document each, under the request's hash tag, with a TTL; `ended` counts
+    those whose final object it stored (by status)."""
 
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: int, max_bytes: int):
-        self.redis, self.keys, self.ttl_s, self.max_bytes = redis, keys, ttl_s, max_bytes
+    def __init__(self, redis: Redis, keys: Keys, ttl_s: int, max_bytes: int, ended: Counter | None = None):
+        self.redis, self.keys, self.ttl_s, self.max_bytes, self.ended = redis, keys, ttl_s, max_bytes, ended
 
     async def put(self, uid: str, doc: dict[str, Any]) -> None:
         await self.redis.set(self.keys.response(uid), self.encoded(doc, "input"), ex=self.ttl_s)
@@ -85,6 +87,8 @@ class ResponseStore:
             log.warning("uid=%s final response over --max-stored-response-bytes: not stored", uid)
             return
         await self.redis.set(self.keys.response(uid), raw, ex=self.ttl_s)
+        if self.ended is not None:
+            self.ended.labels(final["status"]).inc()
 
     async def delete(self, uid: str) -> bool:
         return bool(await self.redis.delete(self.keys.response(uid)))
@@ -114,7 +118,8 @@ class Responses:
     def __init__(self, svc: ApiService, adapters: Adapters):
         s = svc.settings
         self.svc, self.adapters = svc, adapters
-        self.store = ResponseStore(svc.redis, svc.keys, s.response_ttl_s, s.max_stored_response_bytes)
+        self.store = ResponseStore(svc.redis, svc.keys, s.response_ttl_s, s.max_stored_response_bytes,
+                                   svc.metrics.responses)
         self.followers: set[asyncio.Task] = set()  # background responses this process follows to their end
 
     async def close(self) -> None:

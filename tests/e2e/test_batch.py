@@ -9,7 +9,10 @@ from __future__ import annotations
 import io
 import json
 import signal
+import subprocess
+import sys
 
+import httpx
 import openai
 import pytest
 
@@ -121,6 +124,16 @@ def test_batch_completes_with_an_output_line_per_good_line(stack, first_run):
     direct = c.completions.create(**good_line(1)["body"]).choices[0].text
     assert outputs["c1"] == direct
     assert outputs["c2"] == c.responses.create(**good_line(2)["body"]).output_text
+
+
+def test_batches_show_in_metrics_and_inspect(stack, first_run):
+    scraped = "".join(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text for port in stack.ports)
+    assert 'rsinfer_batches_total{status="completed"} 1.0' in scraped
+    assert 'rsinfer_batch_lines_total{outcome="ok"} 201.0' in scraped
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", stack.redis_url,
+                          "--namespace", stack.namespace], capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in out.splitlines() if line.startswith(first_run.id))
+    assert row.split()[1:] == ["completed", "/v1/chat/completions", "205", "201", "4"]
 
 
 def test_killing_the_accepting_api_and_a_scheduler_loses_nothing(stack, first_run):

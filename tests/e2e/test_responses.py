@@ -72,6 +72,7 @@ def test_create_answers_like_chat(stack):
     assert r.output_text == chat_text(stack, [{"role": "user", "content": "Hello there"}], 12)
     assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
     assert r.max_output_tokens == 12 and r.store is True and r.background is False
+    assert 'rsinfer_responses_total{status="incomplete"}' in httpx.get(f"{stack.base_url}/metrics", timeout=10).text
     with_instructions = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi", temperature=0,
                                                 max_output_tokens=6)
     assert with_instructions.output_text == chat_text(
