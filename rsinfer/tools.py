@@ -80,6 +80,7 @@ async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: f
                 lines.append(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
     lines += await _adapter_lines(redis, keys, workers)
     lines += await _usage_lines(redis, keys)
+    lines += await _batch_lines(redis, keys)
     # KIND: chat, completion, generate, response, the prefill-only embedding and score, or a /tokenize or
     # /detokenize query (answered by a tokenizer)
     lines.append(f"\n{'UID':34} {'STATUS':10} {'KIND':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
@@ -150,6 +151,20 @@ async def _adapter_lines(redis, keys: Keys, workers: list) -> list[str]:
     for name, r in sorted(records.items()):
         on = [w.id for w in workers if w.role == "scheduler" and r.identity in w.load.get("lora_adapters", ())]
         lines.append(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
+    return lines
+
+
+async def _batch_lines(redis, keys: Keys, newest: int = 20) -> list[str]:
+    """The newest batches (services/api/batches.py) with their status and counts."""
+    ids = [i.decode() for i in await redis.zrevrange(keys.batches(), 0, newest - 1)]
+    rows = [(i, await redis.hgetall(keys.batch(i))) for i in ids]
+    rows = [(i, {k.decode(): v.decode() for k, v in h.items()}) for i, h in rows if h]
+    if not rows:
+        return []
+    lines = [f"\n{'BATCH':34} {'STATUS':11} {'ENDPOINT':22} {'TOTAL':>6} {'DONE':>6} {'FAILED':>6}"]
+    for i, h in rows:
+        lines.append(f"{i:34} {h.get('status', '?'):11} {h.get('endpoint', ''):22} {h.get('total', '-'):>6} "
+                     f"{h.get('completed', '0'):>6} {h.get('failed', '0'):>6}")
     return lines
 
 

@@ -20,6 +20,7 @@ from shared import faststream_glue
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, TOKENIZER_GROUP, Keys
 from shared.messages import (
     VERSION,
+    BatchWork,
     DetokenizeBatch,
     ReplyCheckpoint,
     ReplyError,
@@ -64,6 +65,9 @@ def stream_catalogue(keys: Keys) -> list[Stream]:
                "the API process that serves the request (XREAD, no group; any API process when a client "
                "reattaches); a scheduler taking the request over. The braces are part of the key: the uid is the "
                "request's Redis Cluster hash tag, e.g. rsinfer:reply:{3f9a...}"),
+        Stream("batch-work", keys.batch_work(), (BatchWork,), "api (POST /v1/batches)",
+               "every API process's batch runner, one batch at a time; an entry idle for --batch-claim-idle-s is "
+               "claimed by another runner; acknowledged when its batch ends", "batch"),
     ]
 
 

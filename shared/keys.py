@@ -79,6 +79,29 @@ class Keys:
     def request(self, uid: str) -> str:
         return f"{self.namespace}:req:{{{uid}}}"
 
+    def response(self, uid: str) -> str:
+        """A stored response of the Responses API (services/api/responses.py): its request's fields, input items
+        and, once it ended, its final object, as JSON; under the request's hash tag."""
+        return f"{self.namespace}:resp:{{{uid}}}"
+
+    def file(self, file_id: str) -> str:
+        """A stored file's metadata (hash: filename, purpose, bytes, created_at); its contents are in the object
+        store (shared/storage.py) under `files/<id>`."""
+        return f"{self.namespace}:file:{{{file_id}}}"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch of the Batch API (hash: status, endpoint, files, counts, timestamps; services/api/batches.py)."""
+        return f"{self.namespace}:batch:{{{batch_id}}}"
+
+    def batches(self) -> str:
+        """Every batch by creation time (sorted set: batch id -> created_at), for GET /v1/batches."""
+        return f"{self.namespace}:batches"
+
+    def batch_work(self) -> str:
+        """Stream of batches to run (`batch`: its id), read by every API process's batch runner in the
+        `batch` consumer group: a runner that dies leaves its entry pending, and another claims it."""
+        return f"{self.namespace}:batch-work"
+
     def request_pattern(self) -> str:
         return f"{self.namespace}:req:*"
 

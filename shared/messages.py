@@ -317,6 +317,13 @@ class AdapterRecord(msgspec.Struct, frozen=True, tag_field="kind", tag="adapter"
 
 Reply = ReplyEvent | ReplyError | ReplyFence | ReplyCheckpoint
 
+
+class BatchWork(msgspec.Struct, frozen=True, tag_field="kind", tag="batch", omit_defaults=True):
+    """api -> every api's batch runner (rsinfer:batch-work): a batch to run (services/api/batches.py)."""
+
+    batch_id: str
+    v: int = VERSION
+
 _encoder = msgspec.json.Encoder()
 _decoders: dict[object, msgspec.json.Decoder] = {}
 

@@ -355,6 +355,30 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                              "sentence-transformers config says, else normalized (as vLLM's pooling "
                                              "models do)")
 
+    # -- The Responses API (services/api/responses.py): what one stored response may hold, and for how long.
+    response_ttl_s: int = Field(86400, ge=60, description="how long a stored response (`store`, the default) is "
+                                "kept after it was created or last ended: for GET, cancel, input_items and "
+                                "previous_response_id")
+    max_stored_response_bytes: int = Field(4 << 20, ge=1024, description="largest stored response (its input, "
+                                           "its conversation and its output, as JSON): a request past it is a "
+                                           "400; an output past it is not stored (its reply stream still is, "
+                                           "for --request-ttl-s)")
+    # -- The Batch API (services/api/batches.py, services/api/files.py).
+    file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
+    max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")
+    batch_max_inflight: int = Field(8, ge=1, description="most requests of one batch running at once: the "
+                                    "share of the engines a batch may take")
+    batch_max_backlog: int = Field(2, ge=0, description="a batch feeds its next request only while its model "
+                                   "has at most this many requests queued, so interactive requests do not "
+                                   "wait behind it")
+    batch_priority: int = Field(1000, description="`priority` of a batch's requests (lower runs first): behind "
+                                "interactive ones (0) when both wait for the engine")
+    batch_claim_idle_s: float = Field(30.0, gt=0, description="a batch whose runner (an API process) has not "
+                                      "touched it for this long is taken over by another")
+
+    max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
+                                    "input and the conversation of its previous_response_id")
+
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,10 +20,14 @@ from services.api import errors, tokenization
 from services.api.adapters import Adapters
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
+from services.api.batches import Batches, BatchRunner, CreateBatch
 from services.api.errors import ApiError
+from services.api.files import Files
 from services.api.limits import Limits
 from services.api.prefill import EmbeddingRequest, ScoreRequest
 from services.api.request import bare_uid
+from services.api.response_schemas import ResponseRequest
+from services.api.responses import Responses
 from services.api.schemas import Budget, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
@@ -122,11 +126,15 @@ def create_app(settings: ApiSettings) -> Guard:
     async def lifespan(_: FastAPI):
         await svc.start()
         await adapters.register_configured()  # --lora-modules
+        runner.start()
         try:
             await control.start()  # draining: a pod-local socket, no HTTP route (services/api/admin.py)
             yield
         finally:
             await control.close()
+            await runner.close()
+            await responses.close()
+            await files.close()
             await adapters.close()
             await svc.close()
 
@@ -136,6 +144,12 @@ def create_app(settings: ApiSettings) -> Guard:
     adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
     add_generation_routes(app, svc, adapters)
     add_tokenizer_routes(app, svc, adapters)
+    responses = Responses(svc, adapters)
+    add_response_routes(app, svc, responses)
+    files = Files(settings, svc.redis, svc.keys)
+    batches = Batches(svc, adapters, responses, files)
+    runner = BatchRunner(batches)  # this process's part in running batches (services/api/batches.py)
+    add_batch_routes(app, svc, files, batches)
     add_model_routes(app, svc, adapters)
     add_request_routes(app, svc)
     add_probe_routes(app, svc)
@@ -211,6 +225,69 @@ def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> N
     @app.post("/detokenize")
     async def detokenize(request: Request):
         return await ask(request, await parse_body(request, tokenization.DetokenizeRequest, limits), "detokenize")
+
+
+def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> None:
+    """The Responses API (services/api/responses.py): create, read back (or stream again), cancel, delete."""
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await parse_body(request, ResponseRequest, svc.limits)
+        return await responses.create(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str, stream: bool = False,
+                                starting_after: int | None = None):
+        return await responses.retrieve(request, response_id, stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                                   order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return await responses.input_items(response_id, limit, order, after)
+
+
+def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batches) -> None:
+    """The Files and Batch APIs (services/api/files.py, services/api/batches.py)."""
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        return await files.upload(request)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str):
+        return await files.get(file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str):
+        return Response(await files.content(file_id), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str):
+        return await files.delete(file_id)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        return await batches.create(await parse_body(request, CreateBatch, svc.limits))
+
+    @app.get("/v1/batches")
+    async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None):
+        return await batches.list(limit, after)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(batch_id: str):
+        return await batches.get(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str):
+        return await batches.cancel(batch_id)
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:

@@ -14,6 +14,7 @@ from dataclasses import KW_ONLY, dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -94,6 +95,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     where = ".".join(loc)
     return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
+def as_api_error(exc: Exception) -> ApiError | None:
+    """The HTTP error a body's own checks raised (what the handlers below answer), for work that has no HTTP
+    request of its own (a batch's lines, services/api/batches.py); None for anything else."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        exc = RequestValidationError(exc.errors())
+    if isinstance(exc, RequestValidationError):
+        message, param = _validation_message(exc)
+        return ApiError(400, message, param=param)
+    if isinstance(exc, BadRequest):
+        return ApiError(400, str(exc), param=exc.param)
+    return None
 
 
 def install(app: FastAPI) -> None:

@@ -102,6 +102,8 @@ class Format:
     object_chunk = ""
     object_full = ""
     event_ids = True  # each SSE event names the last reply entry it covers (Last-Event-ID, reattach)
+    named_events = False  # each SSE event says its `type` in an `event:` line (the Responses API's do)
+    sends_done = True  # a stream ends with `data: [DONE]`
 
     def __init__(self, head: Head):
         self.rid, self.model, self.created = head.rid, head.model, head.created
@@ -158,6 +160,17 @@ class Format:
             c.started = True
             out.append(body)
         return out
+
+    def closing_chunks(self, counts: Counts) -> list[dict]:
+        """What a stream sends after its last batch: the usage, when asked."""
+        return [self.usage_chunk(counts)] if self.include_usage else []
+
+    def failure_chunks(self, error: dict) -> list[dict]:
+        """What a stream that ended early sends: the error's body (services/api/errors.py)."""
+        return [error]
+
+    async def settle(self) -> None:
+        """Once a stream sent its last event (the Responses API stores its final object here)."""
 
     def usage_chunk(self, counts: Counts) -> dict:
         body = self._head(self.object_chunk)
@@ -314,6 +327,7 @@ def format_of_record(record: dict, uid: str) -> Format:
     model = record.get("adapter") or record.get("model", "")  # a LoRA adapter answers under its own name
     head = Head(record.get("rid", uid), model, int(record.get("created", 0)), int(record.get("n", 1)),
                 bool(int(record.get("logprobs", 0))), bool(int(record.get("include_usage", 0))))
-    if record.get("kind") == "chat":
+    if record.get("kind") in ("chat", "response"):  # a response's events as chat chunks (GET /v1/responses
+        # streams it again in its own shape, services/api/responses.py)
         return ChatFormat(head, orjson.loads(record.get("parse") or "{}"))
     return CompletionFormat(head, echo=record.get("echo") == "1")

@@ -132,6 +132,12 @@ class Limits:
             raise too_large(f"{prefix}{name}", f"`{name}` is {len(guided.spec.encode())} bytes (schemas as compact "
                             f"JSON); at most {s.max_constraint_bytes} (--max-constraint-bytes)")
 
+    def response_items(self, items: int) -> None:
+        """A response's conversation: its input and that of its previous_response_id."""
+        if items > self.s.max_response_items:
+            raise too_large("input", f"the conversation has {items} items (with previous_response_id's); at most "
+                            f"{self.s.max_response_items} (--max-response-items)")
+
     def chat_fields(self, tools: list[dict] | None, chat_template_kwargs: dict | None) -> None:
         s = self.s
         if tools:

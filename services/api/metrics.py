@@ -56,6 +56,14 @@ class Metrics:
         self.generated_tokens = Counter("rsinfer_generated_tokens", "completion tokens", ["model"], registry=r)
         self.inflight = Gauge("rsinfer_inflight_requests", "requests in flight in this process", ["model"],
                               registry=r)
+        # durable work (services/api/responses.py, services/api/batches.py), counted where it ends
+        self.responses = Counter("rsinfer_responses", "stored responses that ended, by status", ["status"],
+                                 registry=r)
+        self.batches = Counter("rsinfer_batches", "batches this process ran to their end, by status", ["status"],
+                               registry=r)
+        self.batch_lines = Counter("rsinfer_batch_lines", "batch lines this process ran to their end: ok or "
+                                   "error (the output or the error file)", ["outcome"], registry=r)
+        self.batches_running = Gauge("rsinfer_batches_running", "batches this process runs now", registry=r)
         r.register(_StageCollector(stages))
 
     def render(self) -> bytes:

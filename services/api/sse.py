@@ -44,9 +44,14 @@ HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-cont
 PING = b": ping\n"
 
 
-def sse_event(data: bytes, event_id: str | None = None) -> bytes:
+def sse_event(data: bytes, event_id: str | None = None, _chunk: dict | None = None) -> bytes:
     head = f"id: {event_id}\n".encode() if event_id else b""
     return head + b"data: " + data + b"\n\n"
+
+
+def named_event(data: bytes, _event_id: str | None, chunk: dict) -> bytes:
+    """An event with its type in an `event:` line, as the Responses API sends them."""
+    return b"event: " + chunk["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
 DONE = sse_event(b"[DONE]")
@@ -56,23 +61,27 @@ async def answer_events(first: tuple[list[dict], str | None], rest: AsyncIterato
                         counts: Counts, replay_until: str | None = None) -> AsyncIterator[bytes]:
     """A stream's events: the first batch's chunks (formatted while the response was held back), then each batch
     of ordered replies as it comes (`Format.batch_chunks`: entries up to `replay_until` are not sent again), the
-    usage if asked, and [DONE]. An end before the request finished (services/api/request.py EndedEarly) is one
-    event with the error's body."""
+    format's closing chunks (the usage if asked), and [DONE] where the format ends so. An end before the request
+    finished (services/api/request.py EndedEarly) is the format's failure chunks (the error's body)."""
+    frame = named_event if fmt.named_events else sse_event
     try:
         chunks, event_id = first
         for chunk in chunks:
-            yield sse_event(orjson.dumps(chunk), event_id)
+            yield frame(orjson.dumps(chunk), event_id, chunk)
         async for batch in rest:
             if not batch:
                 continue  # nothing arrived for a while (pings keep the connection)
             chunks, event_id = fmt.batch_chunks(batch, counts, replay_until)
             for chunk in chunks:
-                yield sse_event(orjson.dumps(chunk), event_id)
-        if fmt.include_usage:
-            yield sse_event(orjson.dumps(fmt.usage_chunk(counts)))
+                yield frame(orjson.dumps(chunk), event_id, chunk)
+        for chunk in fmt.closing_chunks(counts):
+            yield frame(orjson.dumps(chunk), None, chunk)
     except ApiError as e:
-        yield sse_event(orjson.dumps(e.body()))
-    yield DONE
+        for chunk in fmt.failure_chunks(e.body()):
+            yield frame(orjson.dumps(chunk), None, chunk)
+    if fmt.sends_done:
+        yield DONE
+    await fmt.settle()
 
 
 class SSEResponse(Response):

@@ -343,6 +343,29 @@ def test_tracing_endpoint_reaches_every_process(render):
             f"{name}: tracing is off by default"
 
 
+def test_object_storage_reaches_every_process(render):
+    """Batch files and adapters: every API and scheduler pod shares the bucket, with its credentials."""
+    docs = render(sets=["objectStorage.url=s3://files/rsinfer", "objectStorage.endpointUrl=http://minio:9000",
+                        "objectStorage.addressingStyle=path", "objectStorage.credentialsSecret=s3-creds"])
+    for name, dep in kube.by_kind(docs, "Deployment").items():
+        container = kube.pod_spec(dep)["containers"][0]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in
+                e.get("valueFrom", {})}
+        # the credentials' Secret is the user's, not the chart's: the rest resolves from the chart
+        ours = {**container, "env": [e for e in container["env"] if not e["name"].startswith("AWS_")]}
+        env = kube.resolve_env(ours, docs, "p")
+        assert env["RSINFER_STORAGE_URL"] == "s3://files/rsinfer", name
+        assert env["RSINFER_STORAGE_ENDPOINT_URL"] == "http://minio:9000"
+        assert env["RSINFER_STORAGE_ADDRESSING_STYLE"] == "path"
+        assert refs["AWS_ACCESS_KEY_ID"] == {"name": "s3-creds", "key": "access-key-id"}
+        assert refs["AWS_SECRET_ACCESS_KEY"]["name"] == "s3-creds"
+        SETTINGS[component(dep)](storage_url=env["RSINFER_STORAGE_URL"])
+    docs = render([])
+    for dep in kube.by_kind(docs, "Deployment").values():
+        env = kube.resolve_env(kube.pod_spec(dep)["containers"][0], docs, "p")
+        assert "RSINFER_STORAGE_URL" not in env and "AWS_ACCESS_KEY_ID" not in env
+
+
 # ---------- scheduler: GPUs, model, shared memory ----------
 
 def scheduler(docs, pool="demo"):

@@ -166,6 +166,14 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- with .Values.tracing.otlpEndpoint }}
 {{- $_ := set $common "RSINFER_OTLP_ENDPOINT" . }}
 {{- end }}
+{{- with .Values.objectStorage }}
+{{- if .url }}
+{{- $_ := set $common "RSINFER_STORAGE_URL" .url }}
+{{- $_ := set $common "RSINFER_STORAGE_ADDRESSING_STYLE" .addressingStyle }}
+{{- with .endpointUrl }}{{ $_ := set $common "RSINFER_STORAGE_ENDPOINT_URL" . }}{{ end }}
+{{- with .region }}{{ $_ := set $common "RSINFER_STORAGE_REGION" . }}{{ end }}
+{{- end }}
+{{- end }}
 {{- $api := include "rsinfer.settingsEnvMap" .Values.api.settings | fromYaml }}
 {{- $_ := set $api "RSINFER_PORT" (toString (int .Values.api.port)) }}
 {{- /* a drain (the preStop hook) not followed by SIGTERM within the pod's grace period is undone */}}
@@ -226,6 +234,18 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.tlsCaSecret }}
 - name: RSINFER_REDIS_TLS_CA
   value: /etc/rsinfer/redis-ca/{{ .Values.redis.external.tlsCaKey }}
+{{- end }}
+{{- with .Values.objectStorage.credentialsSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.objectStorage.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.objectStorage.secretAccessKeyKey }}
 {{- end }}
 - name: RSINFER_CACHE
   value: /var/cache/rsinfer

@@ -41,6 +41,8 @@ def test_every_stream_is_documented_with_its_group_and_message():
         kinds[name.split(":")[0]] = {r["$ref"].rsplit("/", 1)[1] for r in refs}
     assert kinds == {"tokenize": {"TokenizeJob", "TokenizerQuery"}, "schedule": {"ScheduleJob"},
                      "detokenize": {"DetokenizeBatch"},
-                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint", "TokenizerAnswer"}}
+                     "reply": {"ReplyEvent", "ReplyError", "ReplyFence", "ReplyCheckpoint", "TokenizerAnswer"},
+                     "batch-work": {"BatchWork"}}
+    assert by_address[(keys.batch_work(), "xreadgroup")]["bindings"]["redis"]["groupName"] == "batch"
     tokenize = doc["components"]["schemas"]["TokenizeJob"]
     assert tokenize["properties"]["kind"] == {"enum": ["tokenize"]} and "uid" in tokenize["required"]

@@ -1,0 +1,110 @@
+"""The Files API (`/v1/files`), what batches read and write: contents in the object store (shared/storage.py,
+under `files/<id>`), metadata in Redis (`Keys.file`, with a TTL of --file-ttl-s), so any API process serves any
+file. Uploads are `purpose=batch` (a batch's input); a batch's output and error files are `batch_output`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi import Request as HttpRequest
+from redis.asyncio import Redis
+
+from services.api.errors import ApiError
+from shared.keys import Keys
+from shared.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+UPLOAD_PURPOSES = ("batch",)
+
+
+def file_not_found(file_id: str, param: str = "file_id") -> ApiError:
+    return ApiError(404, f"no file `{file_id[:80]}`", param=param, code="file_not_found")
+
+
+def content_key(file_id: str) -> str:
+    return f"files/{file_id}"
+
+
+class Files:
+    def __init__(self, settings: ApiSettings, redis: Redis, keys: Keys):
+        self.settings, self.redis, self.keys = settings, redis, keys
+        self._store = None
+
+    def store(self):
+        if self._store is None:
+            from shared.storage import open_store
+
+            self._store = open_store(self.settings)
+        return self._store
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+
+    # -- the routes --------------------------------------------------------------------------------------------
+    async def upload(self, http: HttpRequest) -> dict[str, Any]:
+        """Multipart `file` and `purpose`; the body's size is capped at the edge (--max-body-bytes)."""
+        form = await http.form(max_files=1, max_fields=4)
+        try:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose not in UPLOAD_PURPOSES:
+                raise ApiError(400, f"`purpose` must be one of {', '.join(UPLOAD_PURPOSES)}", param="purpose")
+            if upload is None or isinstance(upload, str):
+                raise ApiError(400, "give the file as the multipart field `file`", param="file")
+            data = await upload.read()
+            name = (upload.filename or "upload.jsonl")[:256]
+        finally:
+            await form.close()
+        return await self.create(data, name, "batch")
+
+    async def create(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+        """Store `data` as a new file (or as `file_id`, written again whole); its object, as OpenAI's."""
+        from shared.storage import TooLarge
+
+        file_id = file_id or f"file-{secrets.token_hex(12)}"
+        try:
+            await self.store().put(content_key(file_id), data)
+        except TooLarge:
+            raise ApiError(413, f"the file is over {self.settings.max_file_bytes} bytes (--max-file-bytes)",
+                           param="file", code="file_too_large") from None
+        meta = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": len(data),
+                "created_at": int(time.time())}
+        await self.redis.hset(self.keys.file(file_id), mapping=meta)
+        await self.redis.expire(self.keys.file(file_id), self.settings.file_ttl_s)
+        return file_object(meta, self.settings.file_ttl_s)
+
+    async def meta(self, file_id: str, param: str = "file_id") -> dict[str, Any]:
+        raw = await self.redis.hgetall(self.keys.file(file_id)) if len(file_id) <= 64 else {}
+        if not raw:
+            raise file_not_found(file_id, param)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def get(self, file_id: str) -> dict[str, Any]:
+        return file_object(await self.meta(file_id), self.settings.file_ttl_s)
+
+    async def content(self, file_id: str, param: str = "file_id") -> bytes:
+        from shared.storage import NotFound
+
+        await self.meta(file_id, param)
+        try:
+            return await self.store().get(content_key(file_id))
+        except NotFound:
+            raise file_not_found(file_id, param) from None
+
+    async def delete(self, file_id: str) -> dict[str, Any]:
+        await self.meta(file_id)
+        await self.redis.delete(self.keys.file(file_id))
+        await self.store().delete(content_key(file_id))  # idempotent
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def file_object(meta: dict[str, Any], ttl_s: int) -> dict[str, Any]:
+    created = int(meta["created_at"])
+    return {"id": meta["id"], "object": "file", "bytes": int(meta["bytes"]), "created_at": created,
+            "filename": meta["filename"], "purpose": meta["purpose"], "status": "processed",
+            "expires_at": created + ttl_s, "status_details": None}

@@ -1,0 +1,212 @@
+"""The Responses API through the official `openai` SDK against `rsinfer up`, and a second API process on the same
+Redis (reading back, resuming and cancelling work another process accepted); every object and event parsed by
+the SDK's own types."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from rsinfer.launcher import api_ready
+from shared.redis_server import free_port
+from tests.support.helpers import sse_payloads, wait_for
+from tests.support.stack import MODEL
+
+pytestmark = pytest.mark.timeout(120)
+EVENTS = TypeAdapter(ResponseStreamEvent)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+SHORT = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}}, "required": ["answer"],
+         "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}
+
+
+@pytest.fixture(scope="module")
+def second_api(stack):
+    """Another API process on the stack's Redis and namespace: its client."""
+    port = free_port()
+    stack.start("api-responses", "api", RSINFER_PORT=str(port))
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: api_ready(url), timeout=90)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stack.kill("api-responses")
+
+
+def strict(obj: dict) -> Response:
+    return Response.model_validate(obj)
+
+
+def chat_text(stack, messages, max_tokens: int) -> str:
+    r = stack.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content
+
+
+def raw_events(url: str, body: dict, cut_after: int | None = None) -> list[dict]:
+    """The stream's events as JSON; with `cut_after`, the connection is closed after that many."""
+    out = []
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        buf = ""
+        for text in resp.iter_text():
+            buf += text
+            *frames, buf = buf.split("\n\n")
+            for frame in frames:
+                out += [json.loads(d) for d in sse_payloads(frame + "\n\n")]
+            if cut_after is not None and len(out) >= cut_after:
+                return out
+    return out
+
+
+def test_create_answers_like_chat(stack):
+    client = stack.client()
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == chat_text(stack, [{"role": "user", "content": "Hello there"}], 12)
+    assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
+    assert r.max_output_tokens == 12 and r.store is True and r.background is False
+    assert 'rsinfer_responses_total{status="incomplete"}' in httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    with_instructions = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi", temperature=0,
+                                                max_output_tokens=6)
+    assert with_instructions.output_text == chat_text(
+        stack, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], 6)
+
+
+def test_stream_events_and_final_response(stack, second_api):
+    client = stack.client()
+    # an answer that ends by itself (the SDK's get_final_response needs response.completed): a JSON object
+    with client.responses.stream(model=MODEL, input="Tell me a story", max_output_tokens=80, temperature=0,
+                                 text={"format": {"type": "json_schema", "name": "a", "schema": SHORT}}) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and final.status == "completed"
+    jsonschema.validate(json.loads(final.output_text), SHORT)
+    # read back from the other API process: the same object
+    again = second_api.responses.retrieve(final.id)
+    assert again.output_text == final.output_text and again.usage == final.usage
+    items = second_api.responses.input_items.list(final.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Tell me a story"
+
+
+def test_stream_cut_by_max_output_tokens_ends_incomplete(stack):
+    body = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 20, "temperature": 0, "stream": True}
+    events = raw_events(stack.base_url, body)
+    for ev in events:
+        EVENTS.validate_python(ev)
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == chat_text(stack, [{"role": "user", "content": "Tell me a story"}], 20)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_background_stream_resumes_on_another_process(stack, second_api):
+    body = {"model": MODEL, "input": "Count to fifty", "max_output_tokens": 120, "temperature": 0,
+            "background": True, "stream": True}
+    whole = raw_events(stack.base_url, body)
+    for ev in whole:
+        EVENTS.validate_python(ev)
+    expected = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
+    head = raw_events(stack.base_url, body, cut_after=12)  # the client goes away; the response goes on
+    rid, last = head[0]["response"]["id"], head[-1]["sequence_number"]
+    rest = list(second_api.responses.retrieve(rid, stream=True, starting_after=last))
+    assert [e.sequence_number for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+    text = "".join(e["delta"] for e in head if e["type"] == "response.output_text.delta")
+    text += "".join(e.delta for e in rest if e.type == "response.output_text.delta")
+    assert text == expected
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.output_text == expected
+    assert stack.client().responses.retrieve(rid).output_text == expected
+
+
+def test_background_runs_without_a_client_and_cancel_is_idempotent(stack, second_api):
+    client = stack.client()
+    quick = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0, background=True)
+    assert quick.status in ("queued", "in_progress")
+    wait_for(lambda: second_api.responses.retrieve(quick.id).status == "incomplete", timeout=30)
+    assert second_api.responses.retrieve(quick.id).output_text == chat_text(stack, [{"role": "user",
+                                                                                      "content": "Hi"}], 8)
+    long = client.responses.create(model=MODEL, input="Write a long essay", max_output_tokens=3000, temperature=0,
+                                   background=True)
+    time.sleep(0.5)
+    cancelled = second_api.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.cancel(long.id) == cancelled  # idempotent, from either process
+    assert stack.redis().hget(stack.keys.request(long.id.removeprefix("resp_")), "status") == "aborted"
+    client.responses.delete(long.id)
+    with pytest.raises(openai.NotFoundError):
+        second_api.responses.retrieve(long.id)
+
+
+def test_function_call_round_trip_through_previous_response_id(stack, second_api):
+    client = stack.client()
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and first.status == "completed"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    follow = second_api.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[TOOL], max_output_tokens=5, temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
+    assert follow.previous_response_id == first.id
+    # the same conversation sent as chat messages in full gives the same answer
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0].call_id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": calls[0].arguments}}]},
+                {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                          tools=[{"type": "function", "function": {
+                                              k: TOOL[k] for k in ("name", "description", "parameters")}}])
+    assert follow.output_text == (chat.choices[0].message.content or "")
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_json_schema_text_format_validates(stack):
+    r = stack.client().responses.create(model=MODEL, input="Answer in JSON", max_output_tokens=60, temperature=0,
+                                        text={"format": {"type": "json_schema", "name": "a", "schema": SHORT}})
+    jsonschema.validate(json.loads(r.output_text), SHORT)
+    assert r.text.format.type == "json_schema" and r.status == "completed"
+
+
+@pytest.mark.parametrize(("body", "param", "status"), [
+    ({"input": "hi", "frobnicate": 1}, "frobnicate", 400),
+    ({"input": "hi", "background": True, "store": False}, "store", 400),
+    ({"input": "hi", "previous_response_id": "not-an-id"}, "previous_response_id", 400),
+    ({"input": "hi", "previous_response_id": "resp_nosuchthing"}, "previous_response_id", 404),
+    ({"input": [{"type": "image", "url": "x"}]}, "input", 400),
+    ({"input": []}, "input", 400),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", 400),  # --max-response-items
+    ({"input": "x" * (4 << 20)}, "input", 400),  # --max-stored-response-bytes
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", 400),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice", 400),
+])
+def test_bad_requests_are_refused_naming_the_field(stack, body, param, status):
+    resp = httpx.post(f"{stack.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert resp.status_code == status, resp.text[:300]
+    err = resp.json()["error"]
+    assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_unknown_and_malformed_ids(stack):
+    for path, status in (("/v1/responses/resp_nope", 404), ("/v1/responses/bad%20id", 400),
+                         ("/v1/responses/resp_nope/input_items", 404)):
+        assert httpx.get(f"{stack.base_url}{path}", timeout=10).status_code == status
+    plain = stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0)
+    resp = httpx.get(f"{stack.base_url}/v1/responses/{plain.id}?stream=true", timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    not_stored = stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        stack.client().responses.retrieve(not_stored.id)

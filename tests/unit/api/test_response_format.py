@@ -1,0 +1,106 @@
+"""services/api/response_format.py: reply events -> the Responses API's events and objects, checked against the
+official SDK's own types; numbering is a pure function of the reply events, whatever the reads' batching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from services.api.response_format import ResponseFormat
+from services.api.response_schemas import ResponseRequest
+from shared.messages import ReplyEvent
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@dataclass
+class Counts:
+    prompt_tokens: int = 7
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def fmt(parse: dict | None = None, **body) -> ResponseFormat:
+    req = ResponseRequest.model_validate({"model": "m", "input": "hi", **body})
+    f = ResponseFormat(req.shown(None), parse)
+    f.start("u1", 1700000000)
+    return f
+
+
+def events(texts: list[str], finish: str = "stop") -> list[ReplyEvent]:
+    last = len(texts) - 1
+    return [ReplyEvent(start=k, end=k + 1, text=text, prompt_tokens=7, finish_reason=finish if k == last else None)
+            for k, text in enumerate(texts)]
+
+
+def run(f: ResponseFormat, evs: list[ReplyEvent], batches: list[int]) -> list[dict]:
+    """The stream's events for `evs` read in batches of the given sizes."""
+    out, at = [], 0
+    for size in batches:
+        out += f.chunks(evs[at:at + size], Counts())
+        at += size
+    return out + f.closing_chunks(Counts(completion_tokens=len(evs)))
+
+
+def test_text_stream_events_parse_with_the_sdk_types():
+    out = run(fmt(), events(["Hel", "lo", " there"]), [1, 2])
+    for ev in out:
+        EVENTS.validate_python(ev)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    final = Response.model_validate(out[-1]["response"])
+    assert final.output_text == "Hello there" and final.status == "completed"
+    assert final.usage.output_tokens == 3 and final.usage.input_tokens == 7
+
+
+@pytest.mark.parametrize("batches", [[5], [1, 1, 1, 1, 1], [2, 3], [4, 1]])
+def test_numbering_does_not_depend_on_batching(batches):
+    evs = events(["a", "b", "c", "d", "e"])
+    assert run(fmt(), evs, batches) == run(fmt(), evs, [1] * 5)
+
+
+def test_resume_skips_what_was_sent():
+    evs = events(["a", "b", "c", "d"])
+    whole = run(fmt(), evs, [4])
+    f = fmt()
+    f.skip_through = 5
+    assert run(f, evs, [2, 2]) == whole[6:]
+
+
+def test_length_ends_incomplete_and_abort_cancelled():
+    out = run(fmt(), events(["a", "b"], "length"), [2])
+    assert out[-1]["type"] == "response.incomplete"
+    assert out[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    EVENTS.validate_python(out[-1])
+    f = fmt()
+    f.add(events(["a"], "abort"))
+    assert Response.model_validate(f.response(Counts())).status == "cancelled"
+
+
+def test_tool_calls_are_function_call_items_with_stable_ids():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    out = run(fmt({"tools": "hermes"}, tools=tools), events([call[:20], call[20:]]), [1, 1])
+    for ev in out:
+        EVENTS.validate_python(ev)
+    final = Response.model_validate(out[-1]["response"])
+    [item] = final.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id == "call_u1_0"
+    assert item.arguments == '{"city": "Paris"}'
+    assert "response.function_call_arguments.done" in [e["type"] for e in out]
+
+
+def test_failure_is_a_failed_response():
+    f = fmt()
+    f.chunks(events(["a"], None)[:1], Counts())  # type: ignore[arg-type]
+    [ev] = f.failure_chunks({"error": {"message": "boom", "code": "engine_error", "type": "server_error"}})
+    EVENTS.validate_python(ev)
+    assert ev["type"] == "response.failed"
+    assert ev["response"]["error"] == {"code": "server_error", "message": "engine_error: boom"}
