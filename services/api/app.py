@@ -146,7 +146,7 @@ def create_app(settings: ApiSettings) -> Guard:
     add_tokenizer_routes(app, svc, adapters)
     responses = Responses(svc, adapters)
     add_response_routes(app, svc, responses)
-    files = Files(settings, svc.redis, svc.keys)
+    files = Files(settings, svc.redis, svc.keys, svc.tenancy)
     batches = Batches(svc, adapters, responses, files)
     runner = BatchRunner(batches)  # this process's part in running batches (services/api/batches.py)
     add_batch_routes(app, svc, files, batches)
@@ -241,53 +241,56 @@ def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> 
         return await responses.retrieve(request, response_id, stream, starting_after)
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        return await responses.cancel(response_id)
+    async def cancel_response(request: Request, response_id: str):
+        return await responses.cancel(response_id, svc.tenancy.tenant_of(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return await responses.delete(response_id)
+    async def delete_response(request: Request, response_id: str):
+        return await responses.delete(response_id, svc.tenancy.tenant_of(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+    async def response_input_items(request: Request, response_id: str, limit: int = Query(20, ge=1, le=100),
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None):
-        return await responses.input_items(response_id, limit, order, after)
+        return await responses.input_items(response_id, svc.tenancy.tenant_of(request), limit, order, after)
 
 
 def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batches) -> None:
     """The Files and Batch APIs (services/api/files.py, services/api/batches.py)."""
 
+    def tenant(request: Request) -> Tenant:
+        return svc.tenancy.tenant_of(request)
+
     @app.post("/v1/files")
     async def upload_file(request: Request):
-        return await files.upload(request)
+        return await files.upload(request, tenant(request))
 
     @app.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str):
-        return await files.get(file_id)
+    async def retrieve_file(request: Request, file_id: str):
+        return await files.get(file_id, tenant(request))
 
     @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
-        return Response(await files.content(file_id), media_type="application/jsonl")
+    async def file_content(request: Request, file_id: str):
+        return Response(await files.content(file_id, tenant(request)), media_type="application/jsonl")
 
     @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str):
-        return await files.delete(file_id)
+    async def delete_file(request: Request, file_id: str):
+        return await files.delete(file_id, tenant(request))
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
-        return await batches.create(await parse_body(request, CreateBatch, svc.limits))
+        return await batches.create(await parse_body(request, CreateBatch, svc.limits), tenant(request))
 
     @app.get("/v1/batches")
-    async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None):
-        return await batches.list(limit, after)
+    async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None):
+        return await batches.list(tenant(request), limit, after)
 
     @app.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str):
-        return await batches.get(batch_id)
+    async def retrieve_batch(request: Request, batch_id: str):
+        return await batches.get(batch_id, tenant(request))
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str):
-        return await batches.cancel(batch_id)
+    async def cancel_batch(request: Request, batch_id: str):
+        return await batches.cancel(batch_id, tenant(request))
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:

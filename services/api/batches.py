@@ -44,6 +44,7 @@ from services.api.response_schemas import ResponseRequest
 from services.api.responses import Responses
 from services.api.schemas import FORBID, ChatCompletionRequest, CompletionRequest, Submission
 from services.api.service import ApiService
+from services.api.tenants import Tenant
 from shared import streams
 from shared.messages import BatchWork, decode
 from shared.request_states import EndReason
@@ -95,13 +96,16 @@ class Batches:
         self.s, self.redis, self.keys = svc.settings, svc.redis, svc.keys
 
     # -- the routes ------------------------------------------------------------------------------------------
-    async def create(self, body: CreateBatch) -> dict[str, Any]:
+    async def create(self, body: CreateBatch, tenant: Tenant) -> dict[str, Any]:
         if body.endpoint not in ENDPOINTS:
             raise ApiError(400, f"`endpoint` must be one of {', '.join(ENDPOINTS)}", param="endpoint")
         if body.completion_window not in WINDOW_S:
             raise ApiError(400, "`completion_window` must be 24h", param="completion_window")
+        if self.svc.tenancy.on and not tenant.policy.background:  # a batch's lines run in the background
+            raise ApiError(403, "this key may not run batches (its policy has no `background`)",
+                           param="input_file_id", code="background_not_allowed")
         self.svc.limits.record_fields(None, None, body.metadata)
-        meta = await self.files.meta(body.input_file_id, "input_file_id")
+        meta = await self.files.meta(body.input_file_id, tenant, "input_file_id")
         if meta["purpose"] != "batch":
             raise ApiError(400, "the input file's purpose must be batch", param="input_file_id")
         now = time.time()
@@ -109,7 +113,7 @@ class Batches:
         h = {"id": batch_id, "endpoint": body.endpoint, "input_file_id": body.input_file_id,
              "completion_window": body.completion_window, "status": "validating", "created_at": int(now),
              "expires_at": int(now + WINDOW_S[body.completion_window]),
-             "metadata": orjson.dumps(body.metadata).decode() if body.metadata else ""}
+             "metadata": orjson.dumps(body.metadata).decode() if body.metadata else "", "tenant": tenant.name}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.batch(batch_id), mapping=h)
             pipe.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
@@ -120,17 +124,21 @@ class Batches:
         log.info("batch=%s created: %s lines of %s", batch_id, body.endpoint, body.input_file_id)
         return batch_object({k: str(v) for k, v in h.items()})
 
-    async def hash(self, batch_id: str) -> dict[str, str]:
+    async def hash(self, batch_id: str, tenant: Tenant) -> dict[str, str]:
+        """The batch, if it is `tenant`'s (another tenant's is not found)."""
         raw = await self.redis.hgetall(self.keys.batch(batch_id)) if len(batch_id) <= 64 else {}
-        if not raw:
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        if not h or not self.svc.tenancy.owns(tenant, h):
             raise not_found(batch_id)
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return h
 
-    async def get(self, batch_id: str) -> dict[str, Any]:
-        return batch_object(await self.hash(batch_id))
+    async def get(self, batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        return batch_object(await self.hash(batch_id, tenant))
 
-    async def list(self, limit: int, after: str | None) -> dict[str, Any]:
-        """Newest first, as OpenAI lists them; `after`: the last id of the previous page."""
+    async def list(self, tenant: Tenant, limit: int, after: str | None) -> dict[str, Any]:
+        """The tenant's batches (an admin's: all), newest first as OpenAI lists them; `after`: the last id of the
+        previous page. A page is read from the newest `limit + 1` after `after` of everyone's, so another
+        tenant's batches can make it shorter than `limit` (with `has_more` still true)."""
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(self.keys.batches(), after)
@@ -142,17 +150,19 @@ class Batches:
             for i in ids:
                 pipe.hgetall(self.keys.batch(i))
             found = await pipe.execute()
-        data = [batch_object({k.decode(): v.decode() for k, v in h.items()}) for h in found if h]
-        page = data[:limit]
+        hashes = [{k.decode(): v.decode() for k, v in h.items()} for h in found]
+        data = [batch_object(h) for h in hashes[:limit] if h and self.svc.tenancy.owns(tenant, h)]
+        page = data
+        scanned = ids[:limit]  # the cursor moves past what was read, whoever's it was
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(ids) > limit}
+                "last_id": scanned[-1] if scanned else None, "has_more": len(ids) > limit}
 
-    async def cancel(self, batch_id: str) -> dict[str, Any]:
-        h = await self.hash(batch_id)
+    async def cancel(self, batch_id: str, tenant: Tenant) -> dict[str, Any]:
+        h = await self.hash(batch_id, tenant)
         if h["status"] in ("validating", "in_progress"):
             await self.redis.hset(self.keys.batch(batch_id), mapping={"status": "cancelling",
                                                                         "cancelling_at": int(time.time())})
-            h = await self.hash(batch_id)
+            h = await self.hash(batch_id, tenant)
         return batch_object(h)
 
     # -- a run -----------------------------------------------------------------------------------------------
@@ -163,7 +173,8 @@ class Batches:
         if not h or h["status"] in ENDED:
             return
         try:
-            lines = parse_lines(await self.files.content(h["input_file_id"]), h["endpoint"], self.s.max_batch_lines)
+            data = await self.files.content(h["input_file_id"], None)
+            lines = parse_lines(data, h["endpoint"], self.s.max_batch_lines)
         except (BadInput, ApiError) as e:
             await self.fail(batch_id, str(e) if isinstance(e, BadInput) else e.message)
             return
@@ -190,6 +201,7 @@ class BatchRun:
     def __init__(self, batches: Batches, h: dict[str, str], lines: list[Line]):
         self.b, self.h, self.lines = batches, h, lines
         self.id, self.endpoint = h["id"], h["endpoint"]
+        self.tenant = batches.svc.tenancy.named(h.get("tenant", ""))  # its policy and quota, as the keys now say
         self.key = batches.keys.batch(self.id)
         self.done: dict[int, dict] = {}  # line -> {"ok": bool, "line": the output or error line}
         self.running: dict[int, list[str]] = {}  # line -> its requests' uids
@@ -304,9 +316,10 @@ class BatchRun:
             raise ApiError(400, "a batch's requests are neither streamed nor background", param="stream")
         new_uid = self.uids(line.index)
         if line.url == "/v1/responses":
-            return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), new_uid)
+            return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), self.tenant, new_uid)
         body = BODIES[line.url].model_validate(line.body)
         params = body.checked(self.b.svc.limits)
+        self.b.svc.tenancy.authorize(self.tenant, body.model)
         model, adapter = await self.b.adapters.target(body.model, body.lora_path)
         await self.b.svc.admit(model, body.budget(params))
         stamp = dataclasses.replace(self.b.svc.stamp(model, adapter), new_uid=new_uid)
@@ -318,16 +331,21 @@ class BatchRun:
         return lambda: line_uid(self.id, index, next(counter))
 
     async def open(self, line: Line, submission: Submission) -> ApiRequest:
-        """Submit the line's jobs, as background jobs behind interactive ones; those a predecessor submitted
-        (their record exists) are followed instead."""
+        """Submit the line's jobs, as background jobs behind interactive ones, within the tenant's quota (a 429
+        is tried again later); those a predecessor submitted (their record exists) are followed instead."""
+        lease = await self.b.svc.tenancy.admit(self.tenant)
+        return await self.b.svc.leased(self.submit(submission), lease)
+
+    async def submit(self, submission: Submission) -> ApiRequest:
         jobs = [msgspec.structs.replace(j, background=True, priority=self.b.s.batch_priority) for j in submission.jobs]
         records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
+        record = {**submission.record, **self.b.svc.tenancy.record_fields(self.tenant)}
         requests = self.b.svc.requests
         members: list[SingleRequest] = []
         try:
             for job in jobs:
                 if records[job.uid][0] is None:
-                    members.append(await SingleRequest.open(requests, job, submission.record, False, "batch"))
+                    members.append(await SingleRequest.open(requests, job, record, False, "batch"))
                 else:
                     members.append(await requests.attach(job.uid, await self.b.svc.store.record(job.uid), None))
         except BaseException:
@@ -355,7 +373,8 @@ class BatchRun:
             if rows:
                 data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
                 f = await self.b.files.create(data, f"{self.id}_{name}.jsonl", "batch_output",
-                                              file_id=f"file-{self.id.removeprefix('batch_')}{name[0]}")
+                                              file_id=f"file-{self.id.removeprefix('batch_')}{name[0]}",
+                                              tenant=self.h.get("tenant", ""))
                 fields[f"{name}_file_id"] = f["id"]
         end = {"in_progress": "completed", "finalizing": "completed", "cancelling": "cancelled"}.get(status, status)
         fields.update(status=end, completed=len(out), failed=len(err), **{f"{end}_at": int(time.time())})

@@ -14,6 +14,8 @@ from fastapi import Request as HttpRequest
 from redis.asyncio import Redis
 
 from services.api.errors import ApiError
+from services.api.tenancy import Tenancy
+from services.api.tenants import Tenant
 from shared.keys import Keys
 from shared.settings import ApiSettings
 
@@ -31,8 +33,11 @@ def content_key(file_id: str) -> str:
 
 
 class Files:
-    def __init__(self, settings: ApiSettings, redis: Redis, keys: Keys):
-        self.settings, self.redis, self.keys = settings, redis, keys
+    """A file belongs to the tenant whose key uploaded it (a batch's output files, to the batch's): another
+    tenant's is not found (services/api/tenancy.py `owns`)."""
+
+    def __init__(self, settings: ApiSettings, redis: Redis, keys: Keys, tenancy: Tenancy):
+        self.settings, self.redis, self.keys, self.tenancy = settings, redis, keys, tenancy
         self._store = None
 
     def store(self):
@@ -47,7 +52,7 @@ class Files:
             await self._store.close()
 
     # -- the routes --------------------------------------------------------------------------------------------
-    async def upload(self, http: HttpRequest) -> dict[str, Any]:
+    async def upload(self, http: HttpRequest, tenant: Tenant) -> dict[str, Any]:
         """Multipart `file` and `purpose`; the body's size is capped at the edge (--max-body-bytes)."""
         form = await http.form(max_files=1, max_fields=4)
         try:
@@ -60,9 +65,10 @@ class Files:
             name = (upload.filename or "upload.jsonl")[:256]
         finally:
             await form.close()
-        return await self.create(data, name, "batch")
+        return await self.create(data, name, "batch", tenant=tenant.name)
 
-    async def create(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+    async def create(self, data: bytes, filename: str, purpose: str, file_id: str | None = None, tenant: str = ""
+                     ) -> dict[str, Any]:
         """Store `data` as a new file (or as `file_id`, written again whole); its object, as OpenAI's."""
         from shared.storage import TooLarge
 
@@ -73,31 +79,33 @@ class Files:
             raise ApiError(413, f"the file is over {self.settings.max_file_bytes} bytes (--max-file-bytes)",
                            param="file", code="file_too_large") from None
         meta = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": len(data),
-                "created_at": int(time.time())}
+                "created_at": int(time.time()), "tenant": tenant}
         await self.redis.hset(self.keys.file(file_id), mapping=meta)
         await self.redis.expire(self.keys.file(file_id), self.settings.file_ttl_s)
         return file_object(meta, self.settings.file_ttl_s)
 
-    async def meta(self, file_id: str, param: str = "file_id") -> dict[str, Any]:
+    async def meta(self, file_id: str, tenant: Tenant | None, param: str = "file_id") -> dict[str, Any]:
+        """The file's metadata, if it is `tenant`'s (None: whoever's, for a batch's runner)."""
         raw = await self.redis.hgetall(self.keys.file(file_id)) if len(file_id) <= 64 else {}
-        if not raw:
+        meta = {k.decode(): v.decode() for k, v in raw.items()}
+        if not meta or (tenant is not None and not self.tenancy.owns(tenant, meta)):
             raise file_not_found(file_id, param)
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return meta
 
-    async def get(self, file_id: str) -> dict[str, Any]:
-        return file_object(await self.meta(file_id), self.settings.file_ttl_s)
+    async def get(self, file_id: str, tenant: Tenant) -> dict[str, Any]:
+        return file_object(await self.meta(file_id, tenant), self.settings.file_ttl_s)
 
-    async def content(self, file_id: str, param: str = "file_id") -> bytes:
+    async def content(self, file_id: str, tenant: Tenant | None, param: str = "file_id") -> bytes:
         from shared.storage import NotFound
 
-        await self.meta(file_id, param)
+        await self.meta(file_id, tenant, param)
         try:
             return await self.store().get(content_key(file_id))
         except NotFound:
             raise file_not_found(file_id, param) from None
 
-    async def delete(self, file_id: str) -> dict[str, Any]:
-        await self.meta(file_id)
+    async def delete(self, file_id: str, tenant: Tenant) -> dict[str, Any]:
+        await self.meta(file_id, tenant)
         await self.redis.delete(self.keys.file(file_id))
         await self.store().delete(content_key(file_id))  # idempotent
         return {"id": file_id, "object": "file", "deleted": True}

@@ -39,6 +39,7 @@ from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
 from services.api.schemas import BadRequest, Submission
 from services.api.service import ApiService
+from services.api.tenants import Tenant
 from shared.keys import Keys
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
 
@@ -131,20 +132,23 @@ class Responses:
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
-        submission, fmt = await self.prepare(body)
+        tenant = self.svc.tenancy.tenant_of(http)
+        submission, fmt = await self.prepare(body, tenant)
         http.scope[errors.UID] = fmt.uid
         if body.background and not body.stream:
-            return await self.start_background(submission, fmt)
-        answer = await self.svc.answer(http, submission)
+            return await self.start_background(submission, fmt, tenant)
+        answer = await self.svc.answer(http, submission, tenant)
         if isinstance(answer, dict) and fmt.on_end is not None:
             await fmt.on_end(answer)
         return answer
 
-    async def prepare(self, body: ResponseRequest, new_uid: Callable[[], str] | None = None
+    async def prepare(self, body: ResponseRequest, tenant: Tenant, new_uid: Callable[[], str] | None = None
                       ) -> tuple[Submission, ResponseFormat]:
-        """What a body submits, once checked and admitted, and its stored document written (with `store`);
-        `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
-        history = await self.history(body.previous_response_id) if body.previous_response_id else []
+        """What a body submits, once checked and admitted for `tenant` (its policy; its quota is taken when it
+        opens), and its stored document written (with `store`); `new_uid`: the uid its job takes (a batch's line
+        has its own), else the reply hub's."""
+        self.svc.tenancy.authorize(tenant, body.model, background=body.background)
+        history = await self.history(body.previous_response_id, tenant) if body.previous_response_id else []
         items = body.input_items()
         params = body.checked(self.svc.limits, len(history) + len(items))
         model, adapter = await self.adapters.target(body.model, None)
@@ -158,14 +162,18 @@ class Responses:
         if body.store is not False:
             uid = fmt.uid
             doc = {"shown": fmt.shown, "parse": parse, "created": fmt.created, "input": items, "history": history,
-                   "resumable": bool(body.background and body.stream)}
+                   "resumable": bool(body.background and body.stream), "tenant": tenant.name}
             await self.store.put(uid, doc)
             fmt.on_end = lambda final: self.store.finish(uid, final)
         return submission, fmt
 
-    async def start_background(self, submission, fmt: ResponseFormat) -> dict:
-        """Submit it, answer at once (queued), and follow it here to store its final object."""
-        req = await self.svc.requests.open(submission.jobs, submission.record, False, "background")
+    async def start_background(self, submission, fmt: ResponseFormat, tenant: Tenant) -> dict:
+        """Submit it (within the tenant's quota), answer at once (queued), and follow it here to store its final
+        object."""
+        tenancy = self.svc.tenancy
+        record = {**submission.record, **tenancy.record_fields(tenant)}
+        req = await self.svc.leased(self.svc.requests.open(submission.jobs, record, False, "background"),
+                                    await tenancy.admit(tenant))
 
         async def follow() -> None:
             try:
@@ -181,11 +189,12 @@ class Responses:
         task.add_done_callback(self.followers.discard)
         return fmt.obj("queued")
 
-    async def history(self, response_id: str) -> list[dict[str, Any]]:
-        """The conversation a previous response ended with: its history, input and output items."""
+    async def history(self, response_id: str, tenant: Tenant) -> list[dict[str, Any]]:
+        """The conversation a previous response (of the same tenant) ended with: its history, input and output
+        items."""
         uid = response_uid(response_id, "previous_response_id")
         doc = await self.store.get(uid)
-        if doc is None:
+        if doc is None or not self.svc.tenancy.owns(tenant, doc):
             raise ApiError(404, f"previous_response_id `{response_id}` is not a stored response (stored responses "
                            "are kept for --response-ttl-s)", param="previous_response_id",
                            code="previous_response_not_found")
@@ -195,10 +204,11 @@ class Responses:
         return [*doc["history"], *doc["input"], *as_input(final["output"])]
 
     # -- read back -------------------------------------------------------------------------------------------
-    async def doc(self, response_id: str) -> tuple[str, dict[str, Any]]:
+    async def doc(self, response_id: str, tenant: Tenant) -> tuple[str, dict[str, Any]]:
+        """A stored response of `tenant` (another tenant's is not found: its existence is not confirmed)."""
         uid = response_uid(response_id)
         doc = await self.store.get(uid)
-        if doc is None:
+        if doc is None or not self.svc.tenancy.owns(tenant, doc):
             raise not_found(response_id)
         return uid, doc
 
@@ -232,7 +242,7 @@ class Responses:
         return final
 
     async def retrieve(self, http: HttpRequest, response_id: str, stream: bool, starting_after: int | None):
-        uid, doc = await self.doc(response_id)
+        uid, doc = await self.doc(response_id, self.svc.tenancy.tenant_of(http))
         if stream:
             return await self.resume(http, uid, doc, starting_after)
         final = await self.final(uid, doc)
@@ -256,9 +266,9 @@ class Responses:
         return await self.svc.stream(http, self.svc.requests.attach(uid, record, None), fmt)
 
     # -- end -------------------------------------------------------------------------------------------------
-    async def cancel(self, response_id: str) -> dict[str, Any]:
+    async def cancel(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
         """Abort a background response; its final object (cancelled, or how it ended before)."""
-        uid, doc = await self.doc(response_id)
+        uid, doc = await self.doc(response_id, tenant)
         if not doc["shown"].get("background"):
             raise ApiError(400, "only background responses can be cancelled", param="response_id")
         if doc.get("final"):
@@ -269,17 +279,18 @@ class Responses:
         final = await self.final(uid, doc) if not record else await self.rebuild(uid, doc, record)
         return final or format_of_doc(doc, uid).obj("cancelled")
 
-    async def delete(self, response_id: str) -> dict[str, Any]:
-        uid, _ = await self.doc(response_id)
+    async def delete(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
+        uid, _ = await self.doc(response_id, tenant)
         record = await self.svc.store.record(uid)
         if record and record.get("status") not in TERMINAL:
             await self.svc.store.abort_now(uid, EndReason.API, record.get("model"))
         await self.store.delete(uid)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    async def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    async def input_items(self, response_id: str, tenant: Tenant, limit: int, order: str, after: str | None
+                          ) -> dict[str, Any]:
         """This response's input items (OpenAI's list shape), newest first unless `order` is asc."""
-        uid, doc = await self.doc(response_id)
+        uid, doc = await self.doc(response_id, tenant)
         items = [{"id": f"in_{uid}_{k}", **item, "status": "completed"} for k, item in enumerate(doc["input"])]
         if order == "desc":
             items.reverse()

@@ -154,14 +154,14 @@ class ApiService:
         The tenant's quota admits it first (a 429), and its lease ends with the request."""
         lease = await self.tenancy.admit(tenant)
         record = {**submission.record, **self.tenancy.record_fields(tenant)}
-        opening = self._leased(self.requests.open(submission.jobs, record, submission.stream, submission.label),
+        opening = self.leased(self.requests.open(submission.jobs, record, submission.stream, submission.label),
                                lease)
         if submission.stream:
             return await self.stream(http, opening, submission.fmt)
         return await self.full_answer(http, opening, submission.fmt)
 
     @staticmethod
-    async def _leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
+    async def leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
         """The opened request, closing with its lease; the lease released if it does not open."""
         if lease is None:
             return await opening

@@ -238,6 +238,12 @@ class KeyRing:
             self.state = state  # logged once per change, not at every look
             log.error("api keys file changed but is not valid; keeping the keys read before: %s", e)
 
+    def named(self, name: str) -> Tenant | None:
+        """The tenant of that name as the keys now say (work that runs without a request of its own: a batch's
+        lines), None if no key of it is left."""
+        self.refresh()
+        return next((t for t in self.digests.values() if t.name == name), None)
+
     def tenant(self, presented: str | bytes | None) -> Tenant | None:
         """The tenant of a presented key (OPEN in open mode), None for an unknown one. Every stored digest is
         compared, in constant time, whichever matches."""

@@ -261,6 +261,46 @@ def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
                                                                       "generated_tokens")]
 
 
+def test_responses_files_and_batches_belong_to_their_tenant(tenants):
+    _, (api1, api2), _ = tenants
+    a1, b2, admin = client(api1, A_KEY), client(api2, B_KEY), client(api2, ADMIN_KEY)
+    r = a1.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    for call in (lambda: b2.responses.retrieve(r.id), lambda: b2.responses.input_items.list(r.id),
+                 lambda: b2.responses.delete(r.id),
+                 lambda: b2.responses.create(model=MODEL, input="and?", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert admin.responses.retrieve(r.id).output_text == r.output_text
+    assert client(api2, A_KEY).responses.create(model=MODEL, input="and?", previous_response_id=r.id,
+                                                max_output_tokens=2).previous_response_id == r.id
+    bg = a1.responses.create(model=MODEL, input="long", max_output_tokens=3000, background=True)
+    with pytest.raises(openai.NotFoundError):
+        b2.responses.cancel(bg.id)
+    assert client(api2, A_KEY).responses.cancel(bg.id).status == "cancelled"
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}
+    f = a1.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+    for call in (lambda: b2.files.retrieve(f.id), lambda: b2.files.content(f.id), lambda: b2.files.delete(f.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.PermissionDeniedError):  # team-b's policy has no background: no batches
+        b2.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = a1.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: b2.batches.retrieve(batch.id), lambda: b2.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in b2.batches.list(limit=100).data]
+    assert batch.id in [b.id for b in admin.batches.list(limit=100).data]
+    wait_for(lambda: a1.batches.retrieve(batch.id).status == "completed", timeout=60, every=0.3)
+    done = client(api2, A_KEY).batches.retrieve(batch.id)
+    assert done.request_counts.completed == 1
+    assert json.loads(a1.files.content(done.output_file_id).text)["custom_id"] == "x"
+    with pytest.raises(openai.NotFoundError):
+        b2.files.content(done.output_file_id)
+    uid = json.loads(a1.files.content(done.output_file_id).text)["response"]["request_id"]
+    assert httpx.get(f"{api1}/v1/requests/{uid}", headers=auth(A_KEY), timeout=10).json()["tenant"] == "team-a"
+
+
 def test_a_crashed_api_processs_slots_expire_with_their_lease(tenants):
     """Last: it kills the second API process."""
     s, (api1, api2), _ = tenants
@@ -275,3 +315,4 @@ def test_a_crashed_api_processs_slots_expire_with_their_lease(tenants):
     assert_rate_limited(api1)
     wait_for(lambda: _admitted(api1), timeout=LEASE_S + 5, every=0.25)
     assert time.monotonic() - killed <= LEASE_S + 5
+
