@@ -104,3 +104,16 @@ def test_failure_is_a_failed_response():
     EVENTS.validate_python(ev)
     assert ev["type"] == "response.failed"
     assert ev["response"]["error"] == {"code": "server_error", "message": "engine_error: boom"}
+
+
+def test_reasoning_is_its_own_output_item_before_the_message():
+    out = run(fmt({"reasoning": "deepseek_r1"}, reasoning={"effort": "low"}),
+              events(["<think>let me ", "see</think>", "It is 4."]), [1, 1, 1])
+    for ev in out:
+        EVENTS.validate_python(ev)
+    final = Response.model_validate(out[-1]["response"])
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "let me see"
+    assert message.type == "message" and final.output_text == "It is 4."
+    kinds = [e["type"] for e in out]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
