@@ -173,31 +173,17 @@ def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> 
         request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
         return await svc.answer(request, submission, tenant)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await parse_body(request, ChatCompletionRequest, limits)
-        return await answer(request, body)
+    def route(model: type[Body]):
+        async def handle(request: Request):
+            return await answer(request, await parse_body(request, model, limits))
+        return handle
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest, limits)
-        return await answer(request, body)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        body = await parse_body(request, GenerateRequest, limits)
-        return await answer(request, body)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request):
-        """Prefill-only (services/api/prefill.py): one job per input, answered by the engine after its prefill."""
-        body = await parse_body(request, EmbeddingRequest, limits)
-        return await answer(request, body)
-
-    @app.post("/v1/score")
-    async def score(request: Request):
-        body = await parse_body(request, ScoreRequest, limits)
-        return await answer(request, body)
+    # /v1/embeddings and /v1/score are prefill-only (services/api/prefill.py): one job per input, answered by the
+    # engine after its prefill
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+                        ("/generate", GenerateRequest), ("/v1/embeddings", EmbeddingRequest),
+                        ("/v1/score", ScoreRequest)):
+        app.post(path, name=path.rsplit("/", 1)[1])(route(model))
 
 
 def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:

@@ -165,9 +165,7 @@ class TokenizerWorker(PushWorker[Entry]):
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
         finally:
-            for job, span in zip(jobs, spans, strict=True):
-                result = encoded.get(job.uid)
-                span.end(error=result.message if isinstance(result, ReplyError) else None)
+            end_spans(spans, [encoded.get(job.uid) for job in jobs])
 
     async def _answer(self, batch: list[Delivery[TokenizerQuery]], claimed: bool,
                       thread: ThreadPoolExecutor | None = None) -> None:
@@ -190,9 +188,7 @@ class TokenizerWorker(PushWorker[Entry]):
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
         finally:
-            for q, span in zip(asked, spans, strict=True):
-                result = answers.get(q.uid)
-                span.end(error=result.message if isinstance(result, ReplyError) else None)
+            end_spans(spans, [answers.get(q.uid) for q in asked])
 
     async def _not_yet_answered(self, batch: list[Delivery[TokenizerQuery]]) -> list[Delivery[TokenizerQuery]]:
         statuses = await self.requests.field([d.msg.uid for d in batch], "status")
@@ -278,3 +274,9 @@ def run(settings: TokenizerSettings) -> int:
         return TokenizerWorker(settings, model_path, model_name)
 
     return run_stage(settings, build)
+
+
+def end_spans(spans: list, results: list) -> None:
+    """Each job's span ends with its result (an error reply's message, if it is one)."""
+    for span, result in zip(spans, results, strict=True):
+        span.end(error=result.message if isinstance(result, ReplyError) else None)
