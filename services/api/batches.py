@@ -57,6 +57,7 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 STOPPING = ("cancelling", "expired")
 BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 POLL_S = 0.5
+WORK_POLL_S = 2.0  # how often an API process looks for a batch to run
 RETRY = (429, 503)  # a line refused for these is tried again
 
 
@@ -409,14 +410,18 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
 
+
     async def loop(self) -> None:
-        key = self.b.keys.batch_work()
+        """Every WORK_POLL_S, unless draining (its batches are then left to the other API processes): a batch to
+        run, polled without blocking (two commands), so an idle API costs Redis one command a second."""
+        key, grouped = self.b.keys.batch_work(), False
         while True:
             try:
-                if self.b.svc.draining:  # its batches are left to the other API processes
-                    await asyncio.sleep(1.0)
+                await asyncio.sleep(WORK_POLL_S)
+                if self.b.svc.draining:
                     continue
-                await streams.create_group(self.b.redis, key, GROUP, mkstream=True)
+                if not grouped:
+                    grouped = await streams.create_group(self.b.redis, key, GROUP, mkstream=True)
                 entry = await self.next_entry(key)
                 if entry is not None:
                     await self.run_held(key, *entry)
@@ -428,14 +433,14 @@ class BatchRunner:
                 await asyncio.sleep(1.0)
 
     async def next_entry(self, key: str) -> tuple[str, str] | None:
-        """A batch whose runner went quiet, else a new one (waiting up to a second)."""
+        """A batch whose runner went quiet, else a new one."""
         idle_ms = int(self.b.s.batch_claim_idle_s * 1000)
         claimed = (await streams.autoclaim(self.b.redis, {key: self.cursor}, self.member, idle_ms, 1))[key]
         rows: list = []
         if not isinstance(claimed, Exception):
             self.cursor, rows = claimed
         if not rows:
-            rows = [(eid, f) for _, eid, f in await streams.read_group(self.b.redis, [key], self.member, 1, 1000)]
+            rows = [(eid, f) for _, eid, f in await streams.read_group(self.b.redis, [key], self.member, 1, None)]
         if not rows:
             return None
         entry_id, fields = rows[0]

@@ -33,7 +33,8 @@ BAD = ['{"custom_id": "broken", ', '{"method": "POST", "url": "/v1/completions",
 def stack(redis_server, demo_model_dir, tmp_path_factory, s3_server):
     """Files in a bucket of a real S3-compatible server (moto), which every process shares."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "batch")
-    env = {**LIFECYCLE_ENV, **CLIENT_ENV, "RSINFER_STORAGE_URL": f"s3://{s3_server.new_bucket()}/batch",
+    # unbuffered: what an API process logged before it was SIGKILLed is in its log (the kill test counts it)
+    env = {**LIFECYCLE_ENV, **CLIENT_ENV, "PYTHONUNBUFFERED": "1", "RSINFER_STORAGE_URL": f"s3://{s3_server.new_bucket()}/batch",
            "RSINFER_STORAGE_ENDPOINT_URL": s3_server.url, "RSINFER_STORAGE_ADDRESSING_STYLE": "path",
            "RSINFER_BATCH_CLAIM_IDLE_S": "3", "RSINFER_BATCH_MAX_INFLIGHT": "12", "RSINFER_BATCH_MAX_BACKLOG": "6"}
     try:
@@ -147,12 +148,13 @@ def test_killing_the_accepting_api_and_a_scheduler_loses_nothing(stack, first_ru
     assert done.status == "completed" and done.request_counts.completed == GOOD
     outputs, _ = results(c2, done)
     assert outputs == expected
-    # no line was submitted twice: each line's request was queued once, by one API process or the other
+    # no line was submitted twice: each line's request was queued at most once, by one API process or the other;
+    # only the lines the killed process was submitting as it died may have no log line (it logs after the write)
     logs = "".join((stack.log_dir / f"{name}.log").read_text(errors="replace") for name in ("api1", "api2"))
     good = [k for k, row in enumerate(rows()) if row not in BAD]
     assert len(good) == GOOD
-    for index in good:
-        assert logs.count(f"uid={line_uid(batch.id, index, 0)} queued") == 1, index
+    counts = [logs.count(f"uid={line_uid(batch.id, index, 0)} queued") for index in good]
+    assert max(counts) == 1 and counts.count(0) <= 12, counts  # 12: --batch-max-inflight
 
 
 def test_cancel_stops_feeding_and_aborts_what_runs(stack, first_run):
