@@ -220,10 +220,13 @@ class TokenizerWorker(PushWorker[Entry]):
             raise
 
     def _hold(self, batch: list[Delivery[TokenizeJob]], forward: list[ScheduleJob]) -> None:
+        """Queue the forwarded jobs in their tenants' lanes; an entry held already (claimed back from ourselves
+        after a keep-alive failed) is not held twice."""
         assert self.held is not None
         going = {j.uid: j for j in forward}
+        present = {h.entry_id for h in self.held.items()}
         for d in batch:
-            if (job := going.get(d.msg.uid)) is not None:
+            if (job := going.get(d.msg.uid)) is not None and d.entry_id not in present:
                 self.held.push(d.msg.tenant, d.msg.weight, Held(d.entry_id, job, d.msg.tenant, d.msg.weight))
 
     async def finish_in_flight(self, deadline: float) -> None:
