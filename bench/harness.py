@@ -42,7 +42,10 @@ class BenchStack(Launcher):
     """redis-server, one tokenizer, `schedulers` schedulers (one by default) and one detokenizer, and `apis` API
     processes, each its own process (as `rsinfer up` runs them: one torch thread each but the scheduler's default);
     stopped in reverse order. `redis`: a server (or cluster) the caller owns and stops, instead of one of its own.
-    `env`: per role, what its processes get over the stack's environment."""
+    `env`: per role, what its processes get over the stack's environment. Set `api_key` before
+    starting it when keys are configured: a key the API takes, to see it serving."""
+
+    api_key: str | None = None
 
     def __init__(self, model_dir: str, name: str, *, apis: int = 1, env: dict[str, dict[str, str]] | None = None,
                  schedulers: int = 1, redis: RedisLike | None = None):
@@ -82,7 +85,7 @@ class BenchStack(Launcher):
             self._spawn(f"api{i}" if self.apis > 1 else "api", "api", RSINFER_PORT=str(port))
         deadline = time.monotonic() + timeout
         for url in self.urls:  # the API up and every stage of the model live
-            self.wait_serving(url, self.name, max(0.0, deadline - time.monotonic()))
+            self.wait_serving(url, self.name, max(0.0, deadline - time.monotonic()), self.api_key)
         return self
 
     def stop(self, grace: float = 20.0) -> None:

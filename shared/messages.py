@@ -136,6 +136,10 @@ class TokenizeJob(RequestJob, frozen=True, tag_field="kind", tag="tokenize", omi
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
     suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
+    # Fair queueing (services/tokenizer/fair.py): whose turn it takes and how many jobs a turn of its tenant
+    # releases; "" is open mode's one tenant.
+    tenant: str = ""
+    weight: int = 1
 
 
 class ScheduleJob(RequestJob, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True, kw_only=True):

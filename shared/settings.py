@@ -186,6 +186,17 @@ class TokenizerSettings(StageSettings):
                                  "or no hit: the model's shared schedule stream")
     prefix_routing_load_tokens: float = Field(64.0, ge=0, description="prefix routing: each request a scheduler "
                                               "runs or queues counts as this many cached prompt tokens less")
+    # Fair queueing (services/tokenizer/fair.py): the backlog is held here, in tenants' lanes, instead of in the
+    # schedule stream, which the schedulers read first come first served.
+    fair_queueing: bool = Field(False, description="hold tokenized jobs and release them to the schedulers in "
+                                "turns per tenant (weighted by the key's `weight`), only while the schedule stream's "
+                                "backlog is below --fair-watermark; off: forward each job at once")
+    fair_watermark: int = Field(4, ge=1, le=10_000, description="fair queueing: release held jobs while fewer than "
+                                "this many schedule entries (every scheduler stream together) wait for a scheduler")
+    fair_max_held: int = Field(512, ge=1, le=100_000, description="fair queueing: most jobs one tokenizer holds; "
+                               "past it, it reads no new entry until it releases some")
+    fair_poll_ms: int = Field(10, ge=1, le=1000, description="fair queueing: how often the schedule stream's "
+                              "backlog is looked at while jobs are held")
 
 
 class DetokenizerSettings(StageSettings):

@@ -294,6 +294,29 @@ async def groups(redis: Redis, key: str) -> list[dict]:
     return await redis.xinfo_groups(key)
 
 
+async def undelivered(redis: Redis, keys: Sequence[str], group: str, cap: int) -> int:
+    """Entries of `keys` that `group` has not been delivered yet (its lag), each stream's counted up to `cap`:
+    one pipeline of XINFO GROUPS, and an XRANGE after the group's last delivered id, at most `cap` long, for a
+    stream whose lag Redis cannot tell (nil after an XDEL in the range) or that has no such group yet (all of it
+    waits). A missing stream counts 0."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.xinfo_groups(key)
+        infos = await pipe.execute(raise_on_error=False)
+    total, unknown = 0, []
+    for key, info in zip(keys, infos, strict=True):
+        if isinstance(info, ResponseError):  # no such key
+            continue
+        mine = next((g for g in info if as_str(g["name"]) == group), None)
+        if mine is not None and mine.get("lag") is not None:
+            total += min(cap, int(mine["lag"]))
+        else:
+            unknown.append((key, "-" if mine is None else as_str(mine["last-delivered-id"])))
+    for key, after in unknown:
+        total += len(await read_range(redis, key, after, cap))
+    return total
+
+
 async def read_group(redis: Redis, keys: Sequence[str], member: Member, count: int, block_ms: int | None
                      ) -> KeyedRows:
     """XREADGROUP of new entries (`>`) over `keys`, up to `count` from each; [(key, entry_id, fields)]."""

@@ -338,7 +338,8 @@ class BatchRun:
         return await self.b.svc.leased(self.submit(submission), lease)
 
     async def submit(self, submission: Submission) -> ApiRequest:
-        jobs = [msgspec.structs.replace(j, background=True, priority=self.b.s.batch_priority) for j in submission.jobs]
+        jobs = [msgspec.structs.replace(j, background=True, priority=self.b.s.batch_priority)
+                for j in self.b.svc.tenancy.stamp(submission.jobs, self.tenant)]
         records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
         record = {**submission.record, **self.b.svc.tenancy.record_fields(self.tenant)}
         requests = self.b.svc.requests

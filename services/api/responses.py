@@ -172,7 +172,8 @@ class Responses:
         object."""
         tenancy = self.svc.tenancy
         record = {**submission.record, **tenancy.record_fields(tenant)}
-        req = await self.svc.leased(self.svc.requests.open(submission.jobs, record, False, "background"),
+        req = await self.svc.leased(self.svc.requests.open(tenancy.stamp(submission.jobs, tenant), record, False,
+                                                           "background"),
                                     await tenancy.admit(tenant))
 
         async def follow() -> None:

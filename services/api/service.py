@@ -154,7 +154,8 @@ class ApiService:
         The tenant's quota admits it first (a 429), and its lease ends with the request."""
         lease = await self.tenancy.admit(tenant)
         record = {**submission.record, **self.tenancy.record_fields(tenant)}
-        opening = self.leased(self.requests.open(submission.jobs, record, submission.stream, submission.label),
+        jobs = self.tenancy.stamp(submission.jobs, tenant)
+        opening = self.leased(self.requests.open(jobs, record, submission.stream, submission.label),
                                lease)
         if submission.stream:
             return await self.stream(http, opening, submission.fmt)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio import Redis
@@ -41,6 +42,7 @@ from redis.exceptions import RedisError
 from services.api.errors import ApiError
 from services.api.tenants import OPEN, KeyRing, Policy, Tenant
 from shared.keys import Keys
+from shared.messages import TokenizeJob
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -332,6 +334,13 @@ class Tenancy:
     def record_fields(self, tenant: Tenant) -> dict[str, str]:
         """What a request's record says of its tenant (its name, never its key)."""
         return {"tenant": tenant.name} if self.on else {}
+
+    def stamp(self, jobs: list[TokenizeJob], tenant: Tenant) -> list[TokenizeJob]:
+        """The jobs with their tenant and its weight, whose turn they take in the tokenizers' fair queueing
+        (services/tokenizer/fair.py); open mode's jobs are all of tenant ""."""
+        if not self.on:
+            return jobs
+        return [msgspec.structs.replace(j, tenant=tenant.name, weight=tenant.policy.weight) for j in jobs]
 
     async def admit(self, tenant: Tenant) -> Lease | None:
         """The request's lease (None in open mode), or a 429."""

@@ -11,6 +11,7 @@ The file is YAML or JSON: a list of entries (or `{"keys": [...]}`), each
     tokens_per_minute: 100000        # prompt plus generated tokens; omitted: no limit
     priority: [0, 10]                # the `priority` range it may ask for; omitted: any
     background: false                # may send `background: true`
+    weight: 1                        # its share of the tokenizers' releases under fair queueing (1 to 1000)
 
 Keys are held only as HMAC-SHA256 digests under a secret of this process, and a presented key is compared with
 every one in constant time. Several entries may name one tenant (a key being rotated: both are valid while both
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MIN_KEY_CHARS = 8
 FIELDS = {"key", "key_sha256", "tenant", "admin", "models", "max_concurrent", "requests_per_minute",
-          "tokens_per_minute", "priority", "background"}
+          "tokens_per_minute", "priority", "background", "weight"}
 LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
+MAX_WEIGHT = 1000
 LEGACY_TENANT = "default"  # the tenant of --api-key (one admin key, no limits)
 
 
@@ -59,6 +61,7 @@ class Policy:
     tokens_per_minute: int | None = None
     priority: tuple[int, int] | None = None
     background: bool = False
+    weight: int = 1  # fair queueing: jobs released per turn (services/tokenizer/fair.py)
 
     @property
     def limited(self) -> bool:
@@ -131,6 +134,13 @@ def _models(entry: dict, where: str) -> frozenset[str] | None:
     return frozenset(value)
 
 
+def _weight(entry: dict, where: str) -> int:
+    value = entry.get("weight", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WEIGHT:
+        raise KeyFileError(f"{where}.weight: a whole number from 1 to {MAX_WEIGHT}")
+    return value
+
+
 def _flag(entry: dict, name: str, where: str) -> bool:
     value = entry.get(name, False)
     if not isinstance(value, bool):
@@ -150,7 +160,7 @@ def parse_entry(entry: Any, where: str) -> tuple[str, Tenant]:
         raise KeyFileError(f"{where}.tenant: a name of 1 to 64 letters, digits, `.`, `_` or `-`")
     policy = Policy(admin=_flag(entry, "admin", where), models=_models(entry, where),
                     priority=_priority(entry, where), background=_flag(entry, "background", where),
-                    **{limit: _limit(entry, limit, where) for limit in LIMITS})
+                    weight=_weight(entry, where), **{limit: _limit(entry, limit, where) for limit in LIMITS})
     return _sha256_of(entry, where), Tenant(name, policy)
 
 

@@ -5,6 +5,10 @@ writes the request records and error replies, then the schedule entries, and ack
 With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
 (shared/routing.py: one more round trip per batch).
 
+With `--fair-queueing` a tokenized job is held instead (its entry pending, kept alive) and released to the
+schedule stream in tenants' turns while that stream's backlog is below --fair-watermark
+(services/tokenizer/fair.py): released, it is sent and acknowledged in one pipeline.
+
 A read's `/tokenize` and `/detokenize` queries (TokenizerQuery) are answered here, on their reply streams, in one
 pipeline with their records: they never reach a scheduler, so they are answered while the schedulers are scaled
 to zero (services/tokenizer/queries.py).
@@ -17,15 +21,17 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from services.tokenizer import queries
 from services.tokenizer.encode import PromptEncoder
+from services.tokenizer.fair import FairQueue, releasable
 from shared import streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
-from shared.keys import TOKENIZER_GROUP
+from shared.keys import SCHEDULER_GROUP, TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
 from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
@@ -43,6 +49,16 @@ log = logging.getLogger(__name__)
 HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
 Entry = TokenizeJob | TokenizerQuery  # what the tokenize stream carries
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A tokenized job fair queueing holds: its tokenize entry (pending, ours) and what goes to a scheduler."""
+
+    entry_id: str
+    job: ScheduleJob
+    tenant: str
+    weight: int
 
 
 class TokenizerWorker(PushWorker[Entry]):
@@ -65,16 +81,23 @@ class TokenizerWorker(PushWorker[Entry]):
         self._heavy_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize-heavy")
         self._heavy: dict[asyncio.Task, str] = {}  # heavy jobs being encoded apart -> their entry
         self._heavy_room = asyncio.Semaphore(HEAVY_IN_FLIGHT)
+        self.held: FairQueue[Held] | None = FairQueue() if settings.fair_queueing else None
+        self._releaser: asyncio.Task | None = None
 
     def load(self) -> dict:
+        out = super().load()
+        if self.held is not None:  # jobs fair queueing holds, per tenant
+            out = {**out, "held": len(self.held), "held_by_tenant": self.held.tenants()}
         if self.router is None:
-            return super().load()
-        return {**super().load(), "routing_to": len(self.router.candidates)}  # schedulers it routes among
+            return out
+        return {**out, "routing_to": len(self.router.candidates)}  # schedulers it routes among
 
     async def start(self) -> None:
         await super().start()
         if self.router is not None:
             await self.router.refresh()
+        if self.held is not None:
+            self._releaser = asyncio.create_task(self._release_loop(), name="fair-release")
 
     async def watch(self) -> None:
         await super().watch()
@@ -82,7 +105,14 @@ class TokenizerWorker(PushWorker[Entry]):
             await self.router.refresh()
 
     def held_entries(self) -> list[str]:
-        return [*super().held_entries(), *self._heavy.values()]
+        held = [h.entry_id for h in self.held.items()] if self.held is not None else []
+        return [*super().held_entries(), *self._heavy.values(), *held]
+
+    def lost(self, refs: list[str]) -> None:
+        """Held jobs a peer claimed while we were stalled: theirs to forward now."""
+        if self.held is not None and refs:
+            gone = set(refs)
+            self.held.remove(lambda h: h.entry_id in gone)
 
     def heavy(self, job: Entry) -> bool:
         if isinstance(job, TokenizerQuery):
@@ -93,6 +123,7 @@ class TokenizerWorker(PushWorker[Entry]):
     async def handle(self, batch: list[Delivery[Entry]], claimed: bool) -> None:
         """Small jobs are encoded together; each heavy one (much text, a new grammar) apart, in the background,
         so that the read's other jobs, and the reads after it, do not wait for it."""
+        await self._room_to_hold()
         light = []
         for d in batch:
             if not self.heavy(d.msg):
@@ -125,6 +156,79 @@ class TokenizerWorker(PushWorker[Entry]):
             self._heavy.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._heavy_room.release()
 
+    # -- fair queueing: hold, then release in turns ------------------------------------------------------
+    async def _room_to_hold(self) -> None:
+        """Past --fair-max-held, read nothing more (this handler returns later) until releases make room."""
+        if self.held is None:
+            return
+        while len(self.held) >= self.settings.fair_max_held and not self.stopping.is_set():
+            self.busy_since = time.time()  # waiting on the schedulers, not stuck (liveness)
+            await asyncio.sleep(self.settings.fair_poll_ms / 1000)
+
+    async def _release_loop(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(self.settings.fair_poll_ms / 1000)
+            try:
+                await self._release_some()
+            except (RedisError, OSError) as e:  # held still, and pending: released once Redis is back
+                log.warning("fair queueing: could not release held jobs (%s)", e)
+                await asyncio.sleep(0.5)
+            except Exception:  # a dead releaser would hold every job until its deadline: never let it die
+                log.exception("fair queueing: releasing failed")
+                await asyncio.sleep(0.5)
+
+    def _schedule_streams(self) -> list[str]:
+        """Every stream schedulers read this model's jobs from: the shared one and, routing, each one's own."""
+        shared = self.keys.schedule(self.model_name)
+        if self.router is None:
+            return [shared]
+        return [shared, *(self.keys.scheduler_stream(self.model_name, c.id) for c in self.router.candidates)]
+
+    async def _release_some(self) -> None:
+        assert self.held is not None
+        if not len(self.held):
+            return
+        watermark = self.settings.fair_watermark
+        backlog = await streams.undelivered(self.redis, self._schedule_streams(), SCHEDULER_GROUP, watermark)
+        batch = self.held.take(releasable(backlog, watermark, len(self.held)))
+        if batch:
+            await self._release(batch)
+
+    async def _release(self, batch: list[Held]) -> None:
+        """Send released jobs (an aborted or expired one ends here) and acknowledge them, in one pipeline; if it
+        fails they stay held, at the head of their lanes."""
+        try:
+            aborted = await self.requests.abort_reasons(h.job.uid for h in batch)
+            now = time.time()
+            go = [h.job for h in batch if h.job.uid not in aborted and h.job.deadline > now]
+            routes = await self._schedulers_for(go)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for h in batch:
+                    if h.job.uid in aborted:
+                        log.info("uid=%s skipped while held: aborted (%s)", h.job.uid, aborted[h.job.uid])
+                        self.requests.end_aborted(pipe, h.job.uid, h.job.params.n, aborted[h.job.uid])
+                    elif h.job.deadline <= now:
+                        log.info("uid=%s skipped while held: deadline passed", h.job.uid)
+                        self.requests.end_timed_out(pipe, h.job.uid)
+                    else:
+                        self._send(pipe, h.job, routes.get(h.job.uid))
+                self.source.ack_in(pipe, [h.entry_id for h in batch])
+                await pipe.execute()
+        except BaseException:
+            for h in reversed(batch):
+                self.held.restore(h.tenant, h.weight, h)  # type: ignore[union-attr]
+            raise
+
+    def _hold(self, batch: list[Delivery[TokenizeJob]], forward: list[ScheduleJob]) -> None:
+        """Queue the forwarded jobs in their tenants' lanes; an entry held already (claimed back from ourselves
+        after a keep-alive failed) is not held twice."""
+        assert self.held is not None
+        going = {j.uid: j for j in forward}
+        present = {h.entry_id for h in self.held.items()}
+        for d in batch:
+            if (job := going.get(d.msg.uid)) is not None and d.entry_id not in present:
+                self.held.push(d.msg.tenant, d.msg.weight, Held(d.entry_id, job, d.msg.tenant, d.msg.weight))
+
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: heavy jobs still encoding get until the deadline; what is left is handed back."""
         if self._heavy:
@@ -133,6 +237,10 @@ class TokenizerWorker(PushWorker[Entry]):
             task.cancel()
 
     async def close(self) -> None:
+        if self._releaser is not None:
+            self._releaser.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._releaser
         for task in list(self._heavy):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -153,17 +261,25 @@ class TokenizerWorker(PushWorker[Entry]):
             todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
             results = await asyncio.get_running_loop().run_in_executor(thread, self.encoder.encode, todo)
             encoded = dict(zip((j.uid for j in todo), results, strict=True))
-            routes = await self._schedulers_for([e for e in encoded.values() if isinstance(e, ScheduleJob)])
+            routes = {} if self.held is not None else await self._schedulers_for(
+                [e for e in encoded.values() if isinstance(e, ScheduleJob)])  # held: routed when released
             async with self.redis.pipeline(transaction=False) as pipe:
                 forward = [r for job in jobs if (r := self._record_outcome(pipe, job, encoded.get(job.uid),
                                                                            aborted.get(job.uid)))]
                 # The record says `tokenized` before a scheduler can read the job (and write `running`); on a
                 # cluster, where the two are on different nodes, only a barrier orders them.
                 barrier(pipe)
-                for job in forward:
-                    self._send(pipe, job, routes.get(job.uid))
-                self.source.ack_in(pipe, [d.entry_id for d in batch])
+                if self.held is None:
+                    for job in forward:
+                        self._send(pipe, job, routes.get(job.uid))
+                    done = batch
+                else:  # the record says `tokenized`; the job is held, its entry pending until it is released
+                    going = {j.uid for j in forward}
+                    done = [d for d in batch if d.msg.uid not in going]
+                self.source.ack_in(pipe, [d.entry_id for d in done])
                 await pipe.execute()
+            if self.held is not None:
+                self._hold(batch, forward)
         finally:
             end_spans(spans, [encoded.get(job.uid) for job in jobs])
 

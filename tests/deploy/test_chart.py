@@ -571,6 +571,27 @@ def test_scale_to_zero_scaled_objects(render):
     assert config(docs)["demo.scheduler.RSINFER_GRACE_PERIOD_S"] == "60"
 
 
+def test_fair_queueing_scales_the_scheduler_on_the_jobs_tokenizers_hold(render):
+    """With the tokenizers holding the backlog (fair queueing) the schedule stream's lag stays below their
+    watermark: the scheduler scales on the tokenize stream's pending entries too, at its lagCount per replica;
+    off (the default), its triggers are as before."""
+    docs = render(VALUES["scale-to-zero"], sets=["stages.tokenizer.settings.fair_queueing=true"])
+    prefix = config(docs)["RSINFER_NAMESPACE"]
+    assert config(docs)["demo.tokenizer.RSINFER_FAIR_QUEUEING"] == "true"
+    for so in kube.by_kind(docs, "ScaledObject").values():
+        kube.validate(so)
+        stage = component(kube.by_kind(docs, "Deployment")[so["spec"]["scaleTargetRef"]["name"]])
+        triggers = {t["name"]: t["metadata"] for t in so["spec"]["triggers"]}
+        assert ("held" in triggers) == (stage == "scheduler")
+        if stage == "scheduler":
+            held = triggers["held"]
+            assert (held["stream"], held["consumerGroup"]) == (f"{prefix}:tokenize:rsinfer-demo", "tokenizer")
+            assert held["pendingEntriesCount"] == triggers["backlog"]["lagCount"] and "lagCount" not in held
+    off = render(VALUES["scale-to-zero"])
+    assert all("held" not in {t["name"] for t in so["spec"]["triggers"]}
+               for so in kube.by_kind(off, "ScaledObject").values())
+
+
 def test_scale_down_behavior_merges_with_the_users(render):
     """ci/keda-values.yaml gives the scheduler's scale-down window only: the chart's one-pod policy stays;
     a stage kept at one pod or more has only its backlog trigger (nothing to wake)."""

@@ -1,4 +1,5 @@
-"""Prefix-aware routing with real processes: a tokenizer with --prefix-routing and two schedulers.
+"""Prefix-aware routing with real processes: a tokenizer with --prefix-routing and two schedulers (with and
+without --fair-queueing).
 
 Requests sharing a long prefix go to the scheduler that holds it (their cached_tokens show the hit), through that
 scheduler's own stream. A request routed to a scheduler that dies, while it runs the request or before it has read
@@ -52,11 +53,13 @@ def routing_among(s: Stack, n: int) -> bool:
     return len(schedulers(s)) == n and [w.load.get("routing_to") for w in workers(s, "tokenizer")] == [n]
 
 
-@pytest.fixture(scope="module")
-def routed(redis_server, demo_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["fifo", "fair"])
+def routed(request, redis_server, demo_model_dir, tmp_path_factory):
+    """fair: the tokenizer with --fair-queueing too, which routes each job when it releases it."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "route")
+    fair = {"RSINFER_FAIR_QUEUEING": "true"} if request.param == "fair" else {}
     try:
-        s.start("tokenizer1", "tokenizer", RSINFER_PREFIX_ROUTING="true", **ENV)
+        s.start("tokenizer1", "tokenizer", RSINFER_PREFIX_ROUTING="true", **fair, **ENV)
         for name in ("sa", "sb"):
             s.start(name, "scheduler", **ENV)
         s.start("detokenizer1", "detokenizer", **ENV)

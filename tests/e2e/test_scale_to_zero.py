@@ -112,10 +112,13 @@ def test_backlog_limit_applies_with_no_worker(lone_api):
     assert groups["tokenizer"]["consumers"] == 0, "the API made the group (at 0), as a first worker would"
 
 
-def test_request_waits_for_workers_started_later(lone_api):
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+def test_request_waits_for_workers_started_later(lone_api, fair):
     """A streaming request for a model at zero; its three stages start 5 s later: it completes with the text
-    of an undisturbed run, its first token about when the last stage came up (TTFT = the start-up time)."""
+    of an undisturbed run, its first token about when the last stage came up (TTFT = the start-up time).
+    fair: the tokenizer with --fair-queueing, so the job is held and released to the schedule stream."""
     s = lone_api
+    env = {**LIFECYCLE_ENV, **({"RSINFER_FAIR_QUEUEING": "true"} if fair else {})}
     params = {"model": MODEL, "messages": HELLO, "max_tokens": 16, "temperature": 0}
     got: dict = {"text": "", "finish": None, "first_at": None, "error": None}
 
@@ -136,7 +139,7 @@ def test_request_waits_for_workers_started_later(lone_api):
     time.sleep(START_DELAY_S)
     assert client.is_alive() and got["first_at"] is None, got
     for role in STAGES:
-        s.start(f"{role}1", role, **LIFECYCLE_ENV)
+        s.start(f"{role}1", role, **env)
     up_at = wait_for(lambda: all(workers(s, role) for role in STAGES) and time.monotonic(), timeout=120,
                      every=0.05)
     client.join(60)

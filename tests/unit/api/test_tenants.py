@@ -12,6 +12,7 @@ import pytest
 from services.api.errors import ApiError
 from services.api.tenancy import Tenancy
 from services.api.tenants import OPEN, KeyFileError, KeyRing, Policy, Tenant, parse_keys
+from shared.messages import SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -27,6 +28,7 @@ YAML = f"""
   tokens_per_minute: 10000
   priority: [0, 10]
   background: true
+  weight: 3
 - key_sha256: {hashlib.sha256(B_KEY.encode()).hexdigest()}
   tenant: team-b
 - key: {ADMIN_KEY}
@@ -39,7 +41,8 @@ def test_yaml_entries_become_tenants_with_their_policies():
     keys = parse_keys(YAML)
     a = keys[hashlib.sha256(A_KEY.encode()).hexdigest()]
     assert a == Tenant("team-a", Policy(models=frozenset({"rsinfer-demo"}), max_concurrent=4, requests_per_minute=60,
-                                        tokens_per_minute=10000, priority=(0, 10), background=True))
+                                        tokens_per_minute=10000, priority=(0, 10), background=True,
+                                        weight=3))
     b = keys[hashlib.sha256(B_KEY.encode()).hexdigest()]
     assert b == Tenant("team-b", Policy()) and not b.policy.limited  # omitted limits mean none
     assert keys[hashlib.sha256(ADMIN_KEY.encode()).hexdigest()].admin
@@ -63,6 +66,9 @@ def test_json_is_read_too_and_two_keys_of_one_tenant_agree():
     ("- {key: sk-long-enough, tenant: a, models: rsinfer-demo}", "keys[0].models"),
     ("- {key: sk-long-enough, tenant: a}\n- {key: sk-long-enough, tenant: b}", "keys[1]: the same key"),
     ("- {key: sk-long-enough, tenant: a}\n- {key: sk-other-key-1, tenant: a, admin: true}", "another policy"),
+    ("- {key: sk-long-enough, tenant: a, weight: 0}", "keys[0].weight"),
+    ("- {key: sk-long-enough, tenant: a, weight: 1001}", "keys[0].weight"),
+    ("- {key: sk-long-enough, tenant: a, weight: 1.5}", "keys[0].weight"),
     ("{key: sk-long-enough}", "a list of key entries"),
     ("- [unclosed", "not YAML or JSON"),
 ])
@@ -151,6 +157,17 @@ def test_a_request_is_its_tenants_and_every_admins(tmp_path):
     assert t.owns(a, record) and t.owns(ops, record) and not t.owns(b, record)
     assert not t.owns(a, {"model": "m"})  # made in open mode: admins only
     assert t.needs_admin("/v1/load_lora_adapter") and not t.needs_admin("/metrics")
+
+
+def test_jobs_carry_their_tenant_and_its_weight_for_fair_queueing(tmp_path):
+    t = tenancy(tmp_path)
+    job = TokenizeJob(uid="u", model="m", pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(), prompt="x")
+    [a] = t.stamp([job], t.ring.tenant(A_KEY))
+    [b] = t.stamp([job], t.ring.tenant(B_KEY))
+    assert (a.tenant, a.weight, b.tenant, b.weight) == ("team-a", 3, "team-b", 1)
+    assert a.prompt == "x" and a.uid == "u"
+    open_mode = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0"), None, None, None)
+    assert open_mode.stamp([job], OPEN) == [job] and job.tenant == ""
 
 
 def test_the_file_changes_are_seen_by_inode_too(tmp_path):

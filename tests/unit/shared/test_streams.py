@@ -72,3 +72,24 @@ async def test_the_newest_id_and_the_length_of_a_stream(env):
     assert await streams.last_id(redis, key) is None and await streams.length(redis, key) == 0
     ids = [await streams.add(redis, key, job(f"u{i}")) for i in range(3)]
     assert await streams.last_id(redis, key) == ids[-1].decode() and await streams.length(redis, key) == 3
+
+
+async def test_undelivered_counts_each_streams_lag_up_to_a_cap_even_where_redis_cannot_tell_it(env):
+    """The fair queueing backlog (services/tokenizer/fair.py): a group's lag per stream, capped; a stream whose
+    lag Redis reports as nil (an XDEL after the group's last delivered entry) counted from its entries; a stream
+    without the group counts whole; a missing stream counts nothing."""
+    redis, keys = env
+    shared, own, fresh = keys.schedule("m"), keys.scheduler_stream("m", "s1"), keys.scheduler_stream("m", "s2")
+    for key in (shared, own):
+        await redis.xgroup_create(key, "scheduler", id="0", mkstream=True)
+    for i in range(5):
+        await redis.xadd(shared, {"i": i})
+    ids = [await redis.xadd(own, {"i": i}) for i in range(4)]
+    await redis.xreadgroup("scheduler", "c", {shared: ">"}, count=2)  # 3 left undelivered
+    await redis.xreadgroup("scheduler", "c", {own: ">"}, count=1)
+    await redis.xdel(own, ids[2])  # 2 left undelivered, and a tombstone Redis's lag cannot count past
+    assert (await redis.xinfo_groups(own))[0]["lag"] is None
+    await redis.xadd(fresh, {"i": 0})
+    gone = keys.scheduler_stream("m", "gone")
+    assert await streams.undelivered(redis, [shared, own, fresh, gone], "scheduler", cap=100) == 3 + 2 + 1
+    assert await streams.undelivered(redis, [shared, own], "scheduler", cap=2) == 2 + 2

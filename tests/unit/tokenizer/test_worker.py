@@ -136,3 +136,68 @@ async def test_a_claimed_query_already_answered_is_not_answered_again(worker):
     await w.redis.xclaim(w.source.key, w.group, w.id, 0, [entries[0][0]], force=True)  # as a peer's claim would
     await w._deliver(entries, claimed=True)
     assert len(await replies(w, "once")) == 1
+
+
+@pytest.fixture
+async def fair_worker(redis_server, demo_model_dir):
+    settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
+                                 claim_idle_ms=1000, fair_queueing=True, fair_watermark=2)
+    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    await w.source.ensure_group()
+    await w.redis.xgroup_create(w.keys.schedule("demo"), "scheduler", id="0", mkstream=True)
+    yield w
+    await w.close()
+
+
+def of(tenant: str, uid: str, weight: int = 1) -> TokenizeJob:
+    import msgspec
+
+    return msgspec.structs.replace(job(uid, "hello"), tenant=tenant, weight=weight)
+
+
+async def take(w: TokenizerWorker, count: int = 100) -> list[str]:
+    """What a scheduler reads now from the shared schedule stream (it is delivered: no longer backlog)."""
+    from shared.messages import ScheduleJob
+
+    resp = await w.redis.xreadgroup("scheduler", "s1", {w.keys.schedule("demo"): ">"}, count=count)
+    return [decode(f[FIELD], ScheduleJob).uid for _, f in (resp[0][1] if resp else [])]
+
+
+async def test_fair_queueing_holds_jobs_pending_and_releases_them_in_turns_up_to_the_watermark(fair_worker):
+    """A's five jobs and then B's two are held (tokenized, their entries pending); releases fill the schedule
+    stream's backlog up to the watermark (2) only, taking A's and B's in turn, and acknowledge what they send."""
+    w = fair_worker
+    await w._deliver(await read(w, *(of("a", f"a{i}") for i in range(5))), claimed=False)
+    await w._deliver(await read(w, of("b", "b0"), of("b", "b1")), claimed=False)
+    assert await scheduled(w) == set() and len(w.held) == 7
+    assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 7  # durable: claimable if we die
+    assert await w.redis.hget(w.keys.request("a0"), "status") == b"tokenized"
+    assert sorted(w.held_entries()) == sorted(h.entry_id for h in w.held.items())  # kept alive
+    await w._release_some()
+    await w._release_some()  # the backlog is at the watermark: nothing more goes
+    assert await take(w) == ["a0", "b0"]  # B's lane joined the round before the first release
+    order = []
+    for _ in range(3):
+        await w._release_some()
+        order += await take(w)
+    assert order == ["a1", "b1", "a2", "a3", "a4"]
+    assert len(w.held) == 0 and (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+    assert w.load()["held"] == 0
+
+
+async def test_a_job_aborted_while_held_ends_when_its_turn_comes(fair_worker):
+    w = fair_worker
+    await w._deliver(await read(w, of("a", "gone"), of("a", "kept")), claimed=False)
+    await w.redis.set(w.keys.abort("gone"), "client")
+    await w._release_some()
+    assert await take(w) == ["kept"]
+    assert await w.redis.hget(w.keys.request("gone"), "status") == b"aborted"
+    assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+
+
+async def test_held_jobs_a_peer_claimed_are_dropped(fair_worker):
+    w = fair_worker
+    entries = await read(w, of("a", "a0"), of("a", "a1"))
+    await w._deliver(entries, claimed=False)
+    w.lost([entries[0][0]])
+    assert [h.job.uid for h in w.held.items()] == ["a1"]
