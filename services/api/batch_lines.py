@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.api.limits import depth_over
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -39,7 +41,17 @@ class Line:
         return str(self.body.get("model", ""))
 
 
-def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[Line]:
+@dataclass(frozen=True)
+class LineLimits:
+    """What one input file and each of its lines may hold: a line is a request body, bounded as one sent over HTTP
+    is (--max-body-bytes, --max-json-depth), checked before it is parsed."""
+
+    max_lines: int
+    max_line_bytes: int = 16 << 20
+    max_depth: int = 64
+
+
+def parse_lines(data: bytes, endpoint: str, limits: LineLimits) -> list[Line]:
     try:
         text = data.decode()
     except UnicodeDecodeError:
@@ -47,12 +59,12 @@ def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[Line]:
     raw = [r for r in text.splitlines() if r.strip()]
     if not raw:
         raise BadInput("the input file has no lines")
-    if len(raw) > max_lines:
-        raise BadInput(f"the input file has {len(raw)} lines; at most {max_lines} (--max-batch-lines)")
+    if len(raw) > limits.max_lines:
+        raise BadInput(f"the input file has {len(raw)} lines; at most {limits.max_lines} (--max-batch-lines)")
     seen: set[str] = set()
     lines = []
     for k, r in enumerate(raw):
-        line = parse_line(k, r, endpoint)
+        line = parse_line(k, r, endpoint, limits)
         if line.error is None and line.custom_id in seen:
             line = Line(k, line.custom_id, error=f"custom_id `{line.custom_id}` is used by an earlier line")
         seen.add(line.custom_id or "")
@@ -60,7 +72,14 @@ def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[Line]:
     return lines
 
 
-def parse_line(k: int, raw: str, endpoint: str) -> Line:
+def parse_line(k: int, raw: str, endpoint: str, limits: LineLimits) -> Line:
+    data = raw.encode()
+    if len(data) > limits.max_line_bytes:
+        return Line(k, None, error=f"the line is {len(data)} bytes; at most {limits.max_line_bytes} "
+                    "(--max-body-bytes)")
+    if depth_over(data, limits.max_depth):
+        return Line(k, None, error=f"the line nests objects and lists more than {limits.max_depth} deep "
+                    "(--max-json-depth)")
     try:
         obj = json.loads(raw)
     except ValueError:

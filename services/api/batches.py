@@ -35,7 +35,16 @@ from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 
 from services.api.adapters import Adapters
-from services.api.batch_lines import ENDPOINTS, BadInput, Line, invalid_line, line_uid, output_line, parse_lines
+from services.api.batch_lines import (
+    ENDPOINTS,
+    BadInput,
+    Line,
+    LineLimits,
+    invalid_line,
+    line_uid,
+    output_line,
+    parse_lines,
+)
 from services.api.errors import ApiError, as_api_error
 from services.api.files import Files
 from services.api.formats import Format
@@ -58,6 +67,7 @@ STOPPING = ("cancelling", "expired")
 BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 POLL_S = 0.5
 WORK_POLL_S = 2.0  # how often an API process looks for a batch to run
+FILE_SWEEP_S = 3600.0  # how often the contents of expired files are looked for (services/api/files.py)
 RETRY = (429, 503)  # a line refused for these is tried again
 
 
@@ -175,7 +185,8 @@ class Batches:
             return
         try:
             data = await self.files.content(h["input_file_id"], None)
-            lines = parse_lines(data, h["endpoint"], self.s.max_batch_lines)
+            lines = parse_lines(data, h["endpoint"], LineLimits(self.s.max_batch_lines, self.s.max_body_bytes,
+                                                                self.s.max_json_depth))
         except (BadInput, ApiError) as e:
             await self.fail(batch_id, str(e) if isinstance(e, BadInput) else e.message)
             return
@@ -415,12 +426,15 @@ class BatchRunner:
     async def loop(self) -> None:
         """Every WORK_POLL_S, unless draining (its batches are then left to the other API processes): a batch to
         run, polled without blocking (two commands), so an idle API costs Redis one command a second."""
-        key, grouped = self.b.keys.batch_work(), False
+        key, grouped, swept = self.b.keys.batch_work(), False, time.monotonic()
         while True:
             try:
                 await asyncio.sleep(WORK_POLL_S)
                 if self.b.svc.draining:
                     continue
+                if time.monotonic() - swept > FILE_SWEEP_S:
+                    swept = time.monotonic()
+                    await self.b.files.sweep_orphans()
                 if not grouped:
                     grouped = await streams.create_group(self.b.redis, key, GROUP, mkstream=True)
                 entry = await self.next_entry(key)

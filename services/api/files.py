@@ -39,6 +39,7 @@ class Files:
     def __init__(self, settings: ApiSettings, redis: Redis, keys: Keys, tenancy: Tenancy):
         self.settings, self.redis, self.keys, self.tenancy = settings, redis, keys, tenancy
         self._store = None
+        self.orphans: set[str] = set()  # contents whose metadata was gone at the last sweep
 
     def store(self):
         if self._store is None:
@@ -109,6 +110,27 @@ class Files:
         await self.redis.delete(self.keys.file(file_id))
         await self.store().delete(content_key(file_id))  # idempotent
         return {"id": file_id, "object": "file", "deleted": True}
+
+
+    async def sweep_orphans(self) -> int:
+        """The object store has no TTL: a file's contents are deleted once its metadata (`Keys.file`, which does)
+        has been gone at two sweeps in a row (an upload writes its contents before its metadata). How many."""
+        found: set[str] = set()
+        async for info in self.store().list_objects("files/"):
+            found.add(info.key.removeprefix("files/"))
+        ids = sorted(found)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in ids:
+                pipe.exists(self.keys.file(file_id))
+            alive = await pipe.execute()
+        orphans = {i for i, live in zip(ids, alive, strict=True) if not live}
+        gone = orphans & self.orphans
+        for file_id in gone:
+            await self.store().delete(content_key(file_id))
+        self.orphans = orphans - gone
+        if gone:
+            log.info("deleted the contents of %d expired files", len(gone))
+        return len(gone)
 
 
 def file_object(meta: dict[str, Any], ttl_s: int) -> dict[str, Any]:

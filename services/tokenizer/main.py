@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -307,10 +308,7 @@ class TokenizerWorker(PushWorker[Entry]):
             end_spans(spans, [answers.get(q.uid) for q in asked])
 
     async def _not_yet_answered(self, batch: list[Delivery[TokenizerQuery]]) -> list[Delivery[TokenizerQuery]]:
-        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
-        done = [d.entry_id for d in batch if statuses[d.msg.uid] in TERMINAL]
-        await self.source.ack(done)
-        return [d for d in batch if d.entry_id not in done]
+        return await self._ack_those(batch, lambda status: status in TERMINAL)
 
     def _record_answer(self, pipe, query: TokenizerQuery, result: TokenizerAnswer | ReplyError | None,
                        aborted: str | None) -> None:
@@ -354,13 +352,17 @@ class TokenizerWorker(PushWorker[Entry]):
         # After the entry: a peer that ended this stream (its owner gone) finds it again (shared/routing.py).
         pipe.sadd(self.keys.routed(self.model_name), scheduler)
 
+    async def _ack_those(self, batch: list, done: Callable[[str | None], bool]) -> list:
+        """Acknowledge the claimed entries whose record's status says they are `done`; the others."""
+        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
+        acked = [d.entry_id for d in batch if done(statuses[d.msg.uid])]
+        await self.source.ack(acked)
+        return [d for d in batch if d.entry_id not in acked]
+
     async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
         """Jobs a scheduler has not taken yet. One `tokenized` may or may not have reached the schedule stream
         (its record is written first): it is forwarded again, and a scheduler drops the duplicate entry."""
-        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
-        done = [d.entry_id for d in batch if (s := statuses[d.msg.uid]) is not None and s not in NOT_SCHEDULED]
-        await self.source.ack(done)
-        return [d for d in batch if d.entry_id not in done]
+        return await self._ack_those(batch, lambda status: status is not None and status not in NOT_SCHEDULED)
 
     def _record_outcome(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None,
                         aborted: str | None) -> ScheduleJob | None:
