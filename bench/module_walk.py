@@ -10,6 +10,16 @@ functions of the idle window are taken out of the request's, so what is left is 
 
 Figures per process: `stops` (functions entered), `modules` (distinct), `segments` (runs of one module in the walk)
 and `returns` (segments - modules: how often the reader comes back to a module already visited).
+
+The API also gets its `pass`: the modules services/api/service.py hands the request to, in order (README, "the
+path through the API reads as one pass"). Each step counts for the module the service entered to get there, so
+what a module does beneath it (admission's checks in schemas, limits, tenancy; the format's parsers) is folded
+into that module's one visit, and the service's own functions are the path itself, not stops on it. Before the
+service runs, the steps are the HTTP edge (services/api/http.py, app.py, the body's parsing); after it returned
+the SSE response (services/api/sse.py), the server runs that, and it pulls the replies and their chunks. Steps
+of the request's own tasks (the reply read and the disconnect watch the service races, services/api/request.py
+`until_disconnect`) count for their module; those of the process's tasks (the reply hub's reader) are listed
+apart, under `tasks`.
 """
 
 from __future__ import annotations
@@ -67,14 +77,49 @@ def segments_of(modules: list[str]) -> list[str]:
     return out
 
 
+EDGE = ("services.api.http", "services.api.app", "services.api.main", "rsinfer.")  # and the process's entry
+SERVICE = "services.api.service"
+# Tasks of the request's own, outside the service's stack: the response the server runs, the reply reads and the
+# disconnect watch the service races (services/api/request.py `until_disconnect`).
+OWN_TASKS = ("services.api.sse", "services.api.request")
+
+
+def pass_module(module: str, callers: list[str]) -> str | None:
+    """The module of the API's one pass that a step belongs to (module doc); None for another task's step."""
+    stack = [m for m in (*callers, module) if not m.startswith(EDGE)]
+    if not stack:
+        return "edge"
+    if SERVICE not in stack:
+        return stack[0] if stack[0] in OWN_TASKS else None
+    beneath = [m for m in stack[stack.index(SERVICE):] if m != SERVICE]
+    return beneath[0] if beneath else SERVICE
+
+
+def pass_of(steps: list[tuple[str, str, list[str]]]) -> tuple[list[str], list[str]]:
+    """The pass's segments, and the modules other tasks ran in."""
+    before = True  # until the service is entered, what runs is the edge's (parsing the body)
+    modules, tasks = [], []
+    for m, _, callers in steps:
+        before = before and m != SERVICE and SERVICE not in callers
+        module = "edge" if before else pass_module(m, callers)
+        if module is None:
+            tasks.append(m)
+        elif module != SERVICE:
+            modules.append(module)
+    short = [s.rsplit(".", 1)[-1] for s in segments_of(modules)]
+    return short, sorted({t.rsplit(".", 1)[-1] for t in tasks})
+
+
 def figures(role: str, walk: list, idle: set[tuple[str, str]]) -> dict:
     """`own_segments`: the walk through the process's own package (services/<role>/) alone, as a reader of that
     stage's code sees it."""
-    steps = [(m, q) for _, m, q in walk if (m, q) not in idle]
+    full = [(m, q, rest[0] if rest else []) for _, m, q, *rest in walk if (m, q) not in idle]
+    steps = [(m, q) for m, q, _ in full]
     segments = segments_of([m for m, _ in steps])
     own = segments_of([m for m, _ in steps if m.startswith(f"services.{role}.")])
     modules = set(segments)
-    return {"stops": len(steps), "modules": len(modules), "segments": len(segments),
+    extra = dict(zip(("pass", "tasks"), pass_of(full), strict=True)) if role == "api" else {}
+    return {**extra, "stops": len(steps), "modules": len(modules), "segments": len(segments),
             "returns": len(segments) - len(modules), "walk": [f"{m}.{q}" for m, q in steps],
             "module_segments": [s.rsplit(".", 1)[-1] for s in segments],
             "own_segments": [s.rsplit(".", 1)[-1] for s in own]}
@@ -97,12 +142,15 @@ def main() -> int:
         busy = record(walk_dir, lambda: stream_one(url, args.max_tokens))
     out = {}
     for role, walk in busy.items():
-        out[role] = figures(role, walk, {(m, q) for _, m, q in idle.get(role, [])})
+        out[role] = figures(role, walk, {(m, q) for _, m, q, *_ in idle.get(role, [])})
     total = {k: sum(o[k] for o in out.values()) for k in ("stops", "returns")}
     for role, fig in out.items():
         print(f"{role:12s} stops {fig['stops']:3d}  modules {fig['modules']:2d}  segments {fig['segments']:3d}  "
               f"returns {fig['returns']:3d}")
         print(f"  its own package, {len(fig['own_segments'])} segments: " + " → ".join(fig["own_segments"]))
+        if "pass" in fig:
+            print(f"  its pass, {len(fig['pass'])} segments: " + " → ".join(fig["pass"])
+                  + f" (other tasks: {', '.join(fig['tasks'])})")
     print(f"total: {total}")
     Path(args.output).write_text(json.dumps({"per_process": out, "total": total}, indent=1) + "\n")
     return 0

@@ -1,6 +1,7 @@
 """Records, in every process started with RSINFER_WALK_DIR set (bench/module_walk.py), the first entry of each
 project function while a recording window is open: the window is open while the file `<dir>/window` exists.
-When the window closes, this process writes `<dir>/<role>-<pid>.json`: [[t, module, qualname], ...] in order."""
+When the window closes, this process writes `<dir>/<role>-<pid>.json`: [[t, module, qualname, callers], ...] in
+order, `callers` being the project modules on the stack below it, outermost first (what it was called within)."""
 
 import json
 import os
@@ -56,8 +57,18 @@ class _Recorder:
                 self.check(now)
             if self.open and code not in self.seen:
                 self.seen.add(code)
-                module = os.path.relpath(code.co_filename, _ROOT)[:-3].replace(os.sep, ".")
-                self.walk.append([now, module, code.co_qualname])
+                self.walk.append([now, self.module(code), code.co_qualname, self.callers(frame.f_back)])
+
+    def module(self, code) -> str:
+        return os.path.relpath(code.co_filename, _ROOT)[:-3].replace(os.sep, ".")
+
+    def callers(self, frame) -> list:
+        out: list = []
+        while frame is not None and len(out) < 64:
+            if frame.f_code.co_filename.startswith(self.roots):
+                out.append(self.module(frame.f_code))
+            frame = frame.f_back
+        return out[::-1]
 
 
 def _install() -> None:

@@ -300,8 +300,8 @@ class LoraCollector:
 
 
 def install(app: FastAPI, svc: ApiService) -> Adapters:
-    """The adapter routes and metrics on `app`; the returned object resolves requests' adapters."""
-    adapters = Adapters(svc)
+    """The adapter routes and metrics on `app`; the returned object (the service's) resolves requests' adapters."""
+    adapters = svc.adapters
     svc.metrics.registry.register(LoraCollector(svc.stages))
 
     @app.post("/v1/load_lora_adapter")

@@ -142,7 +142,7 @@ def create_app(settings: ApiSettings) -> Guard:
     app.state.service = svc
     errors.install(app)
     adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
-    add_generation_routes(app, svc, adapters)
+    add_generation_routes(app, svc)
     add_tokenizer_routes(app, svc, adapters)
     responses = Responses(svc, adapters)
     add_response_routes(app, svc, responses)
@@ -156,26 +156,13 @@ def create_app(settings: ApiSettings) -> Guard:
     return Guard(app, settings)
 
 
-def add_generation_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
-    """What generates: each body is parsed, checks its fields, is admitted, then answered."""
+def add_generation_routes(app: FastAPI, svc: ApiService) -> None:
+    """What generates: each body is parsed, then admitted and answered (services/api/service.py)."""
     limits = svc.limits
-
-    async def answer(request: Request, body: Body):
-        params = body.checked(limits)
-        tenant = svc.tenancy.tenant_of(request)
-        name = body.model or _only_model(svc)  # only /generate may leave the model out
-        svc.tenancy.authorize(tenant, name, priority=getattr(body, "priority", None),
-                              background=getattr(body, "background", None))
-        # a LoRA adapter's name stands for its base model and the adapter
-        model, adapter = await adapters.target(name, body.lora_path)
-        await svc.admit(model, body.budget(params))
-        submission = body.submission(params, svc.stamp(model, adapter))
-        request.scope[errors.UID] = submission.jobs[0].uid  # whatever fails from here on is logged with it
-        return await svc.answer(request, submission, tenant)
 
     def route(model: type[Body]):
         async def handle(request: Request):
-            return await answer(request, await parse_body(request, model, limits))
+            return await svc.answer(request, await parse_body(request, model, limits))
         return handle
 
     # /v1/embeddings and /v1/score are prefill-only (services/api/prefill.py): one job per input, answered by the
@@ -193,10 +180,10 @@ def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> N
 
     async def ask(request: Request, body: tokenization.TokenizeRequest | tokenization.DetokenizeRequest, op: str):
         body.checked(svc)
-        tenant, name = svc.tenancy.tenant_of(request), body.model or _only_model(svc)
+        tenant, name = svc.tenancy.tenant_of(request), body.model or svc.admission.only_model()
         svc.tenancy.authorize(tenant, name)
         model, _ = await adapters.target(name)  # an adapter shares its base's tokenizer
-        await svc.admit(model, Budget(prompts=1, choices=1, max_tokens=1))
+        await svc.admission.room(model, Budget(prompts=1, choices=1, max_tokens=1))
         now = time.time()
         query = TokenizerQuery(uid=svc.hub.new_uid(), model=model, pod=svc.pod, created_at=now,
                                deadline=now + svc.settings.request_timeout_s, op=op, **body.fields())
@@ -360,13 +347,6 @@ async def parse_body(request: Request, model: type[M], limits: Limits) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
-
-
-def _only_model(svc: ApiService) -> str:
-    models = svc.stages.snapshot.known()
-    if len(models) != 1:
-        raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"), param="model")
-    return models[0]
 
 
 async def _record(svc: ApiService, uid: str, tenant: Tenant) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -35,6 +34,7 @@ from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 
 from services.api.adapters import Adapters
+from services.api.admission import Admitted
 from services.api.batch_lines import (
     ENDPOINTS,
     BadInput,
@@ -48,7 +48,7 @@ from services.api.batch_lines import (
 from services.api.errors import ApiError, as_api_error
 from services.api.files import Files
 from services.api.formats import Format
-from services.api.request import ApiRequest, RequestGroup, SingleRequest
+from services.api.request import ApiRequest, RequestGroup, SingleRequest, leased
 from services.api.response_schemas import ResponseRequest
 from services.api.responses import Responses
 from services.api.schemas import FORBID, ChatCompletionRequest, CompletionRequest, Submission
@@ -302,9 +302,9 @@ class BatchRun:
     async def answer(self, line: Line) -> tuple[bool, dict]:
         """The line's answer (200 and the body) or its HTTP error, as the endpoint would answer it."""
         try:
-            submission, fmt = await self.prepare(line)
-            req = await self.open(line, submission)
-            self.running[line.index] = [j.uid for j in submission.jobs]
+            admitted, fmt = await self.prepare(line)
+            req = await self.open(admitted)
+            self.running[line.index] = [j.uid for j in admitted.submission.jobs]
             try:
                 body = await self.b.svc.full_body(req, fmt)
             finally:
@@ -323,36 +323,31 @@ class BatchRun:
                 err = ApiError(500, "the request failed", code="server_error")
             return False, output_line(self.id, line, err.status, err.body())
 
-    async def prepare(self, line: Line) -> tuple[Submission, Format]:
+    async def prepare(self, line: Line) -> tuple[Admitted, Format]:
+        """The line admitted as its endpoint admits a body (services/api/admission.py), with its own uids."""
         if line.body.get("stream") or line.body.get("background"):
             raise ApiError(400, "a batch's requests are neither streamed nor background", param="stream")
         new_uid = self.uids(line.index)
         if line.url == "/v1/responses":
             return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), self.tenant, new_uid)
-        body = BODIES[line.url].model_validate(line.body)
-        params = body.checked(self.b.svc.limits)
-        self.b.svc.tenancy.authorize(self.tenant, body.model)
-        model, adapter = await self.b.adapters.target(body.model, body.lora_path)
-        await self.b.svc.admit(model, body.budget(params))
-        stamp = dataclasses.replace(self.b.svc.stamp(model, adapter), new_uid=new_uid)
-        submission = body.submission(params, stamp)
-        return submission, submission.fmt
+        admitted = await self.b.svc.admission.admit(BODIES[line.url].model_validate(line.body), self.tenant, new_uid)
+        return admitted, admitted.submission.fmt
 
     def uids(self, index: int) -> Callable[[], str]:
         counter: Iterator[int] = iter(range(1 << 30))
         return lambda: line_uid(self.id, index, next(counter))
 
-    async def open(self, line: Line, submission: Submission) -> ApiRequest:
-        """Submit the line's jobs, as background jobs behind interactive ones, within the tenant's quota (a 429
-        is tried again later); those a predecessor submitted (their record exists) are followed instead."""
-        lease = await self.b.svc.tenancy.admit(self.tenant)
-        return await self.b.svc.leased(self.submit(submission), lease)
+    async def open(self, admitted: Admitted) -> ApiRequest:
+        """Submit the line's jobs, as background jobs behind interactive ones, holding the tenant's lease (taken
+        at admission; a 429 there is tried again later); those a predecessor submitted (their record exists) are
+        followed instead."""
+        return await leased(self.submit(admitted.submission), admitted.lease)
 
     async def submit(self, submission: Submission) -> ApiRequest:
         jobs = [msgspec.structs.replace(j, background=True, priority=self.b.s.batch_priority)
-                for j in self.b.svc.tenancy.stamp(submission.jobs, self.tenant)]
+                for j in submission.jobs]
         records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
-        record = {**submission.record, **self.b.svc.tenancy.record_fields(self.tenant)}
+        record = submission.record
         requests = self.b.svc.requests
         members: list[SingleRequest] = []
         try:

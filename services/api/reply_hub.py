@@ -1,11 +1,11 @@
 """The reply hub: one listener per API process multiplexing XREAD BLOCK over the reply streams of all
-its in-flight requests, feeding one queue per request.
+its in-flight requests, feeding each request's inbox (services/api/request.py `Inbox`).
 
-A request's subscription is woken into a blocked read through the shard's control stream. Reads are
+A request's inbox is woken into a blocked read through the shard's control stream. Reads are
 sharded over several connections once one XREAD would carry more than `shard_keys` keys (XREAD's cost
-grows with its key count). A subscription whose queue holds `high_water` entries is left out of reads
-until its client catches up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow
-client cannot grow this process's memory.
+grows with its key count). An inbox that holds `high_water` entries is left out of reads until its client
+catches up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this
+process's memory.
 
 Each shard owns one hash slot: its control stream's tag is in it, and `new_uid` gives the requests it will
 read uids in it, so on a Redis Cluster its one XREAD names keys of one slot (docs/design.md, "Redis Cluster").
@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
@@ -28,6 +29,9 @@ from shared import slots, streams
 from shared.keys import Keys
 from shared.redis_conn import connect_single, is_cluster_client
 from shared.worker import stop_task
+
+if TYPE_CHECKING:
+    from services.api.request import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -52,44 +56,13 @@ class HubError(Exception):
     """The reply stream cannot be read (Redis unreachable)."""
 
 
-class Subscription:
-    def __init__(self, hub: ReplyHub, shard: _Shard, uid: str, key: str, after: str):
-        self.hub, self.shard, self.uid, self.key = hub, shard, uid, key
-        self.last_id = after
-        self.queue: asyncio.Queue[tuple[str, bytes] | HubError] = asyncio.Queue()
-        self.paused = False
-        self.failed = False
-
-    async def get(self) -> tuple[str, bytes]:
-        # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
-        # subscription that is left out of reads.
-        if self.paused and self.queue.qsize() <= self.hub.high_water // 2:
-            self.paused = False
-            await self.shard.wake()
-        item = await self.queue.get()
-        if isinstance(item, HubError):
-            raise item
-        return item
-
-    def drain(self) -> list[tuple[str, bytes]]:
-        """Everything already queued, without waiting (lets the caller coalesce entries into one chunk)."""
-        out = []
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if isinstance(item, HubError):
-                self.queue.put_nowait(item)
-                break
-            out.append(item)
-        return out
-
-
 class _Shard:
     def __init__(self, hub: ReplyHub, index: int, slot: int, guest: bool = False):
         self.hub, self.index, self.slot, self.guest = hub, index, slot, guest
         self.redis = connect_single(hub.url, **hub.redis_options)
         self.control = hub.keys.control(hub.pod, index, slots.uid_in_slot(slot))
         self.control_id = "$"
-        self.subs: dict[str, Subscription] = {}
+        self.subs: dict[str, Inbox] = {}
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
 
     def wake_in(self, pipe) -> None:
@@ -178,22 +151,21 @@ class ReplyHub:
         """The uid of a request this process submits: in the slot of the shard that will read its replies."""
         return slots.uid_in_slot(self._own_shard().slot)
 
-    def register(self, uid: str, after: str = "0-0", wake_in=None) -> Subscription:
-        """Add rsinfer:reply:{<uid>} to a shard's key set, reading after `after` ("0-0": from the beginning,
-        so entries written before the read blocks are not missed). The caller queues the shard's wake in its
-        own pipeline (`wake_in`, or `sub.shard.wake_in` later), or calls `subscribe` instead. On a cluster the
-        shard is the one of the uid's slot (a guest shard for a request submitted elsewhere); a standalone Redis
-        takes any key in any read."""
-        key = self.keys.reply(uid)
+    def register(self, inbox: Inbox, wake_in=None) -> Inbox:
+        """Add the inbox's reply stream to a shard's key set, read after its `last_id`. The caller queues the
+        shard's wake in its own pipeline (`wake_in`, or `inbox.shard.wake_in` later), or calls `subscribe`
+        instead. On a cluster the shard is the one of the uid's slot (a guest shard for a request submitted
+        elsewhere); a standalone Redis takes any key in any read."""
         if self.cluster:
-            slot = slots.key_slot(key)
+            slot = slots.key_slot(inbox.key)
             shard = next((s for s in self.shards if s.slot == slot), None) or self._add_shard(slot, guest=True)
         else:
             shard = self._own_shard()
-        sub = shard.subs[key] = Subscription(self, shard, uid, key, after)
+        inbox.shard, inbox.resume_at = shard, self.high_water // 2
+        shard.subs[inbox.key] = inbox
         if wake_in is not None:
             shard.wake_in(wake_in)
-        return sub
+        return inbox
 
     def _own_shard(self) -> _Shard:
         """The least loaded of this process's own shards, taking turns among equals (so that short requests
@@ -240,16 +212,16 @@ class ReplyHub:
         self.shards.append(shard)
         return shard
 
-    async def subscribe(self, uid: str, after: str = "0-0") -> Subscription:
-        sub = self.register(uid, after)
+    async def subscribe(self, inbox: Inbox) -> Inbox:
+        self.register(inbox)
         try:
-            await sub.shard.wake()
+            await inbox.shard.wake()
         except BaseException:
-            self.unsubscribe(sub)
+            self.unsubscribe(inbox)
             raise
-        return sub
+        return inbox
 
-    def unsubscribe(self, sub: Subscription) -> None:
+    def unsubscribe(self, sub: Inbox) -> None:
         shard = sub.shard
         shard.subs.pop(sub.key, None)
         sub.queue.put_nowait(HubError("unsubscribed"))  # whoever still waits on it ends, not hangs

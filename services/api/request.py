@@ -1,7 +1,7 @@
 """A request this API process answers, one object from the moment it is opened to its close
 (services/api/service.py answers it; `ApiRequest` is what the service needs of one):
 
-- `Requests.open` submits a body's jobs: per job the record, the tokenize job and the reply subscription in one
+- `Requests.open` submits a body's jobs: per job the record, the tokenize job and its inbox's registration in one
   round trip (`SingleRequest.open`); a completion's several prompts are one request each, answered as one
   (`RequestGroup`). `Requests.attach` follows a request submitted by any API process (reattach).
 - `replies()` yields its reply entries in order, in batches of what arrived together: shared/reply_order.py's
@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
 from services.api.metrics import Metrics
-from services.api.reply_hub import HubError, ReplyHub, Subscription
+from services.api.reply_hub import HubError, ReplyHub
 from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
@@ -49,6 +49,10 @@ from shared.request_states import LEFT_RUNNING, STAGE_ENDED, TERMINAL, EndReason
 from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN, Span, Tracer
+
+if TYPE_CHECKING:
+    from services.api.admission import Admitted
+    from services.api.tenancy import Lease
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,8 @@ class ApiRequest(Protocol):
     def done(self) -> bool: ...
 
     def replies(self, idle_s: float | None = None) -> AsyncIterator[Batch]: ...
+
+    def hold(self, lease: Lease | None) -> None: ...
 
     async def close(self, reason: str | None = None) -> None: ...
 
@@ -159,6 +165,57 @@ async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[
     return (False, None) if gone else (True, task.result())
 
 
+class Inbox:
+    """A request's reply entries, queued here as the reply hub (services/api/reply_hub.py) reads them off its
+    stream. Once `resume_at * 2` are queued the hub leaves the stream out of its reads until the request caught
+    up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this process's
+    memory. The hub's shard that reads it (`shard`) is set when the hub registers it."""
+
+    def __init__(self, uid: str, key: str, after: str = "0-0"):
+        self.uid, self.key = uid, key
+        self.last_id = after  # "0-0": from the beginning, so entries written before the read blocks are not missed
+        self.queue: asyncio.Queue[tuple[str, bytes] | HubError] = asyncio.Queue()
+        self.paused = False
+        self.failed = False
+        self.shard: Any = None
+        self.resume_at = 0
+
+    async def get(self) -> tuple[str, bytes]:
+        # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
+        # stream that is left out of reads.
+        if self.paused and self.queue.qsize() <= self.resume_at:
+            self.paused = False
+            await self.shard.wake()
+        item = await self.queue.get()
+        if isinstance(item, HubError):
+            raise item
+        return item
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        """Everything already queued, without waiting (lets the caller coalesce entries into one chunk)."""
+        out = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, HubError):
+                self.queue.put_nowait(item)
+                break
+            out.append(item)
+        return out
+
+
+async def leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
+    """The opened request, holding `lease` (its tenant's quota, services/api/tenancy.py) until it closes; the
+    lease released if it does not open."""
+    try:
+        req = await opening
+    except BaseException:
+        if lease is not None:
+            await lease.release()
+        raise
+    req.hold(lease)
+    return req
+
+
 class Requests:
     """What the requests of this process share (Redis, the reply hub, metrics, traces), and the ones it submitted
     that are still open (`inflight`: a drain waits for them)."""
@@ -174,8 +231,13 @@ class Requests:
         self.idle.set()
         self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
 
-    async def open(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
-        """Submit a body's jobs; `label` names how it is answered in the metrics (stream, full, generate)."""
+    async def open(self, admitted: Admitted, label: str | None = None) -> ApiRequest:
+        """Submit an admitted body's jobs (services/api/admission.py); `label` names how it is answered in the
+        metrics (stream, full, generate; by default the submission's). The request holds its tenant's lease."""
+        sub = admitted.submission
+        return await leased(self.open_jobs(sub.jobs, sub.record, sub.stream, label or sub.label), admitted.lease)
+
+    async def open_jobs(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
         if len(jobs) == 1:
             return await SingleRequest.open(self, jobs[0], record, stream, label)
         return await RequestGroup.open(self, jobs, record, stream, label)
@@ -224,17 +286,18 @@ class Requests:
 
 
 class SingleRequest:
-    """One job's request: its reply subscription and order, its deadline, its accounting and its end."""
+    """One job's request: its inbox of reply entries and their order, its deadline, its accounting and its end."""
 
     def __init__(self, ctx: Requests, info: RequestInfo, *, resume_window: float = 0.0, label: str = "",
-                 span: Span = NO_SPAN, sub: Subscription | None = None):
-        """`sub`: its reply subscription, if registered already (`open`, `attach`); else registered here."""
+                 span: Span = NO_SPAN, sub: Inbox | None = None):
+        """`sub`: its inbox, if registered with the hub already (`open`, `attach`); else registered here."""
         self.ctx, self.uid, self.deadline, self.model = ctx, info.uid, info.deadline, info.model
         self.owner = True  # the process that submitted it (metrics, in-flight count, drain); `attach` is not
         self.resume_window = resume_window  # seconds a disconnected stream waits for a reattach
         self.background, self.label, self.span = info.background, label, span
         self.order = OrderedReplies(info.n)
-        self.sub: Subscription = sub if sub is not None else ctx.hub.register(info.uid)
+        self.sub: Inbox = sub if sub is not None else ctx.hub.register(Inbox(info.uid, ctx.keys.reply(info.uid)))
+        self.lease: Lease | None = None  # its tenant's quota (`hold`)
         self.closed = False
         self.end_reason: str = EndReason.CLIENT_GONE
         self.started = time.monotonic()
@@ -248,6 +311,12 @@ class SingleRequest:
     @property
     def done(self) -> bool:
         return self.order.done
+
+    def hold(self, lease: Lease | None) -> None:
+        """Release `lease` when this request closes; it is charged this request's usage."""
+        self.lease = lease
+        if lease is not None:
+            lease.counts = self.counts
 
     # -- open or attach ---------------------------------------------------------------------------------
     @classmethod
@@ -268,7 +337,7 @@ class SingleRequest:
                                      background=int(job.background), attached=1, **record)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, ctx.keys.tokenize(job.model), job)
-                sub = ctx.hub.register(job.uid, wake_in=pipe)
+                sub = ctx.hub.register(Inbox(job.uid, ctx.keys.reply(job.uid)), wake_in=pipe)
                 await pipe.execute()
         except BaseException as e:
             if sub is not None:
@@ -299,7 +368,7 @@ class SingleRequest:
         try:
             async with ctx.redis.pipeline(transaction=False) as pipe:
                 ctx.store.attach(pipe, bare, +1)
-                sub = ctx.hub.register(bare, wake_in=pipe)
+                sub = ctx.hub.register(Inbox(bare, ctx.keys.reply(bare)), wake_in=pipe)
                 await pipe.execute()
         except BaseException:
             if sub is not None:
@@ -420,8 +489,12 @@ class SingleRequest:
                     await self._leave()
                 except (RedisError, OSError) as e:
                     log.warning("uid=%s could not set abort flag: %s", self.uid, e)
-        if self.owner:
-            self._count()
+        try:
+            if self.owner:
+                self._count()
+        finally:
+            if self.lease is not None:
+                await self.lease.release()
 
     async def _leave(self) -> None:
         """A client stopped following this unfinished request: abort it now, later, or never (module doc)."""
@@ -483,8 +556,14 @@ class RequestGroup:
         self.counts = GroupCounts(members)
         self.uid, self.model = members[0].uid, members[0].model
         self.times_first_token = members[0].times_first_token
+        self.lease: Lease | None = None
         for m in members:
             m.times_first_token = False
+
+    def hold(self, lease: Lease | None) -> None:
+        self.lease = lease
+        if lease is not None:
+            lease.counts = self.counts
 
     @classmethod
     async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
@@ -525,8 +604,12 @@ class RequestGroup:
             raise
 
     async def close(self, reason: str | None = None) -> None:
-        for m in self.members:
-            await m.close(reason)
+        try:
+            for m in self.members:
+                await m.close(reason)
+        finally:
+            if self.lease is not None:
+                await self.lease.release()
 
 
 async def merged(sources: list[AsyncIterator[Batch]], per: int) -> AsyncIterator[Batch]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -34,10 +33,11 @@ from redis.exceptions import RedisError
 
 from services.api import errors
 from services.api.adapters import Adapters
+from services.api.admission import Admitted
 from services.api.errors import ApiError
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
-from services.api.schemas import BadRequest, Submission
+from services.api.schemas import BadRequest
 from services.api.service import ApiService
 from services.api.tenants import Tenant
 from shared.keys import Keys
@@ -132,30 +132,29 @@ class Responses:
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
-        tenant = self.svc.tenancy.tenant_of(http)
-        submission, fmt = await self.prepare(body, tenant)
-        http.scope[errors.UID] = fmt.uid
+        admitted, fmt = await self.prepare(body, self.svc.tenancy.tenant_of(http))
+        http.scope[errors.UID] = admitted.uid
         if body.background and not body.stream:
-            return await self.start_background(submission, fmt, tenant)
-        answer = await self.svc.answer(http, submission, tenant)
+            return await self.start_background(admitted, fmt)
+        answer = await self.svc.answer_admitted(http, admitted)
         if isinstance(answer, dict) and fmt.on_end is not None:
             await fmt.on_end(answer)
         return answer
 
     async def prepare(self, body: ResponseRequest, tenant: Tenant, new_uid: Callable[[], str] | None = None
-                      ) -> tuple[Submission, ResponseFormat]:
-        """What a body submits, once checked and admitted for `tenant` (its policy; its quota is taken when it
-        opens), and its stored document written (with `store`); `new_uid`: the uid its job takes (a batch's line
-        has its own), else the reply hub's."""
+                      ) -> tuple[Admitted, ResponseFormat]:
+        """What a body submits, once checked and admitted for `tenant` (services/api/admission.py: the same steps
+        as a chat request's), and its stored document written (with `store`); `new_uid`: the uid its job takes
+        (a batch's line has its own), else the reply hub's."""
+        admission = self.svc.admission
         self.svc.tenancy.authorize(tenant, body.model, background=body.background)
         history = await self.history(body.previous_response_id, tenant) if body.previous_response_id else []
         items = body.input_items()
         params = body.checked(self.svc.limits, len(history) + len(items))
         model, adapter = await self.adapters.target(body.model, None)
-        await self.svc.admit(model, body.budget(params))
-        stamp = self.svc.stamp(model, adapter)
-        if new_uid is not None:
-            stamp = dataclasses.replace(stamp, new_uid=new_uid)
+        budget = body.budget(params)
+        await admission.room(model, budget)
+        stamp = admission.stamp(model, adapter, budget.prompts, new_uid)
         parse = answer_parsing(body, stamp.model_info)
         fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
         submission = body.submission(params, stamp, body.messages(history, items), fmt)
@@ -165,16 +164,11 @@ class Responses:
                    "resumable": bool(body.background and body.stream), "tenant": tenant.name}
             await self.store.put(uid, doc)
             fmt.on_end = lambda final: self.store.finish(uid, final)
-        return submission, fmt
+        return await admission.leased(submission, tenant), fmt
 
-    async def start_background(self, submission, fmt: ResponseFormat, tenant: Tenant) -> dict:
-        """Submit it (within the tenant's quota), answer at once (queued), and follow it here to store its final
-        object."""
-        tenancy = self.svc.tenancy
-        record = {**submission.record, **tenancy.record_fields(tenant)}
-        req = await self.svc.leased(self.svc.requests.open(tenancy.stamp(submission.jobs, tenant), record, False,
-                                                           "background"),
-                                    await tenancy.admit(tenant))
+    async def start_background(self, admitted: Admitted, fmt: ResponseFormat) -> dict:
+        """Submit it (its lease taken), answer at once (queued), and follow it here to store its final object."""
+        req = await self.svc.requests.open(admitted, "background")
 
         async def follow() -> None:
             try:

@@ -1,12 +1,14 @@
-"""The API process's state, and the one path every request's answer takes (`ApiService.answer`; a
-reattaching client's, `ApiService.reattach`), after the edge (services/api/app.py) parsed its body, checked it
-against the limits and admitted it (`ApiService.admit`), in this order:
+"""The API process's state, and the one path every generating request's answer takes (`ApiService.answer`; a
+reattaching client's, `ApiService.reattach`), after the edge (services/api/app.py) parsed its body, entering each
+module once, in this order:
 
-1. the request (services/api/request.py): opened (its record, tokenize job and reply subscription in one round
-   trip per job) or attached to; it yields its ordered replies, its early ends as HTTP errors;
-2. format (services/api/formats.py): events -> OpenAI chunk dicts, or the final response;
-3. bytes (services/api/sse.py): SSE events, the response start, keep-alives, the client leaving;
-4. close (`ApiRequest.close`): abort the request unless it finished, metrics, span.
+1. admission (services/api/admission.py): one call decides whether the body is taken now and builds what it
+   submits (limits, the tenant's policy and quota, the model's backlog, its uids, jobs, format and record);
+2. the request (services/api/request.py): opened (its record, tokenize job and inbox in one round trip per job)
+   or attached to; it yields its ordered replies, its early ends as HTTP errors;
+3. format (services/api/formats.py): events -> OpenAI chunk dicts, or the final response;
+4. bytes (services/api/sse.py): SSE events, the response start, keep-alives, the client leaving;
+5. close (`ApiRequest.close`): abort the request unless it finished, metrics, span, the quota's lease.
 
 Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
 (stream: the `SSEResponse`), so client disconnects, deadlines and errors all release the request's state
@@ -23,17 +25,18 @@ from collections.abc import Awaitable
 import msgspec
 from fastapi import Request as HttpRequest
 
-from services.api.errors import ApiError, redis_down
+from services.api import errors
+from services.api.adapters import Adapters
+from services.api.admission import Admission, Admitted, Body
+from services.api.errors import ApiError
 from services.api.formats import Format, format_of_record
 from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests, until_disconnect
-from services.api.schemas import Budget, Stamp, Submission
 from services.api.sse import SSEResponse, answer_events
-from services.api.tenancy import Lease, LeasedRequest, Tenancy
-from services.api.tenants import OPEN, Tenant
+from services.api.tenancy import Tenancy
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.registry import Beating, Heartbeat
@@ -58,6 +61,8 @@ class ApiService:
         self.metrics = Metrics(self.stages)
         self.tenancy = Tenancy(settings, self.redis, self.keys, self.metrics.registry)  # keys, ownership, quotas
         self.tracer = Tracer("api", settings.otlp_endpoint)
+        self.adapters = Adapters(self)  # LoRA: which base model and adapter a request names
+        self.admission = Admission(self)
         self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
         self.requests = Requests(settings, self.store, self.hub, self.pod, tracer=self.tracer, metrics=self.metrics)
         beating = Beating("api", self.pod, "", settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
@@ -115,63 +120,22 @@ class ApiService:
         await self.redis.aclose()
         self.tracer.shutdown()
 
-    def stamp(self, model: str, adapter: str | None = None) -> Stamp:
-        """What this process adds to the jobs of a request for `model` (services/api/schemas.py), with LoRA
-        `adapter` (services/api/adapters.py)."""
-        return Stamp(model, self.pod, self.settings.request_timeout_s, self.hub.new_uid,
-                     self.stages.snapshot.model_info(model), adapter)
-
-    # -- admission --------------------------------------------------------------------------------------
-    async def admit(self, model: str, budget: Budget) -> None:
-        """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
-        request waits in the model's streams, within its deadline, for workers (scale from zero). Every job
-        of the request (one per prompt) counts against --max-queued."""
-        if self.draining:
-            raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
-        snap = self.stages.snapshot
-        if model not in snap.models and time.time() - snap.at > 0.25:
-            snap = await self.stages.refresh()  # it may have been declared since the last refresh
-        if not snap.redis_ok:
-            raise redis_down()
-        if model not in snap.models:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        self.limits.fan_out(budget, snap.model_info(model).get("max_model_len"))
-        jobs, most = budget.prompts, self.settings.max_queued
-        if jobs > most:
-            raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "
-                           "(--max-queued); send them in smaller requests", param=budget.prompts_param,
-                           code="request_too_large")
-        if snap.queued(model) + jobs > most and time.time() - snap.at > 0.25:
-            snap = await self.stages.refresh()  # don't turn work away on a stale backlog figure
-        if snap.queued(model) + jobs > most:
-            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued and this one adds "
-                           f"{jobs}; at most {most} (--max-queued): retry shortly", code="overloaded", retry_after=1)
-
     # -- one request's path: the request -> format -> bytes -> close -------------------------------------
-    async def answer(self, http: HttpRequest, submission: Submission, tenant: Tenant = OPEN):
-        """Submit a body's jobs and answer them as one response (several jobs: a completion with a list of
-        prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream.
-        The tenant's quota admits it first (a 429), and its lease ends with the request."""
-        lease = await self.tenancy.admit(tenant)
-        record = {**submission.record, **self.tenancy.record_fields(tenant)}
-        jobs = self.tenancy.stamp(submission.jobs, tenant)
-        opening = self.leased(self.requests.open(jobs, record, submission.stream, submission.label),
-                               lease)
+    async def answer(self, http: HttpRequest, body: Body):
+        """Admit a generating body and answer it (`answer_admitted`)."""
+        admitted = await self.admission.admit_from(http, body)
+        return await self.answer_admitted(http, admitted)
+
+    async def answer_admitted(self, http: HttpRequest, admitted: Admitted):
+        """Submit an admitted body's jobs and answer them as one response (several jobs: a completion with a list
+        of prompts, whose choices follow each other): a JSON body once every choice finished, or an SSE stream.
+        The tenant's lease ends with the request."""
+        http.scope[errors.UID] = admitted.uid  # whatever fails from here on is logged with it
+        submission = admitted.submission
+        opening = self.requests.open(admitted)
         if submission.stream:
             return await self.stream(http, opening, submission.fmt)
         return await self.full_answer(http, opening, submission.fmt)
-
-    @staticmethod
-    async def leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
-        """The opened request, closing with its lease; the lease released if it does not open."""
-        if lease is None:
-            return await opening
-        try:
-            req = await opening
-        except BaseException:
-            await lease.release()
-            raise
-        return LeasedRequest(req, lease)
 
     async def full_answer(self, http: HttpRequest, opening: Awaitable[ApiRequest], fmt: Format):
         """The JSON body, unless the client goes away first (then nothing); the request is closed either way."""

@@ -20,8 +20,8 @@ from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
 from services.api.limits import too_large
-from services.api.reply_hub import HubError, Subscription
-from services.api.request import until_disconnect
+from services.api.reply_hub import HubError
+from services.api.request import Inbox, until_disconnect
 from services.api.schemas import BadRequest, Message, Tool, check_continuation, generation_prompt
 from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode
@@ -122,7 +122,7 @@ class TokenizerCall:
     def __init__(self, svc: ApiService, query: TokenizerQuery, record: dict[str, str] | None = None):
         """`record`: what else its record says (its tenant)."""
         self.svc, self.query, self.uid, self.record = svc, query, query.uid, record or {}
-        self.sub: Subscription | None = None
+        self.sub: Inbox | None = None
         self.queued = False
         self.status: str = EndReason.CLIENT_GONE  # why it ended, until it is answered
         self.started = time.monotonic()
@@ -135,7 +135,7 @@ class TokenizerCall:
                                      created_at=f"{q.created_at:.3f}", deadline=f"{q.deadline:.3f}", **self.record)
                 barrier(pipe)  # the record exists before a tokenizer can read the query (on a cluster too)
                 streams.add(pipe, svc.keys.tokenize(q.model), q)
-                self.sub = svc.hub.register(q.uid, wake_in=pipe)
+                self.sub = svc.hub.register(Inbox(q.uid, svc.keys.reply(q.uid)), wake_in=pipe)
                 await pipe.execute()
         except (RedisError, OSError):
             self.status = EndReason.BROKER_UNAVAILABLE

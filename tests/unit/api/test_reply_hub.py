@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from services.api.reply_hub import HubLimits, ReplyHub
+from services.api.request import Inbox
 from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode
@@ -26,13 +27,18 @@ async def hub_env(redis_server):
     await redis.aclose()
 
 
+async def subscribe(hub: ReplyHub, uid: str) -> Inbox:
+    """What a request does: its own inbox, registered with the hub (services/api/request.py)."""
+    return await hub.subscribe(Inbox(uid, hub.keys.reply(uid)))
+
+
 def event(i: int) -> ReplyEvent:
     return ReplyEvent(start=i, end=i + 1, text=str(i), prompt_tokens=1)
 
 
 async def test_many_streams_are_sharded_and_each_gets_its_own_entries(hub_env):
     hub, redis, keys = hub_env
-    subs = [await hub.subscribe(f"u{i}") for i in range(20)]
+    subs = [await subscribe(hub, f"u{i}") for i in range(20)]
     assert len(hub.shards) == 3 and hub.subscriptions == 20
     for i in range(20):
         # written after the subscription: the blocked read must wake for it
@@ -47,14 +53,14 @@ async def test_many_streams_are_sharded_and_each_gets_its_own_entries(hub_env):
 async def test_entries_written_before_subscribing_are_not_missed(hub_env):
     hub, redis, keys = hub_env
     await streams.add(redis, keys.reply("early"), event(0))
-    sub = await hub.subscribe("early")
+    sub = await subscribe(hub, "early")
     _, raw = await asyncio.wait_for(sub.get(), 5)
     assert decode(raw, ReplyEvent).start == 0
 
 
 async def test_slow_reader_is_paused_not_buffered(hub_env):
     hub, redis, keys = hub_env
-    sub = await hub.subscribe("slow")
+    sub = await subscribe(hub, "slow")
     for i in range(100):
         await streams.add(redis, keys.reply("slow"), event(i))
     await asyncio.sleep(0.5)
@@ -69,7 +75,7 @@ async def test_a_reader_that_drains_a_full_queue_is_resumed(hub_env):
     hub, redis, keys = hub_env
     for i in range(100):
         await streams.add(redis, keys.reply("long"), event(i))
-    sub = await hub.subscribe("long")
+    sub = await subscribe(hub, "long")
     got: list[int] = []
     while len(got) < 100:
         first = await asyncio.wait_for(sub.get(), 5)
@@ -92,7 +98,7 @@ async def test_on_a_cluster_each_shard_reads_one_slot_and_shards_spread_over_the
     hub, redis, keys = cluster_hub
     assert hub.cluster
     uids = [hub.new_uid() for _ in range(30)]
-    subs = [await hub.subscribe(uid) for uid in uids]  # 30 streams in XREADs that name one slot each
+    subs = [await subscribe(hub, uid) for uid in uids]  # 30 streams in XREADs that name one slot each
     for i, uid in enumerate(uids):
         await streams.add(redis, keys.reply(uid), event(i))
     for i, sub in enumerate(subs):
@@ -106,10 +112,10 @@ async def test_on_a_cluster_each_shard_reads_one_slot_and_shards_spread_over_the
 
 async def test_on_a_cluster_a_request_from_another_process_is_read_by_a_guest_shard(cluster_hub):
     hub, redis, keys = cluster_hub
-    own = await hub.subscribe(hub.new_uid())
+    own = await subscribe(hub, hub.new_uid())
     foreign = slots.uid_in_slot(next(s for s in range(slots.SLOTS) if s not in {x.slot for x in hub.shards}))
     await streams.add(redis, keys.reply(foreign), event(5))
-    sub = await hub.subscribe(foreign)  # a reattach: its slot is none of this process's own shards'
+    sub = await subscribe(hub, foreign)  # a reattach: its slot is none of this process's own shards'
     assert sub.shard.guest and sub.shard.slot == slots.key_slot(keys.reply(foreign))
     _, raw = await asyncio.wait_for(sub.get(), 5)
     assert decode(raw, ReplyEvent).start == 5

@@ -11,6 +11,7 @@ import pytest
 
 from services.api.metrics import Metrics
 from services.api.request import EndedEarly, RequestGroup, RequestInfo, Requests, SingleRequest
+from shared.keys import Keys
 from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, encode
 from shared.reply_order import OrderedReplies
 from shared.settings import ApiSettings
@@ -19,18 +20,18 @@ from shared.settings import ApiSettings
 def shared(redis=None) -> types.SimpleNamespace:
     """What requests share (services/api/request.py Requests), stubbed: no Redis but `redis` (a reattach's check
     of a trimmed head), no hub but one that hands out the subscription given to `reader`."""
-    return types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda uid: shared.sub), metrics=Metrics(None),
-                                 redis=redis)
+    return types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda inbox: shared.sub), metrics=Metrics(None),
+                                 redis=redis, keys=Keys("t"))
 
 
 def reader(sub, n: int = 1, deadline: float | None = None, redis=None, ctx=None) -> SingleRequest:
-    """A request reading `sub` (the Subscription surface it uses)."""
+    """A request reading `sub` (the Inbox surface it uses)."""
     shared.sub = sub
     return SingleRequest(ctx or shared(redis), RequestInfo("u", "m", n, deadline or time.time() + 60))  # type: ignore[arg-type]
 
 
 class QueueSub:
-    """The Subscription surface a request reads: get() and drain() over a queue of (entry id, raw entry)."""
+    """The Inbox surface a request reads: get() and drain() over a queue of (entry id, raw entry)."""
 
     uid, key = "u", "k"
 

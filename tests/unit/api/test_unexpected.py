@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 
 import httpx
 import pytest
@@ -27,13 +28,13 @@ async def test_a_500_is_one_log_line_with_the_uid(caplog):
     app = create_app(ApiSettings(redis_url=DEAD_REDIS))
     svc = app.service
 
-    async def admit(*_):
-        return None
+    async def admit(*_a, **_k):  # taken, with its uid (services/api/admission.py), no Redis needed
+        return types.SimpleNamespace(uid="u-1", submission=types.SimpleNamespace(stream=False, fmt=None))
 
-    async def answer(request, jobs, *_a, **_k):
+    async def open_request(*_a, **_k):
         raise RuntimeError("boom")
 
-    svc.admit, svc.answer = admit, answer
+    svc.admission.admit, svc.requests.open = admit, open_request
     caplog.set_level(logging.DEBUG)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
     async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:

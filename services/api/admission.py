@@ -1,0 +1,134 @@
+"""Whether a body is taken now, and what it submits, in one call (`Admission.admit`), before anything is queued:
+
+1. the body's own fields within the server's limits (its `checked`, services/api/schemas.py; a 400 naming one);
+2. the tenant's policy (services/api/tenancy.py; a 403): the model, `priority`, `background`;
+3. the base model and LoRA adapter its `model` names (services/api/adapters.py; 400, 404);
+4. room for it (`room`): not draining (503), Redis up (503), a known model (404), its fan-out within the limits
+   and the model's backlog under --max-queued (400, 429);
+5. its uids, minted here in the slots of the reply hub's shards that will read its replies
+   (services/api/reply_hub.py `new_uid`), then the jobs, the format and the record the body builds with them;
+6. the tenant's quota, last, so that a request refused above holds no lease (a 429).
+
+What it returns (`Admitted`) is all services/api/request.py needs to open the request. The Responses API
+(services/api/responses.py) and batch lines (services/api/batches.py) are admitted by the same steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fastapi import Request as HttpRequest
+
+from services.api.errors import ApiError, redis_down
+from services.api.registry import Snapshot
+from services.api.schemas import Budget, Stamp, Submission
+from services.api.tenancy import Lease
+from services.api.tenants import Tenant
+from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.api.limits import Limits
+    from services.api.service import ApiService
+
+
+class Body(Protocol):
+    """A generating body (services/api/schemas.py, services/api/prefill.py)."""
+
+    model: str | None
+    lora_path: str | None
+
+    def checked(self, limits: Limits) -> SamplingParams: ...
+
+    def budget(self, params: SamplingParams) -> Budget: ...
+
+    def submission(self, params: SamplingParams, stamp: Stamp) -> Submission: ...
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that was taken: its submission (jobs with their tenant, record with its fields) and the lease of
+    its tenant's quota (None without one), which ends with the request."""
+
+    submission: Submission
+    lease: Lease | None
+    uid: str  # its first job's: the request's id in logs, its response's id
+
+
+class Admission:
+    def __init__(self, svc: ApiService):
+        self.svc = svc
+        self.settings, self.limits, self.stages, self.tenancy = svc.settings, svc.limits, svc.stages, svc.tenancy
+
+    async def admit_from(self, http: HttpRequest, body: Body) -> Admitted:
+        """`admit` for the tenant of the HTTP request's key (services/api/app.py `Guard`)."""
+        return await self.admit(body, self.tenancy.tenant_of(http))
+
+    async def admit(self, body: Body, tenant: Tenant, new_uid: Callable[[], str] | None = None) -> Admitted:
+        """`new_uid`: where the jobs' uids come from, if not the reply hub (a batch line's are its own)."""
+        params = body.checked(self.limits)
+        name = body.model or self.only_model()  # only /generate may leave the model out
+        self.tenancy.authorize(tenant, name, priority=getattr(body, "priority", None),
+                               background=getattr(body, "background", None))
+        model, adapter = await self.svc.adapters.target(name, body.lora_path)  # an adapter: its base model and it
+        budget = body.budget(params)
+        await self.room(model, budget)
+        submission = body.submission(params, self.stamp(model, adapter, budget.prompts, new_uid))
+        return await self.leased(submission, tenant)
+
+    async def leased(self, submission: Submission, tenant: Tenant) -> Admitted:
+        """The submission as its tenant's (record fields, the jobs' turn in fair queueing), within its quota."""
+        tenancy = self.tenancy
+        jobs = tenancy.stamp(submission.jobs, tenant)
+        record = {**submission.record, **tenancy.record_fields(tenant)}
+        return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), await tenancy.admit(tenant),
+                        jobs[0].uid)
+
+    def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
+              ) -> Stamp:
+        """What this process adds to the jobs of a request of `prompts` prompts for `model`, their uids minted
+        now (one per prompt)."""
+        mint = new_uid or self.svc.hub.new_uid
+        uids = iter([mint() for _ in range(prompts)])
+        return Stamp(model, self.svc.pod, self.settings.request_timeout_s, uids.__next__,
+                     self.stages.snapshot.model_info(model), adapter)
+
+    def only_model(self) -> str:
+        models = self.stages.snapshot.known()
+        if len(models) != 1:
+            raise ApiError(400, "give `model`: this server serves " + (", ".join(models) or "no model"),
+                           param="model")
+        return models[0]
+
+    async def room(self, model: str, budget: Budget) -> None:
+        """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
+        request waits in the model's streams, within its deadline, for workers (scale from zero). Every job
+        of the request (one per prompt) counts against --max-queued."""
+        if self.svc.draining:
+            raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
+        snap = await self._fresh_if(lambda s: model not in s.models)  # it may have been declared since
+        if not snap.redis_ok:
+            raise redis_down()
+        if model not in snap.models:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        self.limits.fan_out(budget, snap.model_info(model).get("max_model_len"))
+        jobs, most = budget.prompts, self.settings.max_queued
+        if jobs > most:
+            raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "
+                           "(--max-queued); send them in smaller requests", param=budget.prompts_param,
+                           code="request_too_large")
+        snap = await self._fresh_if(lambda s: s.queued(model) + jobs > most)  # not turned away on a stale figure
+        if snap.queued(model) + jobs > most:
+            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued and this one adds "
+                           f"{jobs}; at most {most} (--max-queued): retry shortly", code="overloaded", retry_after=1)
+
+    async def _fresh_if(self, stale: Callable[[Snapshot], bool]) -> Snapshot:
+        """The registry's snapshot, refreshed first if `stale(snapshot)` and it is over 0.25 s old."""
+        snap = self.stages.snapshot
+        if stale(snap) and time.time() - snap.at > 0.25:
+            snap = await self.stages.refresh()
+        return snap
+
