@@ -7,7 +7,7 @@ requests it may see, and its quotas, shared by every API process through Redis. 
 - `check_owner(tenant, record, uid)`: a 404, as if it did not exist, for another tenant's request (admins see all);
 - `admit(tenant)`: the quota's admission, one script in Redis (`ADMIT`), a 429 with Retry-After and OpenAI's
   x-ratelimit-* headers past a limit; it returns the request's `Lease`, released (`Lease.release`) when the
-  request closes on whatever path (services/api/service.py wraps the request in `LeasedRequest`); a route
+  request closes on whatever path (services/api/request.py: the request holds it, `hold`); a route
   answered within its handler (e.g. a tokenizer or embeddings route) takes `async with admitted(tenant)` instead.
 
 A lease holds a concurrency slot: a member of the tenant's sorted set whose score is when it expires. Every
@@ -248,36 +248,6 @@ class Quotas:
                 await self.task
         with contextlib.suppress(RedisError, OSError):
             await self.flush()
-
-
-class LeasedRequest:
-    """A request (services/api/request.py ApiRequest) whose close also releases its tenant's lease."""
-
-    def __init__(self, req, lease: Lease):
-        self.req, self.lease = req, lease
-        lease.counts = req.counts
-
-    uid = property(lambda self: self.req.uid)
-    model = property(lambda self: self.req.model)
-    counts = property(lambda self: self.req.counts)
-    done = property(lambda self: self.req.done)
-
-    @property
-    def end_reason(self) -> str:
-        return self.req.end_reason
-
-    @end_reason.setter
-    def end_reason(self, reason: str) -> None:
-        self.req.end_reason = reason
-
-    def replies(self, idle_s: float | None = None):
-        return self.req.replies(idle_s)
-
-    async def close(self, reason: str | None = None) -> None:
-        try:
-            await self.req.close(reason)
-        finally:
-            await self.lease.release()
 
 
 class Tenancy:
