@@ -55,7 +55,11 @@ class Admitted:
 
     submission: Submission
     lease: Lease | None
-    uid: str  # its first job's: the request's id in logs, its response's id
+
+    @property
+    def uid(self) -> str:
+        """Its first job's: the request's id in logs, its response's id."""
+        return self.submission.jobs[0].uid
 
 
 class Admission:
@@ -84,8 +88,7 @@ class Admission:
         tenancy = self.tenancy
         jobs = tenancy.stamp(submission.jobs, tenant)
         record = {**submission.record, **tenancy.record_fields(tenant)}
-        return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), await tenancy.admit(tenant),
-                        jobs[0].uid)
+        return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), await tenancy.admit(tenant))
 
     def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
               ) -> Stamp:
