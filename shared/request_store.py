@@ -62,6 +62,12 @@ class RequestStore:
         pipe.hset(self.keys.request(uid), mapping=mapping)
         pipe.expire(self.keys.request(uid), self.ttl)
 
+    def count_generated(self, pipe: Pipeline, uid: str, tokens: int) -> None:
+        """A choice ended after `tokens` tokens: record field `generated_tokens` sums every choice's, which is what
+        its tenant's quota is charged (services/api/quotas.py), whoever followed the request."""
+        if tokens:
+            pipe.hincrby(self.keys.request(uid), "generated_tokens", tokens)
+
     def attach(self, target: Pipeline | Redis, uid: str, delta: int) -> Any:
         """Count a client stream joining (+1) or leaving (-1) the request (record field `attached`), so that
         any API process can tell whether someone still follows it."""

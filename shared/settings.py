@@ -277,12 +277,13 @@ class TenantSettings(BaseSettings):
     api_keys_check_s: float = Field(1.0, gt=0, le=60, description="how often (seconds) --api-keys-file is "
                                     "looked at for a change; a change is honoured within this")
     metrics_open: bool = Field(True, description="/metrics needs no key; false: an admin key")
-    quota_lease_s: float = Field(30.0, ge=3, le=3600, description="a tenant's concurrency slot lives this long "
-                                 "past its API process's last refresh (every third of it), so the slots of a "
-                                 "crashed API process free themselves")
-    usage_flush_s: float = Field(2.0, gt=0, le=60, description="how often each API process adds the tokens its "
-                                 "open requests counted to their tenants' per-minute budgets and usage counters "
-                                 "(one pipeline for all of them)")
+    quota_lease_s: float = Field(30.0, ge=3, le=3600, description="the concurrency slot of a route answered within "
+                                 "its handler (the tokenizer routes) lives this long past its API process's last "
+                                 "refresh (every third of it), so a crashed process's free themselves; a request's "
+                                 "slot ends with the request (its deadline at the latest)")
+    usage_flush_s: float = Field(2.0, gt=0, le=60, description="how often each API process looks at the records of "
+                                 "requests whose clients left, to release their tenants' quota leases once they "
+                                 "ended (one pipeline for all of them)")
 
 
 class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, ApiKeyFile, TenantSettings):

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 from fastapi import Request as HttpRequest
 
 from services.api.errors import ApiError, redis_down
+from services.api.quotas import Lease
 from services.api.registry import Snapshot
 from services.api.schemas import Budget, Stamp, Submission
-from services.api.tenancy import Lease
 from services.api.tenants import Tenant
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, TokenizeJob
 
 if TYPE_CHECKING:
     from services.api.limits import Limits
@@ -88,7 +88,16 @@ class Admission:
         tenancy = self.tenancy
         jobs = tenancy.stamp(submission.jobs, tenant)
         record = {**submission.record, **tenancy.record_fields(tenant)}
-        return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), await tenancy.admit(tenant))
+        first = jobs[0]
+        lease = await tenancy.admit(tenant, self.reserve(jobs), first.uid, max(j.deadline for j in jobs))
+        return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), lease)
+
+    def reserve(self, jobs: list[TokenizeJob]) -> int:
+        """The most tokens the jobs may generate, which their tenant's tokens_per_minute reserves at admission
+        (services/api/quotas.py): each choice's max_tokens, or the model's context where it is omitted."""
+        context = self.stages.snapshot.model_info(jobs[0].model).get("max_model_len") or 0
+        return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else int(context))
+                   for j in jobs)
 
     def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
               ) -> Stamp:

@@ -52,7 +52,7 @@ from shared.tracing import NO_SPAN, Span, Tracer
 
 if TYPE_CHECKING:
     from services.api.admission import Admitted
-    from services.api.tenancy import Lease
+    from services.api.quotas import Lease
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Inbox:
 
 
 async def leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:
-    """The opened request, holding `lease` (its tenant's quota, services/api/tenancy.py) until it closes; the
+    """The opened request, holding `lease` (its tenant's quota, services/api/quotas.py) until it ends; the
     lease released if it does not open."""
     try:
         req = await opening
@@ -313,10 +313,11 @@ class SingleRequest:
         return self.order.done
 
     def hold(self, lease: Lease | None) -> None:
-        """Release `lease` when this request closes; it is charged this request's usage."""
+        """Hold `lease` (its tenant's quota) until this request ends: at its close if it finished, else once its
+        record says it ended (services/api/quotas.py)."""
         self.lease = lease
         if lease is not None:
-            lease.counts = self.counts
+            lease.follow((self.uid,), self.counts)
 
     # -- open or attach ---------------------------------------------------------------------------------
     @classmethod
@@ -494,7 +495,7 @@ class SingleRequest:
                 self._count()
         finally:
             if self.lease is not None:
-                await self.lease.release()
+                await self.lease.end(self.done)
 
     async def _leave(self) -> None:
         """A client stopped following this unfinished request: abort it now, later, or never (module doc)."""
@@ -563,7 +564,7 @@ class RequestGroup:
     def hold(self, lease: Lease | None) -> None:
         self.lease = lease
         if lease is not None:
-            lease.counts = self.counts
+            lease.follow(tuple(m.uid for m in self.members), self.counts)
 
     @classmethod
     async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
@@ -609,7 +610,7 @@ class RequestGroup:
                 await m.close(reason)
         finally:
             if self.lease is not None:
-                await self.lease.release()
+                await self.lease.end(self.done)
 
 
 async def merged(sources: list[AsyncIterator[Batch]], per: int) -> AsyncIterator[Batch]:

@@ -127,6 +127,7 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         if finish is not None:
             self.requests.set_status(pipe, it.uid, status_after(finish), finish_reason=finish,
                                      completion_tokens=end)
+            self.requests.count_generated(pipe, it.uid, end)
             self._remember(it, end)
             if it.n == 1:  # its last range (one redone later reads the record again)
                 self.stops.pop(it.uid)
