@@ -181,14 +181,13 @@ class ResponseStore:
 
         def queue(pipe: Any) -> None:
             expires = time.time() + self.ttl_s
+            pipe.hset(self.keys.response(uid), mapping={"tenant": tenant, **fields})
             for at, owner in [(uid, tenant), *chain]:
-                if at == uid:
-                    pipe.hset(self.keys.response(uid), mapping={"tenant": tenant, **fields})
                 pipe.expire(self.keys.response(at), self.ttl_s)
-                zset, sizes = self._counted(owner)
-                pipe.zadd(zset, {at: expires}, xx=True)
-                pipe.expire(zset, self.keys_ttl_s)
-                pipe.expire(sizes, self.keys_ttl_s)
+                pipe.zadd(self.keys.stored_responses(owner), {at: expires}, xx=True)
+            for owner in {tenant, *(owner for _, owner in chain)}:
+                for key in self._counted(owner):
+                    pipe.expire(key, self.keys_ttl_s)
 
         return queue
 

@@ -219,6 +219,8 @@ class Responses:
         async def follow() -> None:
             try:
                 await self.store.finish(fmt.uid, tenant.name, await self.ended(req, fmt))
+            except (ApiError, RedisError, OSError) as e:  # the next GET rebuilds it
+                log.warning("uid=%s background response not stored: %s", fmt.uid, e)
             finally:
                 await req.close()
 

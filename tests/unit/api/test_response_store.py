@@ -1,6 +1,6 @@
 """services/api/response_store.py against a real redis-server: a tenant's count of stored responses follows what
 Redis holds (reserved, written, ended, deleted, expired), its bounds refuse with a 400, and another tenant's read
-gets the owner's name back and nothing of the document."""
+gets the owner's name back and nothing of the document; on a standalone Redis and on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from shared.settings import ApiSettings
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-async def store(redis_server):
-    redis = connect(redis_server.url)
-    settings = ApiSettings(redis_url=redis_server.url, max_stored_responses_per_tenant=3,
-                           max_stored_response_bytes_per_tenant=4096)
+@pytest.fixture(params=["standalone", "cluster"])
+async def store(request):
+    """A store on a standalone Redis, and on a Redis Cluster (the response and its tenant's count in other slots)."""
+    url = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster").url
+    redis = connect(url)
+    settings = ApiSettings(redis_url=url, max_stored_responses_per_tenant=3, max_stored_response_bytes_per_tenant=4096)
     yield ResponseStore(redis, Keys(f"r{uuid.uuid4().hex[:8]}"), settings)
     await redis.aclose()
 
