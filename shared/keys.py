@@ -80,9 +80,11 @@ class Keys:
         return f"{self.namespace}:req:{{{uid}}}"
 
     def response(self, uid: str) -> str:
-        """A stored response of the Responses API (services/api/responses.py): its request's fields, input items
-        and, once it ended, its final object, as JSON; under the request's hash tag."""
-        return f"{self.namespace}:resp:{{{uid}}}"
+        """A stored response of the Responses API (services/api/response_store.py), a hash under the request's
+        hash tag: `tenant` (its owner, read before anything else), `meta` (the fields its object echoes, how its
+        answers are parsed, the response it continues), `input` (its own input items) and, once it ended,
+        `final` (its final object), each JSON."""
+        return f"{self.namespace}:response:{{{uid}}}"
 
     def file(self, file_id: str) -> str:
         """A stored file's metadata (hash: filename, purpose, bytes, created_at); its contents are in the object
@@ -145,6 +147,15 @@ class Keys:
         """Hash of the tenant's current one-minute window: `w` (its index, unix minutes), `req` (requests admitted
         in it), `tok` (prompt and generated tokens counted in it). Expires two minutes after its last write."""
         return f"{self.namespace}:quota:{{t:{tenant}}}:window"
+
+    def stored_responses(self, tenant: str) -> str:
+        """Sorted set of a tenant's stored responses: member = the uid, score = the unix time it expires at (a
+        reservation not yet written expires sooner); pruned as it is read (services/api/response_store.py)."""
+        return f"{self.namespace}:stored:{{t:{tenant}}}"
+
+    def stored_response_bytes(self, tenant: str) -> str:
+        """Hash of the bytes of a tenant's stored responses: field = the uid, and `#total` their sum."""
+        return f"{self.namespace}:stored:{{t:{tenant}}}:bytes"
 
     def usage(self) -> str:
         """Hash of every tenant's usage since the counters began: field `<tenant>:<counter>` (requests,

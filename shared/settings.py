@@ -374,7 +374,17 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_stored_response_bytes: int = Field(4 << 20, ge=1024, description="largest stored response (its input, "
                                            "its conversation and its output, as JSON): a request past it is a "
                                            "400; an output past it is not stored (its reply stream still is, "
-                                           "for --request-ttl-s)")
+                                           "for --request-ttl-s); a conversation read through "
+                                           "previous_response_id is bounded by it too")
+    max_stored_responses_per_tenant: int = Field(10_000, ge=1, description="most stored responses of one tenant "
+                                                 "(every tenant's own; in open mode, of everyone) until they "
+                                                 "expire or are deleted: past it `store` is a 400")
+    max_stored_response_bytes_per_tenant: int = Field(256 << 20, ge=1024, description="most bytes of one "
+                                                      "tenant's stored responses together (their input and "
+                                                      "output, as JSON): past it `store` is a 400")
+    max_response_chain: int = Field(256, ge=1, description="most responses one conversation chains through "
+                                    "previous_response_id (each stores only its own input and output; the "
+                                    "conversation is read link by link)")
     # -- The Batch API (services/api/batches.py, services/api/files.py).
     file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")

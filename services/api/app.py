@@ -144,7 +144,7 @@ def create_app(settings: ApiSettings) -> Guard:
     adapters = install_adapters(app, svc)  # LoRA: load/unload routes, a request's adapter (services/api/adapters.py)
     add_generation_routes(app, svc)
     add_tokenizer_routes(app, svc, adapters)
-    responses = Responses(svc, adapters)
+    responses = Responses(svc)
     add_response_routes(app, svc, responses)
     files = Files(settings, svc.redis, svc.keys, svc.tenancy)
     batches = Batches(svc, adapters, responses, files)

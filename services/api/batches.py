@@ -353,7 +353,8 @@ class BatchRun:
         try:
             for job in jobs:
                 if records[job.uid][0] is None:
-                    members.append(await SingleRequest.open(requests, job, record, False, "batch"))
+                    members.append(await SingleRequest.open(requests, job, record, False, "batch",
+                                                            writes=None if members else submission.writes))
                 else:
                     members.append(await requests.attach(job.uid, await self.b.svc.store.record(job.uid), None))
         except BaseException:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
+Writes = Callable[[Any], None]  # queues what a submission stores beside its record on the opening pipeline
 
 UID_PREFIXES = ("chatcmpl-", "cmpl-")
 TOKENLESS_KINDS = ("embedding", "score")  # prefill-only requests (services/api/prefill.py): no time to first token
@@ -235,12 +236,15 @@ class Requests:
         """Submit an admitted body's jobs (services/api/admission.py); `label` names how it is answered in the
         metrics (stream, full, generate; by default the submission's). The request holds its tenant's lease."""
         sub = admitted.submission
-        return await leased(self.open_jobs(sub.jobs, sub.record, sub.stream, label or sub.label), admitted.lease)
+        opening = self.open_jobs(sub.jobs, sub.record, sub.stream, label or sub.label, writes=sub.writes)
+        return await leased(opening, admitted.lease)
 
-    async def open_jobs(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str) -> ApiRequest:
+    async def open_jobs(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str, *,
+                        writes: Writes | None = None) -> ApiRequest:
+        """`writes`: what the submission stores beside its record, with its first job (`SingleRequest.open`)."""
         if len(jobs) == 1:
-            return await SingleRequest.open(self, jobs[0], record, stream, label)
-        return await RequestGroup.open(self, jobs, record, stream, label)
+            return await SingleRequest.open(self, jobs[0], record, stream, label, writes=writes)
+        return await RequestGroup.open(self, jobs, record, stream, label, writes=writes)
 
     async def attach(self, uid: str, record: dict, last_event_id: str | None) -> SingleRequest:
         return await SingleRequest.attach(self, uid, record, last_event_id)
@@ -321,9 +325,11 @@ class SingleRequest:
 
     # -- open or attach ---------------------------------------------------------------------------------
     @classmethod
-    async def open(cls, ctx: Requests, job: TokenizeJob, record: dict, stream: bool, label: str) -> SingleRequest:
-        """Subscribe to the reply stream, write the record and the job and wake the reply reader, all in one round
-        trip; its trace (if tracing) starts here. Nothing is left behind if Redis fails."""
+    async def open(cls, ctx: Requests, job: TokenizeJob, record: dict, stream: bool, label: str, *,
+                   writes: Writes | None = None) -> SingleRequest:
+        """Subscribe to the reply stream, write the record (and `writes`, what the submission stores beside it)
+        and the job and wake the reply reader, all in one round trip; its trace (if tracing) starts here.
+        Nothing is left behind if Redis fails."""
         span = ctx.tracer.start("request", root=True, uid=job.uid, model=job.model, kind=record.get("kind", ""),
                                 stream=stream)
         if span.traceparent:
@@ -336,6 +342,8 @@ class SingleRequest:
                 ctx.store.set_status(pipe, job.uid, Status.QUEUED, model=job.model, pod=ctx.pod,
                                      created_at=f"{job.created_at:.3f}", deadline=f"{job.deadline:.3f}",
                                      background=int(job.background), attached=1, **record)
+                if writes is not None:
+                    writes(pipe)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
                 streams.add(pipe, ctx.keys.tokenize(job.model), job)
                 sub = ctx.hub.register(Inbox(job.uid, ctx.keys.reply(job.uid)), wake_in=pipe)
@@ -567,13 +575,15 @@ class RequestGroup:
             lease.follow(tuple(m.uid for m in self.members), self.counts)
 
     @classmethod
-    async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str
-                   ) -> RequestGroup:
-        """Open every job; if one cannot be opened, those already open are ended (`EndReason.REJECTED`)."""
+    async def open(cls, ctx: Requests, jobs: list[TokenizeJob], record: dict, stream: bool, label: str, *,
+                   writes: Writes | None = None) -> RequestGroup:
+        """Open every job (`writes` with the first); if one cannot be opened, those already open are ended
+        (`EndReason.REJECTED`)."""
         members: list[SingleRequest] = []
         try:
             for job in jobs:
-                members.append(await SingleRequest.open(ctx, job, record, stream, label))
+                members.append(await SingleRequest.open(ctx, job, record, stream, label,
+                                                        writes=None if members else writes))
         except BaseException:
             for m in members:
                 await m.close(EndReason.REJECTED)

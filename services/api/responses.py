@@ -1,18 +1,24 @@
 """The Responses API (`/v1/responses`): a response is a chat request through the pipeline (its tokenize job, record
 and reply stream, services/api/service.py answers it) plus a stored document any API process reads.
 
-The stored response (`Keys.response`, one JSON string with a TTL of --response-ttl-s, at most
---max-stored-response-bytes) holds what the response object echoes, how its answers are parsed, its input items
-and the conversation before them (`previous_response_id`) and, once it ended, its final object. Until then every
-API process can rebuild the object from the reply stream (`ResponseFormat` is a pure function of it), so:
+A request is admitted as every generating body is (services/api/admission.py `Admission.admit`: limits, the
+tenant's policy, room, its uids and job, the tenant's quota); then its stored response is counted against its
+tenant's bounds and written with the request, on the pipeline that opens it (services/api/response_store.py):
+nothing is stored for a request refused on the way, nor past what the model's context can take. A response that
+continues another (`previous_response_id`) stores only its own input and the other's id; the conversation is
+read link by link (`conversation`), within --max-response-chain links and --max-stored-response-bytes. Until it
+ended every API process can rebuild the object from the reply stream (`ResponseFormat` is a pure function of it),
+so:
 
 - `GET /v1/responses/{id}` answers with the stored final object, or rebuilds it once the request ended (and
-  stores it), or shows it queued / in progress;
+  stores it; a request a stage refused ends `failed` with the error), or shows it queued / in progress;
 - `GET /v1/responses/{id}?stream=true&starting_after=N` re-reads the reply stream from its start and sends the
   events numbered after N (only for responses created with `background` and `stream`, as at OpenAI);
 - a `background` response runs to its end with nobody attached: its client leaving does not abort it (the
   request's close policy, services/api/request.py), and the process that took it follows it to store its final
   object; if that process is gone, the next GET rebuilds it;
+- a response whose id never reached its client (its create answered with an error, or its client left before the
+  answer) is deleted at once;
 - cancel aborts it like DELETE /v1/requests/{uid} and returns its final object (a second cancel the same);
   DELETE aborts it if it runs and deletes the stored response.
 """
@@ -21,78 +27,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+import anyio
 from fastapi import Request as HttpRequest
-from prometheus_client import Counter
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from services.api import errors
-from services.api.adapters import Adapters
 from services.api.admission import Admitted
 from services.api.errors import ApiError
+from services.api.request import EndedEarly
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
-from services.api.schemas import BadRequest
+from services.api.response_store import ResponseStore, Stored
+from services.api.schemas import BadRequest, Stamp, Submission
 from services.api.service import ApiService
 from services.api.tenants import Tenant
-from shared.keys import Keys
+from shared.messages import ChatMessage, SamplingParams
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
 
 log = logging.getLogger(__name__)
 
 REBUILD_S = 10.0  # longest wait for an ended (or cancelled) request's reply stream to be read to its end
+VERBATIM_ROLES = ("user", "system", "tool")  # chat templates render these messages' text as it is (trimmed)
 
 
 def not_found(response_id: str) -> ApiError:
     return ApiError(404, f"no response `{response_id}` (stored responses are kept for --response-ttl-s)",
                     param="response_id", code="response_not_found")
-
-
-class ResponseStore:
-    """Stored responses in Redis: one JSON document each, under the request's hash tag, with a TTL; `ended` counts
-    those whose final object it stored (by status)."""
-
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: int, max_bytes: int, ended: Counter | None = None):
-        self.redis, self.keys, self.ttl_s, self.max_bytes, self.ended = redis, keys, ttl_s, max_bytes, ended
-
-    async def put(self, uid: str, doc: dict[str, Any]) -> None:
-        await self.redis.set(self.keys.response(uid), self.encoded(doc, "input"), ex=self.ttl_s)
-
-    def encoded(self, doc: dict[str, Any], param: str) -> bytes:
-        raw = orjson.dumps(doc)
-        if len(raw) > self.max_bytes:
-            raise ApiError(400, f"the stored response would be {len(raw)} bytes; at most {self.max_bytes} "
-                           "(--max-stored-response-bytes): send a shorter conversation, or `store: false`",
-                           param=param, code="request_too_large")
-        return raw
-
-    async def get(self, uid: str) -> dict[str, Any] | None:
-        raw = await self.redis.get(self.keys.response(uid))
-        return orjson.loads(raw) if raw else None
-
-    async def finish(self, uid: str, final: dict[str, Any]) -> None:
-        """Keep the final object with the document (once; an output too large to store is left to the reply
-        stream)."""
-        doc = await self.get(uid)
-        if doc is None or doc.get("final"):
-            return
-        doc["final"] = final
-        try:
-            raw = self.encoded(doc, "output")
-        except ApiError:
-            log.warning("uid=%s final response over --max-stored-response-bytes: not stored", uid)
-            return
-        await self.redis.set(self.keys.response(uid), raw, ex=self.ttl_s)
-        if self.ended is not None:
-            self.ended.labels(final["status"]).inc()
-
-    async def delete(self, uid: str) -> bool:
-        return bool(await self.redis.delete(self.keys.response(uid)))
 
 
 def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
@@ -109,18 +75,87 @@ def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
     return out
 
 
-def format_of_doc(doc: dict[str, Any], uid: str) -> ResponseFormat:
-    return ResponseFormat(doc["shown"], doc.get("parse"), uid, int(doc.get("created", 0)))
+def fits_context(messages: list[ChatMessage], model_info: dict) -> None:
+    """A 400 for a conversation whose text cannot fit the model's context, whatever it tokenizes to: a token
+    stands for at most `max_token_bytes` bytes (the tokenizer's bound, in its model_info), and the prompt holds
+    at least the text of the messages a template renders as they are."""
+    per_token, context = model_info.get("max_token_bytes"), model_info.get("max_model_len")
+    if not per_token or not context:
+        return
+    size = sum(len(m.content.strip().encode()) for m in messages if m.role in VERBATIM_ROLES)
+    if size > per_token * context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; a conversation of {size} "
+                       f"bytes of text cannot fit it (a token of this model stands for at most {per_token} bytes)",
+                       param="input", code="context_length_exceeded")
+
+
+def format_of_doc(meta: dict[str, Any], uid: str) -> ResponseFormat:
+    return ResponseFormat(meta["shown"], meta.get("parse"), uid, int(meta.get("created", 0)))
+
+
+@dataclass
+class Conversation:
+    """What a response continues (`previous_response_id`): the items of the conversation so far, oldest first,
+    and the responses it was read from (uid, owner), whose expiry its new response refreshes."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    links: list[tuple[str, str]] = field(default_factory=list)
+    size: int = 0  # bytes of its stored items
+
+
+@dataclass
+class ResponseBody:
+    """A Responses request as services/api/admission.py takes a body: the request with the conversation it
+    continues and its input items (read and checked before), and where its response is stored (`stored`: its
+    fields, once `submission` built them; empty with `store: false`)."""
+
+    request: ResponseRequest
+    tenant: Tenant
+    history: Conversation
+    items: list[dict[str, Any]]
+    store: ResponseStore
+    lora_path: str | None = None
+    stored: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    @property
+    def background(self) -> bool | None:
+        return self.request.background
+
+    def checked(self, limits) -> SamplingParams:
+        return self.request.checked(limits, len(self.history.items) + len(self.items))
+
+    def budget(self, params: SamplingParams):
+        return self.request.budget(params)
+
+    def submission(self, params: SamplingParams, stamp: Stamp) -> Submission:
+        """The job and format, and what it stores (written with its record), bounded by the model's context and
+        --max-stored-response-bytes before anything is written."""
+        body = self.request
+        messages = body.messages(self.history.items, self.items)
+        fits_context(messages, stamp.model_info)
+        parse = answer_parsing(body, stamp.model_info)
+        fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
+        sub = body.submission(params, stamp, messages, fmt)
+        if body.store is False:
+            return sub
+        prev = self.history.links[0][0] if self.history.links else None
+        meta = {"shown": fmt.shown, "parse": parse, "created": fmt.created, "prev": prev,
+                "resumable": bool(body.background and body.stream)}
+        self.stored = self.store.encoded(meta, self.items)
+        return dataclasses.replace(sub, writes=self.store.writes(self.tenant.name, fmt.uid, self.stored,
+                                                                 self.history.links))
 
 
 class Responses:
     """The routes' work (services/api/app.py `add_response_routes` parses and calls it)."""
 
-    def __init__(self, svc: ApiService, adapters: Adapters):
-        s = svc.settings
-        self.svc, self.adapters = svc, adapters
-        self.store = ResponseStore(svc.redis, svc.keys, s.response_ttl_s, s.max_stored_response_bytes,
-                                   svc.metrics.responses)
+    def __init__(self, svc: ApiService):
+        self.svc, self.max_chain = svc, svc.settings.max_response_chain
+        self.store = ResponseStore(svc.redis, svc.keys, svc.settings, svc.metrics.responses)
         self.followers: set[asyncio.Task] = set()  # background responses this process follows to their end
 
     async def close(self) -> None:
@@ -132,50 +167,60 @@ class Responses:
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
-        admitted, fmt = await self.prepare(body, self.svc.tenancy.tenant_of(http))
+        tenant = self.svc.tenancy.tenant_of(http)
+        admitted, fmt = await self.prepare(body, tenant)
         http.scope[errors.UID] = admitted.uid
-        if body.background and not body.stream:
-            return await self.start_background(admitted, fmt)
-        answer = await self.svc.answer_admitted(http, admitted)
-        if isinstance(answer, dict) and fmt.on_end is not None:
+        background = bool(body.background and not body.stream)
+        answer = None
+        try:
+            answer = await (self.start_background(admitted, fmt, tenant) if background else
+                            self.svc.answer_admitted(http, admitted))
+        finally:
+            if answer is None and body.store is not False:
+                await self.forget(fmt.uid, tenant)  # its id never reached the client
+        if isinstance(answer, dict) and not background and fmt.on_end is not None:
             await fmt.on_end(answer)
         return answer
 
     async def prepare(self, body: ResponseRequest, tenant: Tenant, new_uid: Callable[[], str] | None = None
                       ) -> tuple[Admitted, ResponseFormat]:
-        """What a body submits, once checked and admitted for `tenant` (services/api/admission.py: the same steps
-        as a chat request's), and its stored document written (with `store`); `new_uid`: the uid its job takes
-        (a batch's line has its own), else the reply hub's."""
-        admission = self.svc.admission
-        self.svc.tenancy.authorize(tenant, body.model, background=body.background)
-        history = await self.history(body.previous_response_id, tenant) if body.previous_response_id else []
-        items = body.input_items()
-        params = body.checked(self.svc.limits, len(history) + len(items))
-        model, adapter = await self.adapters.target(body.model, None)
-        budget = body.budget(params)
-        await admission.room(model, budget)
-        stamp = admission.stamp(model, adapter, budget.prompts, new_uid)
-        parse = answer_parsing(body, stamp.model_info)
-        fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
-        submission = body.submission(params, stamp, body.messages(history, items), fmt)
-        if body.store is not False:
-            uid = fmt.uid
-            doc = {"shown": fmt.shown, "parse": parse, "created": fmt.created, "input": items, "history": history,
-                   "resumable": bool(body.background and body.stream), "tenant": tenant.name}
-            await self.store.put(uid, doc)
-            fmt.on_end = lambda final: self.store.finish(uid, final)
-        return await admission.leased(submission, tenant), fmt
+        """What a body submits, once admitted for `tenant` (services/api/admission.py, as a chat request) and its
+        stored response (with `store`) counted against the tenant's bounds: it is written when the request is
+        opened; `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
+        history = await self.conversation(body.previous_response_id, tenant)
+        prepared = ResponseBody(body, tenant, history, body.input_items(), self.store)
+        admitted = await self.svc.admission.admit(prepared, tenant, new_uid)
+        fmt = admitted.submission.fmt
+        assert isinstance(fmt, ResponseFormat)
+        if prepared.stored:
+            try:
+                await self.store.reserve(tenant.name, fmt.uid, sum(len(v) for v in prepared.stored.values()))
+            except BaseException:
+                if admitted.lease is not None:  # the request is not opened: its quota is not held
+                    await admitted.lease.release()
+                raise
+            uid, owner = fmt.uid, tenant.name
+            fmt.on_end = lambda final: self.store.finish(uid, owner, final)
+        return admitted, fmt
 
-    async def start_background(self, admitted: Admitted, fmt: ResponseFormat) -> dict:
+    async def forget(self, uid: str, tenant: Tenant) -> None:
+        """Delete a response whose id never reached its client (nothing can read it), even while cancelled; if
+        Redis fails, its TTL ends it."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.store.delete(uid, tenant.name)
+            except (RedisError, OSError) as e:
+                log.warning("uid=%s could not delete the stored response of a request that failed: %s", uid, e)
+
+    async def start_background(self, admitted: Admitted, fmt: ResponseFormat, tenant: Tenant) -> dict:
         """Submit it (its lease taken), answer at once (queued), and follow it here to store its final object."""
         req = await self.svc.requests.open(admitted, "background")
 
         async def follow() -> None:
             try:
-                final = await self.svc.full_body(req, fmt)
-                await self.store.finish(fmt.uid, final)
-            except ApiError as e:
-                log.info("uid=%s background response ended early: %s", fmt.uid, e.message)
+                await self.store.finish(fmt.uid, tenant.name, await self.ended(req, fmt))
+            except (ApiError, RedisError, OSError) as e:  # the next GET rebuilds it
+                log.warning("uid=%s background response not stored: %s", fmt.uid, e)
             finally:
                 await req.close()
 
@@ -184,109 +229,147 @@ class Responses:
         task.add_done_callback(self.followers.discard)
         return fmt.obj("queued")
 
-    async def history(self, response_id: str, tenant: Tenant) -> list[dict[str, Any]]:
-        """The conversation a previous response (of the same tenant) ended with: its history, input and output
-        items."""
-        uid = response_uid(response_id, "previous_response_id")
-        doc = await self.store.get(uid)
-        if doc is None or not self.svc.tenancy.owns(tenant, doc):
-            raise ApiError(404, f"previous_response_id `{response_id}` is not a stored response (stored responses "
-                           "are kept for --response-ttl-s)", param="previous_response_id",
-                           code="previous_response_not_found")
-        final = await self.final(uid, doc)
-        if final is None:
-            raise ApiError(400, f"previous response `{response_id}` has not ended yet", param="previous_response_id")
-        return [*doc["history"], *doc["input"], *as_input(final["output"])]
+    async def ended(self, req, fmt: ResponseFormat) -> dict[str, Any]:
+        """The final object once the request ended: `failed` with the error if a stage refused it, it ran past
+        its deadline or its answer past --max-response-bytes."""
+        try:
+            return await self.svc.full_body(req, fmt)
+        except ApiError as e:
+            if isinstance(e, EndedEarly) and e.reason == EndReason.BROKER_UNAVAILABLE:
+                raise  # not how the response ended: Redis is out of reach
+            log.info("uid=%s response failed: %s", fmt.uid, e.message)
+            fmt.failure_chunks(e.body())
+            assert fmt.final is not None
+            return fmt.final
+
+    async def conversation(self, response_id: str | None, tenant: Tenant) -> Conversation:
+        """The conversation `response_id` (of the same tenant) ended with, read back link by link (each stored
+        response holds its own input and output and names the one before it): a 404 for one not found, a 400
+        past --max-response-chain links, --max-response-items items or --max-stored-response-bytes."""
+        out = Conversation()
+        uid = response_uid(response_id, "previous_response_id") if response_id else None
+        turns: list[list[dict[str, Any]]] = []
+        while uid is not None:
+            if len(out.links) >= self.max_chain:
+                raise too_long(response_id, f"chains more than {self.max_chain} responses (--max-response-chain)")
+            link = await self._link(uid, tenant, response_id, first=not out.links)
+            final = link.json("final") or await self.final(uid, link.json("meta"), link.owner)
+            if final is None:
+                raise ApiError(400, f"previous response `{response_id}` has not ended yet",
+                               param="previous_response_id")
+            turns.append([*link.json("input"), *as_input(final["output"])])
+            out.links.append((uid, link.owner))
+            out.size += len(link.fields["input"] or b"") + len(link.fields["final"] or b"")
+            if out.size > self.store.max_bytes or sum(map(len, turns)) > self.svc.settings.max_response_items:
+                raise too_long(response_id, "holds more than --max-stored-response-bytes or --max-response-items")
+            uid = link.json("meta").get("prev")
+        out.items = [item for turn in reversed(turns) for item in turn]
+        return out
+
+    async def _link(self, uid: str, tenant: Tenant, response_id: str, first: bool) -> Stored:
+        link = await self.store.read(uid, tenant.name, tenant.admin, "meta", "input", "final")
+        if link is None or link.fields["meta"] is None:
+            where = "is not a stored response" if first else f"continues `resp_{uid}`, which was deleted or expired"
+            raise ApiError(404, f"previous_response_id `{response_id}` {where} (stored responses are kept for "
+                           "--response-ttl-s)", param="previous_response_id", code="previous_response_not_found")
+        return link
 
     # -- read back -------------------------------------------------------------------------------------------
-    async def doc(self, response_id: str, tenant: Tenant) -> tuple[str, dict[str, Any]]:
-        """A stored response of `tenant` (another tenant's is not found: its existence is not confirmed)."""
+    async def doc(self, response_id: str, tenant: Tenant, *fields: str) -> Stored:
+        """`fields` of a stored response of `tenant` (another tenant's is not found, and none of it read: its
+        existence is not confirmed)."""
         uid = response_uid(response_id)
-        doc = await self.store.get(uid)
-        if doc is None or not self.svc.tenancy.owns(tenant, doc):
+        stored = await self.store.read(uid, tenant.name, tenant.admin, *fields)
+        if stored is None or any(stored.fields[f] is None for f in fields if f != "final"):
             raise not_found(response_id)
-        return uid, doc
+        return stored
 
-    async def final(self, uid: str, doc: dict[str, Any]) -> dict[str, Any] | None:
-        """The final object: stored, or rebuilt from the reply stream once the request ended (then stored);
-        None while it runs."""
-        if doc.get("final"):
-            return doc["final"]
+    async def final(self, uid: str, meta: dict[str, Any], owner: str,
+                    final: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The final object: stored (`final`), or rebuilt from the reply stream once the request ended (then
+        stored); None while it runs."""
+        if final:
+            return final
         record = await self.svc.store.record(uid)
         if not record:  # the request's keys expired before its final object was stored
-            return {**format_of_doc(doc, uid).obj("failed"),
+            return {**format_of_doc(meta, uid).obj("failed"),
                     "error": {"code": "server_error", "message": "response_expired: the response's output "
                                                           "expired before it was stored"}}
         if record.get("status") not in TERMINAL:
             return None
-        return await self.rebuild(uid, doc, record)
+        return await self.rebuild(uid, meta, owner, record)
 
-    async def rebuild(self, uid: str, doc: dict[str, Any], record: dict) -> dict[str, Any] | None:
+    async def rebuild(self, uid: str, meta: dict[str, Any], owner: str, record: dict) -> dict[str, Any] | None:
         """The final object from the reply stream, read to its end (then stored); None if it does not end within
         REBUILD_S (an aborted request no worker has picked up yet)."""
-        fmt = format_of_doc(doc, uid)
+        fmt = format_of_doc(meta, uid)
         req = await self.svc.requests.attach(uid, record, None)
         try:
             async with asyncio.timeout(REBUILD_S):
-                final = await self.svc.full_body(req, fmt)
+                final = await self.ended(req, fmt)
         except TimeoutError:
             return None
         finally:
             await req.close()
-        await self.store.finish(uid, final)
+        await self.store.finish(uid, owner, final)
         return final
 
     async def retrieve(self, http: HttpRequest, response_id: str, stream: bool, starting_after: int | None):
-        uid, doc = await self.doc(response_id, self.svc.tenancy.tenant_of(http))
+        doc = await self.doc(response_id, self.svc.tenancy.tenant_of(http), "meta", "final")
+        uid, meta = doc.uid, doc.json("meta")
         if stream:
-            return await self.resume(http, uid, doc, starting_after)
-        final = await self.final(uid, doc)
+            return await self.resume(http, doc, starting_after)
+        final = await self.final(uid, meta, doc.owner, doc.json("final"))
         if final is not None:
             return final
         status = (await self.svc.store.field([uid], "status"))[uid]
-        return format_of_doc(doc, uid).obj("queued" if status in NOT_SCHEDULED else "in_progress")
+        return format_of_doc(meta, uid).obj("queued" if status in NOT_SCHEDULED else "in_progress")
 
-    async def resume(self, http: HttpRequest, uid: str, doc: dict[str, Any], starting_after: int | None):
+    async def resume(self, http: HttpRequest, doc: Stored, starting_after: int | None):
         """The stream's events again, from its start or after event `starting_after`."""
-        if not doc.get("resumable"):
+        uid, meta = doc.uid, doc.json("meta")
+        if not meta.get("resumable"):
             raise ApiError(400, "only responses created with `background` and `stream` can be streamed again",
                            param="stream")
         record = await self.svc.store.record(uid)
         if not record:
             raise ApiError(410, f"the events of `resp_{uid}` expired (--request-ttl-s)", param="response_id",
                            code="reply_expired")
-        fmt = format_of_doc(doc, uid)
+        fmt = format_of_doc(meta, uid)
         fmt.skip_through = -1 if starting_after is None else starting_after
-        fmt.on_end = lambda final: self.store.finish(uid, final)
+        fmt.on_end = lambda final: self.store.finish(uid, doc.owner, final)
         return await self.svc.stream(http, self.svc.requests.attach(uid, record, None), fmt)
 
     # -- end -------------------------------------------------------------------------------------------------
     async def cancel(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
         """Abort a background response; its final object (cancelled, or how it ended before)."""
-        uid, doc = await self.doc(response_id, tenant)
-        if not doc["shown"].get("background"):
+        doc = await self.doc(response_id, tenant, "meta", "final")
+        uid, meta = doc.uid, doc.json("meta")
+        if not meta["shown"].get("background"):
             raise ApiError(400, "only background responses can be cancelled", param="response_id")
-        if doc.get("final"):
-            return doc["final"]
+        if doc.fields["final"]:
+            return doc.json("final")
         record = await self.svc.store.record(uid)
         if record and record.get("status") not in TERMINAL:
             await self.svc.store.abort_now(uid, EndReason.API, record.get("model"))
-        final = await self.final(uid, doc) if not record else await self.rebuild(uid, doc, record)
-        return final or format_of_doc(doc, uid).obj("cancelled")
+        final = (await self.final(uid, meta, doc.owner) if not record else
+                 await self.rebuild(uid, meta, doc.owner, record))
+        return final or format_of_doc(meta, uid).obj("cancelled")
 
     async def delete(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
-        uid, _ = await self.doc(response_id, tenant)
-        record = await self.svc.store.record(uid)
+        doc = await self.doc(response_id, tenant)
+        record = await self.svc.store.record(doc.uid)
         if record and record.get("status") not in TERMINAL:
-            await self.svc.store.abort_now(uid, EndReason.API, record.get("model"))
-        await self.store.delete(uid)
+            await self.svc.store.abort_now(doc.uid, EndReason.API, record.get("model"))
+        await self.store.delete(doc.uid, doc.owner)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def input_items(self, response_id: str, tenant: Tenant, limit: int, order: str, after: str | None
                           ) -> dict[str, Any]:
         """This response's input items (OpenAI's list shape), newest first unless `order` is asc."""
-        uid, doc = await self.doc(response_id, tenant)
-        items = [{"id": f"in_{uid}_{k}", **item, "status": "completed"} for k, item in enumerate(doc["input"])]
+        doc = await self.doc(response_id, tenant, "input")
+        uid = doc.uid
+        items = [{"id": f"in_{uid}_{k}", **item, "status": "completed"} for k, item in enumerate(doc.json("input"))]
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -297,3 +380,8 @@ class Responses:
         page = items[:limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def too_long(response_id: str | None, why: str) -> ApiError:
+    return ApiError(400, f"the conversation of previous_response_id `{response_id}` {why}: start a new one with "
+                    "the turns it needs as `input`", param="previous_response_id", code="request_too_large")

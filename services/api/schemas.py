@@ -167,6 +167,10 @@ class Submission:
     record: dict
     stream: bool
     label: str  # how it is answered, in the metrics: stream, full, generate
+    # What the request stores beside its record (a stored response, services/api/responses.py): queued on the
+    # pipeline that opens it (services/api/request.py), in the same transaction, so nothing is stored for a
+    # request that was not opened.
+    writes: Callable[[Any], None] | None = None
 
 
 def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | None, *, label: str | None = None,

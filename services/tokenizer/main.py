@@ -73,7 +73,10 @@ class TokenizerWorker(PushWorker[Entry]):
                                      context_length(model_path, settings.trust_remote_code),
                                      settings.tool_call_parser, settings.reasoning_parser)
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
-        self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers}
+        # max_token_bytes: the most bytes of text one token stands for, so the API bounds a prompt by the context
+        # before it stores anything of it (services/api/responses.py)
+        self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers,
+                           "max_token_bytes": self.encoder.max_prompt_bytes // self.encoder.max_context}
         self.router = Router(self.redis, self.keys, model_name, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                              load_tokens=settings.prefix_routing_load_tokens,
                              tokenizer_id=self.id) if settings.prefix_routing else None

@@ -210,3 +210,60 @@ def test_unknown_and_malformed_ids(stack):
     not_stored = stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
         stack.client().responses.retrieve(not_stored.id)
+
+
+def stored_keys(stack) -> set[str]:
+    """Every stored response of the stack's namespace (any layout: `resp:` or `response:` keys)."""
+    return set(stack.redis().scan_iter(f"{stack.namespace}:resp*", count=1000))
+
+
+def test_a_prompt_past_the_context_stores_nothing(stack):
+    """Refused by the API (its text cannot fit the context, whatever it tokenizes to) or by the tokenizer (too
+    many tokens): a create answered with an error leaves no stored response; a background one, whose id its
+    client has, ends `failed` with the error (bounded like every stored response)."""
+    words = " ".join(("alpha", "bravo", "charlie", "delta", "echo")[k * 7 % 5] for k in range(3000))  # ~11k tokens
+    before = stored_keys(stack)
+    for text, at_api in (("x" * 70_000, True), (words, False)):
+        for stream in (False, True):
+            resp = httpx.post(f"{stack.base_url}/v1/responses", timeout=30, json={
+                "model": MODEL, "input": text, "max_output_tokens": 4, "stream": stream})
+            assert resp.status_code == 400, resp.text[:300]
+            assert stored_keys(stack) == before, text[:10]
+            err = resp.json()["error"]
+            assert err["code"] == "context_length_exceeded" and (err["param"] == "input") == at_api, err
+    bg = stack.client().responses.create(model=MODEL, input=words, max_output_tokens=4, background=True)
+    failed = wait_for(lambda: (r := stack.client().responses.retrieve(bg.id)).status == "failed" and r, timeout=30)
+    assert "context_length_exceeded" in failed.error.message
+    stack.client().responses.delete(bg.id)
+    assert stored_keys(stack) == before
+
+
+@pytest.mark.timeout(300)
+def test_a_chain_of_responses_stores_each_turn_once(stack):
+    """Each response stores its own input and output and the id of the one it continues, not the conversation
+    again: 200 chained turns take about 200 times one turn's room (the 200th no more than the 2nd), and the
+    conversation is still read back whole."""
+    r, client, ids, prompts = stack.redis(), stack.client(), [], []
+    prev = None
+    for k in range(200):
+        resp = client.responses.create(model=MODEL, input=f"turn {k}", max_output_tokens=1, temperature=0,
+                                       previous_response_id=prev)
+        prev = resp.id
+        ids.append(resp.id)
+        prompts.append(resp.usage.input_tokens)
+    assert prompts == sorted(prompts) and prompts[-1] > 10 * prompts[0]  # every turn reads the whole conversation
+    sizes = [r.memory_usage(k) for k in (stored_key(stack, rid) for rid in ids)]
+    assert max(sizes[1:]) <= 2 * sizes[1], (sizes[1], max(sizes))
+    # the conversation of a later turn, sent as chat messages in full, is the same prompt
+    third = [client.responses.retrieve(rid) for rid in ids[:3]]
+    messages = [m for k, resp in enumerate(third) for m in (
+        {"role": "user", "content": f"turn {k}"}, {"role": "assistant", "content": resp.output_text})][:-1]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert third[2].usage.input_tokens == chat.usage.prompt_tokens
+
+
+def stored_key(stack, response_id: str) -> str:
+    """The key of a stored response (either layout)."""
+    uid = response_id.removeprefix("resp_")
+    return next(k for k in (f"{stack.namespace}:response:{{{uid}}}", f"{stack.namespace}:resp:{{{uid}}}")
+                if stack.redis().exists(k))

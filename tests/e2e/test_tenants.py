@@ -27,10 +27,13 @@ pytestmark = [pytest.mark.timeout(120)]
 
 A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = "sk-team-a-1111", "sk-team-b-1111", "sk-team-b-2222", "sk-ops-admin-1111"
 C_KEY, D_KEY = "sk-team-c-1111", "sk-team-d-1111"
+ZERO_KEY, RPM_KEY, S_KEY = "sk-team-zero-1111", "sk-team-rpm-1111", "sk-team-s-1111"  # refused; a storer
 B_MAX = 2
 D_TPM = 2000
 LEASE_S = 6
 RESUME_S = 3  # --resume-window-s: a dropped stream runs on this long for a reattach, holding its slot
+STORED_BYTES = 512 << 10  # --max-stored-response-bytes-per-tenant
+BIG = "hello " * 10_000  # 60 KB of input: within the bytes the model's context may take, over its tokens
 
 
 def entries(b_keys: tuple[str, ...] = (B_KEY,)) -> list[dict]:
@@ -40,7 +43,10 @@ def entries(b_keys: tuple[str, ...] = (B_KEY,)) -> list[dict]:
             *({"key": k, **b_policy} for k in b_keys),
             {"key": C_KEY, "tenant": "team-c", "max_concurrent": 1, "background": True},
             {"key": D_KEY, "tenant": "team-d", "tokens_per_minute": D_TPM},
-            {"key": ADMIN_KEY, "tenant": "ops", "admin": True}]
+            {"key": ADMIN_KEY, "tenant": "ops", "admin": True},
+            {"key": ZERO_KEY, "tenant": "team-zero", "max_concurrent": 0, "background": True},
+            {"key": RPM_KEY, "tenant": "team-rpm", "requests_per_minute": 0},
+            {"key": S_KEY, "tenant": "team-s", "background": True}]
 
 
 def write_keys(path: Path, data: list[dict]) -> None:
@@ -59,7 +65,8 @@ def tenants(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[tuple[St
         ports = start_replicas(s, {}, 2, api_key=ADMIN_KEY, RSINFER_API_KEYS_FILE=str(keys_file),
                                RSINFER_API_KEYS_CHECK_S="0.2", RSINFER_ENGINE="synthetic", RSINFER_STEP_MS="20",
                                RSINFER_QUOTA_LEASE_S=str(LEASE_S), RSINFER_USAGE_FLUSH_S="0.5",
-                               RSINFER_RESUME_WINDOW_S=str(RESUME_S))
+                               RSINFER_RESUME_WINDOW_S=str(RESUME_S),
+                               RSINFER_MAX_STORED_RESPONSE_BYTES_PER_TENANT=str(STORED_BYTES))
         yield s, [f"http://127.0.0.1:{p}" for p in ports], keys_file
     finally:
         s.stop()
@@ -403,6 +410,64 @@ def test_tokens_per_minute_reserves_max_tokens_at_admission(tenants):
     with pytest.raises(openai.RateLimitError) as e:
         chat(api1, D_KEY, max_tokens=D_TPM + 1)
     assert e.value.response.headers["x-should-retry"] == "false"
+
+
+def test_a_refused_tenant_stores_nothing(tenants):
+    """Responses refused by the tenant's quota (no concurrency at all; no requests this minute) write nothing:
+    no stored response, no count, Redis's memory as it was."""
+    s, apis, _ = tenants
+    r = s.redis()
+    before, memory = set(r.scan_iter(f"{s.namespace}:resp*")), r.info("memory")["used_memory"]
+    for key, background in ((ZERO_KEY, False), (ZERO_KEY, True), (RPM_KEY, False)):
+        for k in range(10):
+            resp = httpx.post(f"{apis[k % 2]}/v1/responses", headers=auth(key), timeout=30, json={
+                "model": MODEL, "input": BIG, "max_output_tokens": 4, "background": background})
+            assert resp.status_code == 429, resp.text[:300]
+    assert set(r.scan_iter(f"{s.namespace}:resp*")) == before
+    assert not [k for k in r.scan_iter(f"{s.namespace}:stored:*") if "team-zero" in k or "team-rpm" in k]
+    assert r.info("memory")["used_memory"] - memory < 1 << 20
+
+
+def test_a_tenant_past_its_stored_bytes_gets_a_400_and_another_still_stores(tenants):
+    _, (api1, api2), _ = tenants
+    storer = client(api1, S_KEY)
+    ids = []
+    with pytest.raises(openai.BadRequestError) as e:  # each ends failed (too many tokens), its input stored
+        for _ in range(STORED_BYTES // len(BIG) + 2):
+            ids.append(storer.responses.create(model=MODEL, input=BIG, max_output_tokens=1, background=True).id)
+    err = e.value.response.json()["error"]
+    assert (err["code"], err["param"]) == ("stored_responses_limit", "store")
+    assert "--max-stored-response-bytes-per-tenant" in err["message"]
+    assert len(ids) >= STORED_BYTES // len(BIG) - 2
+    mine = client(api2, A_KEY).responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert client(api1, A_KEY).responses.retrieve(mine.id).output_text == mine.output_text
+    assert storer.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False).status == "incomplete"
+    client(api2, S_KEY).responses.delete(ids[0])  # room again
+    storer.responses.create(model=MODEL, input=BIG, max_output_tokens=1, background=True)
+
+
+def test_another_tenants_response_is_answered_404_without_reading_it(tenants):
+    """The owner is checked before the stored response is read: asking for another tenant's 60 KB response
+    makes Redis send no more than asking for one that does not exist."""
+    s, (api1, api2), _ = tenants
+    a = client(api1, A_KEY)
+    big = a.responses.create(model=MODEL, input=BIG, max_output_tokens=1, background=True)
+    record = f"{api1}/v1/requests/{big.id.removeprefix('resp_')}"
+    wait_for(lambda: httpx.get(record, headers=auth(A_KEY), timeout=10).json()["status"] == "failed", timeout=30,
+             every=0.1)  # the tokenizer refused it (too many tokens); its 60 KB input is stored
+    r = s.redis()
+
+    def sent(rid: str) -> int:
+        before = r.info("stats")["total_net_output_bytes"]
+        for _ in range(5):
+            for method, path in (("GET", ""), ("GET", "/input_items"), ("POST", "/cancel"), ("DELETE", "")):
+                resp = httpx.request(method, f"{api2}/v1/responses/{rid}{path}", headers=auth(B_KEY), timeout=10)
+                assert resp.status_code == 404, resp.text[:200]
+        return r.info("stats")["total_net_output_bytes"] - before
+
+    unknown, other = sent("resp_" + "0" * 24), sent(big.id)
+    assert other - unknown < 20 * len(BIG) // 4, (other, unknown)
+    assert a.responses.retrieve(big.id).status == "failed"
 
 
 def test_a_crashed_api_processs_slots_are_freed_once_its_requests_ended(tenants):
