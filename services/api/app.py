@@ -32,7 +32,7 @@ from services.api.schemas import Budget, ChatCompletionRequest, CompletionReques
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from services.api.tenancy import TENANT, Tenancy
-from services.api.tenants import Tenant
+from services.api.tenants import KeyCheckBusy, Tenant
 from shared.messages import TokenizerQuery
 from shared.request_states import EndReason
 from shared.settings import ApiSettings
@@ -90,7 +90,7 @@ class Guard:
             return await self.app(scope, receive, send)
         scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
         headers = dict(scope["headers"])
-        error = self.authenticate(scope, headers.get(b"authorization", b""))
+        error = await self.authenticate(scope, headers.get(b"authorization", b""))
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             error = body_too_large(self.max_body)
@@ -102,13 +102,17 @@ class Guard:
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
 
-    def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
+    async def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
         """The key's tenant into the scope (services/api/tenancy.py `TENANT`), or the 401 or 403 of the request."""
         path = scope["path"]
         if path in OPEN_PATHS and not self.tenancy.needs_admin(path):
             return None
         scheme, _, key = auth.partition(b" ")
-        tenant = self.tenancy.ring.tenant(key.strip() if scheme.lower() == b"bearer" else None)
+        try:
+            tenant = await self.tenancy.ring.find(key.strip() if scheme.lower() == b"bearer" else None)
+        except KeyCheckBusy:
+            return ApiError(503, "too many API keys are being checked at once; retry", code="overloaded",
+                            retry_after=1)
         if tenant is None:
             return ApiError(401, "invalid or missing API key", code="invalid_api_key")
         if self.tenancy.needs_admin(path) and not tenant.admin:

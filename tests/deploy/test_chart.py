@@ -214,6 +214,11 @@ def test_ingress_and_service_monitor(render):
     assert [s["metadata"]["name"] for s in api_services] == ["rs-rsinfer-api"]
 
 
+def test_a_short_api_key_is_refused_at_render(render):
+    with pytest.raises(helmbin.RenderError, match=r"auth\.apiKey: at least 32 characters"):
+        render(sets=["auth.apiKey=sk-short"])
+
+
 def test_termination_grace_must_cover_drain_and_grace(render):
     with pytest.raises(helmbin.RenderError, match="terminationGracePeriodSeconds"):
         render(sets=["api.terminationGracePeriodSeconds=15"])
@@ -658,7 +663,7 @@ def test_in_chart_redis(render):
     api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
     api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
     assert api_env["RSINFER_REDIS_PASSWORD"] == "also-change-me"
-    assert api_env["RSINFER_API_KEY"] == "change-me"
+    assert api_env["RSINFER_API_KEY"] == "change-me-to-32-or-more-random-characters"
 
     # no password given: one made for this release, the same for Redis and every client
     docs = render([])
@@ -701,7 +706,7 @@ def test_pod_annotations_carry_no_hash_of_a_secret(render):
     """checksum/secret covers what is known of the secrets without them; auth.secretRevision (or Reloader) rolls
     the pods when a secret changes. Neither a secret nor a sha256 of any combination of them appears outside
     the Secret."""
-    api_key, password = "change-me", "also-change-me"
+    api_key, password = "change-me-to-32-or-more-random-characters", "also-change-me"
     docs = render(VALUES["internal-redis"])
     digests = {hashlib.sha256(x.encode()).hexdigest() for x in (
         api_key, password, f"{api_key}|{password}", f"{password}|{api_key}", f"{api_key}{password}")}

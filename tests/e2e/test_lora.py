@@ -33,6 +33,8 @@ from tests.support.streaming import reference as texts_of
 
 pytestmark = pytest.mark.timeout(300)
 
+KEY = "sk-api-key-of-this-test-" + "0" * 16  # keys have at least 32 characters
+
 N = 12  # tokens per request
 SLOTS = 3
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -387,13 +389,13 @@ def test_an_adapter_from_the_object_store(lora, made, reference):
 
 def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
     port = free_port()
-    lora.start("api-keyed", "api", **{**lora.lora_env, "RSINFER_PORT": str(port), "RSINFER_API_KEY": "k3y"})
+    lora.start("api-keyed", "api", **{**lora.lora_env, "RSINFER_PORT": str(port), "RSINFER_API_KEY": KEY})
     base = f"http://127.0.0.1:{port}"
     try:
         lora.wait_until(lambda: api_ready(base), 60, "keyed api")
         body = {"lora_name": "keyed", "lora_path": str(made["kv"][0])}
         assert httpx.post(f"{base}/v1/load_lora_adapter", json=body).status_code == 401
-        auth = {"Authorization": "Bearer k3y"}
+        auth = {"Authorization": f"Bearer {KEY}"}
         assert httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=auth, timeout=30).status_code == 200
         assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}).status_code == 401
         assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}, headers=auth,

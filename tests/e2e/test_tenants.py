@@ -25,7 +25,8 @@ from tests.support.stack import MODEL, Stack, new_stack, start_replicas
 
 pytestmark = [pytest.mark.timeout(120)]
 
-A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = "sk-team-a-1111", "sk-team-b-1111", "sk-team-b-2222", "sk-ops-admin-1111"
+A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = (f"sk-{name}-{'0' * 24}" for name in ("team-a-1", "team-b-1", "team-b-2",
+                                                                          "ops-admin"))
 B_MAX = 2
 LEASE_S = 6
 
@@ -316,3 +317,25 @@ def test_a_crashed_api_processs_slots_expire_with_their_lease(tenants):
     wait_for(lambda: _admitted(api1), timeout=LEASE_S + 5, every=0.25)
     assert time.monotonic() - killed <= LEASE_S + 5
 
+
+
+@pytest.mark.parametrize("command", ["api", "up"])
+@pytest.mark.parametrize(("keys", "env", "says"), [
+    ([{"key": "sk-short", "tenant": "a"}], {}, "keys[0].key: a string of at least 32 characters"),
+    ([{"key": A_KEY, "tenant": "a"}, {"key": B_KEY, "tenant": "default"}], {}, "keys[1].tenant: `default` is "
+     "reserved"),
+    ([{"key": A_KEY, "tenant": "a", "max_concurrent": "eight"}], {}, "keys[0].max_concurrent"),
+    ([], {"RSINFER_API_KEY": "sk-short"}, "--api-key (RSINFER_API_KEY, --api-key-file): a string of at least 32"),
+])
+def test_a_bad_keys_file_or_key_stops_the_start_with_one_line(tmp_path, command, keys, env, says):
+    """`rsinfer api` and `rsinfer up`: exit status 2 and one line naming the entry and field, no traceback
+    (`up` says it before it starts anything)."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(keys))
+    args = ["--api-keys-file", str(path)] if keys else []
+    proc = subprocess.run([sys.executable, "-m", "rsinfer.cli", command, *args, "--port", "0", "--redis-url",
+                           "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], (proc.returncode, lines)
+    assert "Traceback" not in proc.stderr and "sk-short" not in lines[0]
