@@ -186,7 +186,8 @@ def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> N
         body.checked(svc)
         tenant, name = svc.tenancy.tenant_of(request), body.model or svc.admission.only_model()
         svc.tenancy.authorize(tenant, name)
-        model, _ = await adapters.target(name)  # an adapter shares its base's tokenizer
+        model, adapter = await adapters.target(name)  # an adapter shares its base's tokenizer
+        svc.tenancy.authorize_adapter(tenant, adapter)
         await svc.admission.room(model, Budget(prompts=1, choices=1, max_tokens=1))
         now = time.time()
         query = TokenizerQuery(uid=svc.hub.new_uid(), model=model, pod=svc.pod, created_at=now,

@@ -404,6 +404,48 @@ def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
         lora.kill("api-keyed")
 
 
+def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path):
+    """An adapter is allowed by its own name in the key's `models`: neither `model: <adapter>` nor `model: <base>,
+    lora_path: <adapter>` reaches it with a key that lists only the base (a name outside the policy is a 403
+    whether or not it exists); a key that lists the adapter runs it, and with it alone not the base."""
+    base_key, sql_key = "sk-base-only-" + "0" * 24, "sk-sql-only-" + "0" * 24
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": base_key, "tenant": "base-only", "models": [MODEL]},
+                                {"key": sql_key, "tenant": "sql-only", "models": ["sql"]}]))
+    port = free_port()
+    lora.start("api-tenants", "api", **{**lora.lora_env, "RSINFER_PORT": str(port),
+                                        "RSINFER_API_KEYS_FILE": str(keys)})
+    base = f"http://127.0.0.1:{port}"
+
+    def post(path: str, key: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{base}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    completion = {"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        lora.wait_until(lambda: api_ready(base), 60, "api with tenants")
+        assert post("/generate", base_key, {"model": MODEL, **gen}).status_code == 200
+        for path, body in (("/generate", gen), ("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            for lora_path in ("sql", "no-such-adapter"):
+                resp = post(path, base_key, {"model": MODEL, "lora_path": lora_path, **body})
+                assert resp.status_code == 403, (path, lora_path, resp.text)
+                assert resp.json()["error"]["param"] == "lora_path", (path, resp.text)
+            resp = post(path, base_key, {"model": "sql", **body})
+            assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", (path, resp.text)
+        for path in ("/tokenize", "/v1/embeddings"):
+            body = {"model": "sql", "prompt": "hi"} if path == "/tokenize" else {"model": "sql", "input": "hi"}
+            resp = post(path, base_key, body)
+            assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", (path, resp.text)
+        ran = post("/generate", sql_key, {"model": "sql", **gen})
+        assert ran.status_code == 200 and ran.json()["output_ids"] == generate(lora, "sql", PROMPTS[0])["output_ids"]
+        resp = post("/generate", sql_key, {"model": MODEL, "lora_path": "sql", **gen})
+        assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", resp.text
+        assert post("/tokenize", sql_key, {"model": "sql", "prompt": "hi"}).status_code == 200
+    finally:
+        lora.kill("api-tenants")
+
+
 def test_a_scheduler_killed_mid_generation_finishes_on_a_peer_with_the_same_text(lora):
     """Last in the module: the peer started here serves from then on. The frozen scheduler holds requests of
     three adapters and the base; the peer claims them, loads their adapters, resumes each from its reply stream."""

@@ -220,6 +220,21 @@ def test_the_policy_refuses_with_a_403_naming_the_field(tmp_path):
     assert (e.value.status, e.value.param) == (403, "background")
 
 
+def test_an_adapter_is_allowed_by_its_own_name_not_by_its_base(tmp_path):
+    t = tenancy(tmp_path)
+    a, b = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY)  # a: rsinfer-demo only; b: every model
+    for kwargs, field in (({"lora_path": "sql"}, "lora_path"), ({"model": "sql"}, "model")):
+        with pytest.raises(ApiError) as e:
+            t.authorize(a, **{"model": "rsinfer-demo", **kwargs})
+        assert (e.value.status, e.value.param, e.value.code) == (403, field, "model_not_allowed")
+    with pytest.raises(ApiError) as e:
+        t.authorize_adapter(a, "sql", "lora_path")
+    assert (e.value.status, e.value.param) == (403, "lora_path")
+    t.authorize_adapter(a, None)  # no adapter: the base alone
+    t.authorize(b, "rsinfer-demo", lora_path="sql")
+    t.authorize_adapter(b, "sql")
+
+
 def test_a_request_is_its_tenants_and_every_admins(tmp_path):
     t = tenancy(tmp_path)
     a, b, ops = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY), t.ring.tenant(ADMIN_KEY)
