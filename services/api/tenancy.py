@@ -319,10 +319,21 @@ class Tenancy:
 
     def stamp(self, jobs: list[TokenizeJob], tenant: Tenant) -> list[TokenizeJob]:
         """The jobs with their tenant and its weight, whose turn they take in the tokenizers' fair queueing
-        (services/tokenizer/fair.py); open mode's jobs are all of tenant ""."""
+        (services/tokenizer/fair.py), and a priority within the key's range (`priority_of`): every job of every
+        endpoint passes here (services/api/admission.py `Admission.leased`), so none runs outside its key's
+        range, whether its body has a `priority` or not; open mode's jobs are all of tenant ""."""
         if not self.on:
             return jobs
-        return [msgspec.structs.replace(j, tenant=tenant.name, weight=tenant.policy.weight) for j in jobs]
+        return [msgspec.structs.replace(j, tenant=tenant.name, weight=tenant.policy.weight,
+                                        priority=self.priority_of(tenant, j.priority)) for j in jobs]
+
+    @staticmethod
+    def priority_of(tenant: Tenant, asked: int) -> int:
+        """`asked` brought within the key's `priority` range: its nearest end when outside. A priority the
+        client sent outside the range is refused before (`authorize`, a 403); what reaches here outside it is a
+        default (0, or --batch-priority): a key of [10, 20] runs what it sends without `priority` at 10."""
+        span = tenant.policy.priority
+        return asked if span is None else min(max(asked, span[0]), span[1])
 
     async def admit(self, tenant: Tenant) -> Lease | None:
         """The request's lease (None in open mode), or a 429."""

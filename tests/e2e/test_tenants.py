@@ -25,8 +25,8 @@ from tests.support.stack import MODEL, Stack, new_stack, start_replicas
 
 pytestmark = [pytest.mark.timeout(120)]
 
-A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = (f"sk-{name}-{'0' * 24}" for name in ("team-a-1", "team-b-1", "team-b-2",
-                                                                          "ops-admin"))
+A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY, P_KEY = (f"sk-{name}-{'0' * 24}" for name in (
+    "team-a-1", "team-b-1", "team-b-2", "ops-admin", "team-p-1"))
 B_MAX = 2
 LEASE_S = 6
 
@@ -36,7 +36,8 @@ def entries(b_keys: tuple[str, ...] = (B_KEY,)) -> list[dict]:
                 "tokens_per_minute": 10_000_000, "priority": [0, 5], "background": False}
     return [{"key": A_KEY, "tenant": "team-a", "background": True},
             *({"key": k, **b_policy} for k in b_keys),
-            {"key": ADMIN_KEY, "tenant": "ops", "admin": True}]
+            {"key": ADMIN_KEY, "tenant": "ops", "admin": True},
+            {"key": P_KEY, "tenant": "team-p", "priority": [10, 20]}]
 
 
 def write_keys(path: Path, data: list[dict]) -> None:
@@ -187,6 +188,39 @@ def test_what_b_s_policy_does_not_allow_is_a_403_naming_the_field(tenants, extra
         chat(api1, B_KEY, extra_body=extra)
     assert e.value.response.json()["error"]["param"] == field
     chat(api1, A_KEY, extra_body=extra)  # A's policy allows any priority and background
+
+
+def _queued_priorities(s: Stack, call) -> list[int]:
+    """`call()`, and the priorities of the jobs team-p's requests queued meanwhile (its model's tokenize stream)."""
+    r, stream = s.redis(), s.keys.tokenize(MODEL)
+    last = r.xrevrange(stream, count=1)
+    call()
+    entries = r.xrange(stream, min=f"({last[0][0]}" if last else "-", count=100_000)
+    jobs = [json.loads(fields["data"]) for _, fields in entries]
+    return [job.get("priority", 0) for job in jobs if job.get("tenant") == "team-p"]
+
+
+def test_every_job_runs_within_its_keys_priority_range_on_every_endpoint(tenants):
+    """A key of [10, 20] needs no `priority`: its jobs run at 10 (the end nearest the default 0), on chat and on
+    the endpoints without a `priority` field (embeddings, score, responses); one it sends outside is a 403."""
+    s, (api1, api2), _ = tenants
+    p = client(api1, P_KEY)
+
+    def post(path: str, body: dict) -> None:
+        """Queued, then answered by the synthetic engine with its 400 (it computes no embeddings or scores)."""
+        resp = httpx.post(f"{api2}{path}", headers=auth(P_KEY), timeout=30, json={"model": MODEL, **body})
+        assert resp.status_code == 400 and "need the paged engine" in resp.text, resp.text
+
+    assert _queued_priorities(s, lambda: chat(api1, P_KEY)) == [10]
+    assert _queued_priorities(s, lambda: chat(api2, P_KEY, extra_body={"priority": 15})) == [15]
+    assert _queued_priorities(s, lambda: post("/v1/embeddings", {"input": ["one", "two"]})) == [10, 10]
+    assert _queued_priorities(s, lambda: post("/v1/score", {"query": "q", "items": ["a"],
+                                                            "label_token_ids": [1, 2]})) == [10]
+    assert _queued_priorities(s, lambda: p.responses.create(model=MODEL, input="hi", max_output_tokens=2)) == [10]
+    for bad in (0, 21):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            chat(api2, P_KEY, extra_body={"priority": bad})
+        assert e.value.response.json()["error"]["param"] == "priority"
 
 
 def test_a_model_outside_the_policy_is_a_403_and_not_listed(tenants):

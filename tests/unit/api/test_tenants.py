@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 
+import msgspec
 import pytest
 
 from services.api.errors import ApiError
@@ -252,6 +253,11 @@ def test_jobs_carry_their_tenant_and_its_weight_for_fair_queueing(tmp_path):
     [b] = t.stamp([job], t.ring.tenant(B_KEY))
     assert (a.tenant, a.weight, b.tenant, b.weight) == ("team-a", 3, "team-b", 1)
     assert a.prompt == "x" and a.uid == "u"
+    # a priority within the key's range whatever the job came with (team-a: [0, 10]; team-b: any)
+    for asked, within in ((0, 0), (7, 7), (-3, 0), (1000, 10)):
+        [a] = t.stamp([msgspec.structs.replace(job, priority=asked)], t.ring.tenant(A_KEY))
+        [b] = t.stamp([msgspec.structs.replace(job, priority=asked)], t.ring.tenant(B_KEY))
+        assert (a.priority, b.priority) == (within, asked)
     open_mode = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0"), None, None, None)
     assert open_mode.stamp([job], OPEN) == [job] and job.tenant == ""
 
