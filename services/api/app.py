@@ -105,8 +105,8 @@ class Guard:
     async def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
         """The key's tenant into the scope (services/api/tenancy.py `TENANT`), or the 401 or 403 of the request."""
         path = scope["path"]
-        if path in OPEN_PATHS and not self.tenancy.needs_admin(path):
-            return None
+        if path in OPEN_PATHS and not self.tenancy.needs_admin(path) and not (path == "/metrics" and auth):
+            return None  # a key on /metrics is checked: an admin's shows the tenants' series
         scheme, _, key = auth.partition(b" ")
         try:
             tenant = await self.tenancy.ring.find(key.strip() if scheme.lower() == b"bearer" else None)
@@ -317,7 +317,8 @@ def add_request_routes(app: FastAPI, svc: ApiService) -> None:
 
 
 def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
-    """What needs no key (OPEN_PATHS): liveness, readiness, metrics."""
+    """What needs no key (OPEN_PATHS): liveness, readiness, metrics (with keys configured, its series labelled
+    with tenants' names only for an admin key)."""
 
     @app.get("/health")
     async def health():
@@ -334,8 +335,8 @@ def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request):
+        return Response(svc.metrics.render(svc.tenancy.sees_tenant_metrics(request)), media_type=CONTENT_TYPE_LATEST)
 
 
 async def parse_body(request: Request, model: type[M], limits: Limits) -> M:

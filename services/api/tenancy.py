@@ -268,6 +268,11 @@ class Tenancy:
         return path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") or (
             path == "/metrics" and not self.metrics_open)
 
+    def sees_tenant_metrics(self, request: Request) -> bool:
+        """Whether `/metrics` shows the series labelled with tenants' names and usage: to admin keys only (and in
+        open mode, which has no tenants); a keyless scrape of an open /metrics gets every other series."""
+        return self.tenant_of(request).admin
+
     def tenant_of(self, request: Request) -> Tenant:
         """The request's tenant; with keys configured, a request the guard did not key (a probe) may do nothing."""
         tenant = request.scope.get(TENANT)

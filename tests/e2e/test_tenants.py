@@ -275,6 +275,7 @@ def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
     s, (api1, api2), _ = tenants
     r = s.redis()
     before = {k: int(v) for k, v in r.hgetall(s.keys.usage()).items()}
+    chat(api1, B_KEY)  # team-b's series on api1 too, whichever tests ran before
     usage = chat(api1, A_KEY, max_tokens=7).usage
     chat(api2, A_KEY, max_tokens=5)
 
@@ -285,9 +286,15 @@ def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
     wait_for(lambda: counted().get("team-a:generated_tokens") == 12, timeout=10, every=0.1)
     got = counted()
     assert got["team-a:requests"] == 2 and got["team-a:prompt_tokens"] == 2 * usage.prompt_tokens
-    metrics = httpx.get(f"{api1}/metrics", timeout=10).text
+    metrics = httpx.get(f"{api1}/metrics", headers=auth(ADMIN_KEY), timeout=10).text
     assert 'rsinfer_tenant_generated_tokens_total{tenant="team-a"}' in metrics
     assert 'rsinfer_tenant_requests_total{tenant="team-b"}' in metrics
+    # without a key (the open /metrics) or with a tenant's: every series but the tenants', no tenant's name
+    for headers in ({}, auth(A_KEY)):
+        metrics = httpx.get(f"{api1}/metrics", headers=headers, timeout=10)
+        assert metrics.status_code == 200 and "rsinfer_http_requests_total" in metrics.text
+        assert "rsinfer_tenant_" not in metrics.text and "team-a" not in metrics.text and "team-b" not in metrics.text
+    assert httpx.get(f"{api1}/metrics", headers=auth("sk-not-a-key-" + "0" * 24), timeout=10).status_code == 401
     out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60, check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith("team-a "))
