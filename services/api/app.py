@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors, tokenization
-from services.api.adapters import Adapters
+from services.api.adapters import Adapters, card_for
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.batches import Batches, BatchRunner, CreateBatch
@@ -279,7 +279,8 @@ def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
         snap = svc.stages.snapshot
         cards = [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)
         tenant = svc.tenancy.tenant_of(request)
-        return {"object": "list", "data": [c for c in cards if svc.tenancy.may_use(tenant, c["id"])]}
+        return {"object": "list", "data": [card_for(c, tenant.admin) for c in cards
+                                           if svc.tenancy.may_use(tenant, c["id"])]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request):
@@ -287,9 +288,10 @@ def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
         card = await adapters.model_card(snap, model)  # a base model's, or a LoRA adapter's
-        if card is None or not svc.tenancy.may_use(svc.tenancy.tenant_of(request), model):
+        tenant = svc.tenancy.tenant_of(request)
+        if card is None or not svc.tenancy.may_use(tenant, model):
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return card
+        return card_for(card, tenant.admin)
 
 
 def add_request_routes(app: FastAPI, svc: ApiService) -> None:
