@@ -67,8 +67,9 @@ def measure(model_dir: str, name: str, adapters: dict[str, Path], routing: bool,
     env = {"tokenizer": {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"},
            "scheduler": {**SCHEDULER_ENV, "RSINFER_MAX_LORAS": str(args.max_loras)}}
     modules = " ".join(f"{n}={p}" for n, p in adapters.items())
+    roots = " ".join(sorted({str(p.parent) for p in adapters.values()}))  # local folders load from --lora-roots
     for role in ("tokenizer", "scheduler", "detokenizer", "api"):
-        env.setdefault(role, {})["RSINFER_LORA_MODULES"] = modules
+        env.setdefault(role, {}).update(RSINFER_LORA_MODULES=modules, RSINFER_LORA_ROOTS=roots)
     order = [n for n in adapters for _ in range(args.requests // len(adapters))]
     random.Random(args.seed).shuffle(order)
     prompt = [(i * 37) % 900 + 50 for i in range(args.prompt_tokens)]

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                           allow_abbrev=False)
     spec.add_argument("--output", default="-", help="file to write; - for stdout")
 
+    hk = sub.add_parser("hash-key", help="a keys-file entry's `key_hash` (salted PBKDF2) of a key read from stdin "
+                        "(never from argv, which `ps` shows)", allow_abbrev=False)
+    hk.add_argument("--new", action="store_true", help="make a new random key instead: print it, then its hash")
+    hk.add_argument("--iterations", type=int, default=600_000, help="PBKDF2 iterations (100000 to 5000000)")
+    hk.add_argument("--sha256", action="store_true", help="print the unsalted `key_sha256` form instead")
+
     bench = sub.add_parser("bench", help="load generator against a running API", allow_abbrev=False)
     from rsinfer.bench import add_bench_args
 
@@ -152,6 +158,30 @@ def _asyncapi(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hash_key(args: argparse.Namespace) -> int:
+    """README, "Tenants": the entry's `key_hash:` (or `key_sha256:`) line; a key too short is refused."""
+    import hashlib
+    import secrets
+
+    from services.api.tenants import PBKDF2_ITERATIONS, SaltedHash, key_problem
+
+    if not PBKDF2_ITERATIONS[0] <= args.iterations <= PBKDF2_ITERATIONS[1]:
+        print(f"rsinfer hash-key: --iterations: {PBKDF2_ITERATIONS[0]} to {PBKDF2_ITERATIONS[1]}", file=sys.stderr)
+        return 2
+    key = "sk-" + secrets.token_urlsafe(36) if args.new else sys.stdin.readline().rstrip("\r\n")
+    problem = key_problem(key, "the key")
+    if problem:
+        print(f"rsinfer hash-key: {problem}", file=sys.stderr)
+        return 2
+    if args.new:
+        print(f"key: {key}")
+    if args.sha256:
+        print(f"key_sha256: {hashlib.sha256(key.encode()).hexdigest()}")
+    else:
+        print(f"key_hash: {SaltedHash.of(key, args.iterations)}")
+    return 0
+
+
 def _drain(args: argparse.Namespace) -> int:
     from rsinfer import tools
 
@@ -183,7 +213,7 @@ def _next_to_up(cls: type, args: argparse.Namespace):
 
 
 TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo-model": _demo_model, "bench": _bench, "asyncapi": _asyncapi, "drain": _drain,
+    "demo-model": _demo_model, "bench": _bench, "asyncapi": _asyncapi, "drain": _drain, "hash-key": _hash_key,
     "healthcheck": _healthcheck, "inspect": _inspect,
 }
 

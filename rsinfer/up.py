@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from pydantic_settings import BaseSettings
 
 from rsinfer import local
 from rsinfer.launcher import SINGLE_THREAD, Launcher, ProcessDied
+from services.api.tenants import KeyFileError, check_keys
 from shared.logs import setup_logging
 from shared.models import resolve_model
 from shared.redis_server import RedisServer
@@ -43,6 +45,17 @@ def child_env(settings: UpSettings, cls: type[BaseSettings]) -> dict[str, str]:
 
 
 def run_up(settings: UpSettings) -> int:
+    """The keys are checked before anything starts (one line naming the entry and field, not an API process
+    that dies with a traceback), then the stack runs."""
+    try:
+        check_keys(settings.api_keys_file, settings.api_key)
+    except KeyFileError as e:
+        print(f"rsinfer: not started: {e}", file=sys.stderr, flush=True)
+        return 2
+    return run_stack(settings)
+
+
+def run_stack(settings: UpSettings) -> int:
     setup_logging(settings.log_level, "up", str(os.getpid()))
     stopping = False
 

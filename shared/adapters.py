@@ -13,6 +13,7 @@ The number of registrations is bounded (--max-adapters), checked and written in 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import time
@@ -104,9 +105,11 @@ def name_problem(name: object, max_chars: int) -> str | None:
     return None
 
 
-def locate(lora_path: str, storage_url: str, max_chars: int) -> tuple[str, str]:
-    """(path, stored) of a `lora_path`: an absolute local folder, or an s3:// or file:// URL inside the object
-    store `storage_url` names (its key prefix there). ValueError saying what is wrong."""
+def locate(lora_path: str, storage_url: str, max_chars: int, roots: str = "") -> tuple[str, str]:
+    """(path, stored) of a `lora_path`: an absolute local folder inside one of `roots` (--lora-roots), or an s3://
+    or file:// URL inside the object store `storage_url` names (its key prefix there). ValueError saying what is
+    wrong. The one check of every adapter path, whoever registers it (an admin's load, --lora-modules of an API
+    process or a scheduler)."""
     if not lora_path:
         raise ValueError("lora_path must be a non-empty string")
     if len(lora_path) > max_chars:
@@ -116,15 +119,29 @@ def locate(lora_path: str, storage_url: str, max_chars: int) -> tuple[str, str]:
     if "://" not in lora_path:
         if not lora_path.startswith("/"):
             raise ValueError(f"lora_path must be an absolute path or a URL of the object store; got {lora_path!r}")
-        return lora_path, ""
+        return inside_roots(lora_path, roots), ""
     store = parse_storage_url(storage_url)
     inside = _inside_store(lora_path, store)
     if inside is not None:
         return "", inside
     if lora_path.startswith("file://"):
-        return unquote(urlsplit(lora_path).path), ""
+        return inside_roots(unquote(urlsplit(lora_path).path), roots), ""
     raise ValueError(f"lora_path {lora_path!r} is not in the object store --storage-url names "
                      f"({storage_url or 'the local default'}); a folder outside it is given as an absolute path")
+
+
+def inside_roots(path: str, roots: str) -> str:
+    """The real path of a local folder (symlinks and `..` resolved) that lies under one of `roots` (--lora-roots,
+    separated by spaces); else a ValueError that says so and nothing of the path (whether it exists, what it
+    is): a load never probes the server's filesystem outside the roots. No roots: no local folder."""
+    allowed = [os.path.realpath(r) for r in roots.split()]
+    if not allowed:
+        raise ValueError("lora_path: local adapter folders are not loaded by this server (give --lora-roots, the "
+                         "directories they may come from), or give a URL in its object store (--storage-url)")
+    real = os.path.realpath(path)
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in allowed):
+        raise ValueError(f"lora_path must lie inside --lora-roots ({' '.join(roots.split())})")
+    return real
 
 
 def _inside_store(url: str, store: StorageLocation) -> str | None:

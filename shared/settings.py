@@ -133,6 +133,10 @@ class AdapterSettings(BaseSettings):
     max_lora_name_chars: int = Field(128, ge=1, le=200, description="longest LoRA adapter name (`lora_name`, and "
                                      "what requests send as `model`)")
     max_lora_path_chars: int = Field(1024, ge=1, le=4096, description="longest `lora_path` of a LoRA adapter")
+    lora_roots: str = Field("", json_schema_extra={"nargs": "+"}, description="directories local LoRA adapter "
+                            "folders may be loaded from (a load's `lora_path`, --lora-modules), separated by "
+                            "spaces: a folder outside them is refused (400 `lora_path`); empty: no local folder, "
+                            "only URLs in the object store (--storage-url)")
 
     @field_validator("lora_modules")
     @classmethod
@@ -140,6 +144,14 @@ class AdapterSettings(BaseSettings):
         from shared.adapters import parse_lora_modules
 
         parse_lora_modules(text)  # a ValueError naming the entry: the process does not start
+        return text
+
+    @field_validator("lora_roots")
+    @classmethod
+    def _lora_roots_absolute(cls, text: str) -> str:
+        relative = [root for root in text.split() if not root.startswith("/")]
+        if relative:
+            raise ValueError(f"--lora-roots: {relative[0]!r} is not an absolute path")
         return text
 
 

@@ -137,7 +137,8 @@ class Adapters:
             raise ApiError(400, f"`{body.lora_name}` is a served model's name; an adapter needs another",
                            param="lora_name")
         try:
-            path, stored = registry.locate(body.lora_path, self.settings.storage_url, self.settings.max_lora_path_chars)
+            path, stored = registry.locate(body.lora_path, self.settings.storage_url, self.settings.max_lora_path_chars,
+                                           self.settings.lora_roots)
         except ValueError as e:
             raise ApiError(400, str(e), param="lora_path") from None
         rank, targets = await self._checked(snap.model_info(base), path, stored, body.lora_path)
@@ -297,6 +298,13 @@ class LoraCollector:
             loads.add_metric(at, w.load.get("lora_loads", 0))
             evictions.add_metric(at, w.load.get("lora_evictions", 0))
         yield from (slots, resident, loading, loads, evictions)
+
+
+def card_for(card: dict, admin: bool) -> dict:
+    """A model's or an adapter's card as a key sees it: an admin's with the server's paths (`root`: the model's
+    folder, the adapter's folder or object), anyone else's with names only (`root`: the card's own name, as
+    vLLM's is for a model served by name)."""
+    return card if admin else {**card, "root": card["id"]}
 
 
 def install(app: FastAPI, svc: ApiService) -> Adapters:

@@ -1,13 +1,16 @@
 """Whether a body is taken now, and what it submits, in one call (`Admission.admit`), before anything is queued:
 
 1. the body's own fields within the server's limits (its `checked`, services/api/schemas.py; a 400 naming one);
-2. the tenant's policy (services/api/tenancy.py; a 403): the model, `priority`, `background`;
-3. the base model and LoRA adapter its `model` names (services/api/adapters.py; 400, 404);
+2. the tenant's policy (services/api/tenancy.py; a 403): the model (and `lora_path`), a `priority` it sent,
+   `background`;
+3. the base model and LoRA adapter its `model` names (services/api/adapters.py; 400, 404), the adapter allowed by
+   the key's `models` under its own name (a 403);
 4. room for it (`room`): not draining (503), Redis up (503), a known model (404), its fan-out within the limits
    and the model's backlog under --max-queued (400, 429);
 5. its uids, minted here in the slots of the reply hub's shards that will read its replies
    (services/api/reply_hub.py `new_uid`), then the jobs, the format and the record the body builds with them;
-6. the tenant's quota, last, so that a request refused above holds no lease (a 429).
+6. the tenant's quota, last, so that a request refused above holds no lease (a 429); its jobs then carry the
+   tenant, its weight and a priority within its key's range (`leased`: every endpoint's jobs pass there).
 
 What it returns (`Admitted`) is all services/api/request.py needs to open the request. The Responses API
 (services/api/responses.py) and batch lines (services/api/batches.py) are admitted by the same steps.
@@ -62,6 +65,12 @@ class Admitted:
         return self.submission.jobs[0].uid
 
 
+def sent_priority(body: Body) -> int | None:
+    """The `priority` the client sent (None when it sent none: the job's default is brought within the key's
+    range, services/api/tenancy.py `Tenancy.priority_of`)."""
+    return getattr(body, "priority", None) if "priority" in getattr(body, "model_fields_set", ()) else None
+
+
 class Admission:
     def __init__(self, svc: ApiService):
         self.svc = svc
@@ -75,9 +84,10 @@ class Admission:
         """`new_uid`: where the jobs' uids come from, if not the reply hub (a batch line's are its own)."""
         params = body.checked(self.limits)
         name = body.model or self.only_model()  # only /generate may leave the model out
-        self.tenancy.authorize(tenant, name, priority=getattr(body, "priority", None),
+        self.tenancy.authorize(tenant, name, lora_path=body.lora_path, priority=sent_priority(body),
                                background=getattr(body, "background", None))
         model, adapter = await self.svc.adapters.target(name, body.lora_path)  # an adapter: its base model and it
+        self.tenancy.authorize_adapter(tenant, adapter, "model" if body.lora_path is None else "lora_path")
         budget = body.budget(params)
         await self.room(model, budget)
         submission = body.submission(params, self.stamp(model, adapter, budget.prompts, new_uid))

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from services.api import errors, tokenization
-from services.api.adapters import Adapters
+from services.api.adapters import Adapters, card_for
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
 from services.api.batches import Batches, BatchRunner, CreateBatch
@@ -32,7 +32,7 @@ from services.api.schemas import Budget, ChatCompletionRequest, CompletionReques
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from services.api.tenancy import TENANT, Tenancy
-from services.api.tenants import Tenant
+from services.api.tenants import KeyCheckBusy, Tenant
 from shared.messages import TokenizerQuery
 from shared.request_states import EndReason
 from shared.settings import ApiSettings
@@ -90,7 +90,7 @@ class Guard:
             return await self.app(scope, receive, send)
         scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/sse.py)
         headers = dict(scope["headers"])
-        error = self.authenticate(scope, headers.get(b"authorization", b""))
+        error = await self.authenticate(scope, headers.get(b"authorization", b""))
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             error = body_too_large(self.max_body)
@@ -102,13 +102,17 @@ class Guard:
         except Exception as e:  # answered with a 500 already (errors.install); Starlette raises it again
             errors.log_unexpected(scope, e)
 
-    def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
+    async def authenticate(self, scope: dict, auth: bytes) -> ApiError | None:
         """The key's tenant into the scope (services/api/tenancy.py `TENANT`), or the 401 or 403 of the request."""
         path = scope["path"]
-        if path in OPEN_PATHS and not self.tenancy.needs_admin(path):
-            return None
+        if path in OPEN_PATHS and not self.tenancy.needs_admin(path) and not (path == "/metrics" and auth):
+            return None  # a key on /metrics is checked: an admin's shows the tenants' series
         scheme, _, key = auth.partition(b" ")
-        tenant = self.tenancy.ring.tenant(key.strip() if scheme.lower() == b"bearer" else None)
+        try:
+            tenant = await self.tenancy.ring.find(key.strip() if scheme.lower() == b"bearer" else None)
+        except KeyCheckBusy:
+            return ApiError(503, "too many API keys are being checked at once; retry", code="overloaded",
+                            retry_after=1)
         if tenant is None:
             return ApiError(401, "invalid or missing API key", code="invalid_api_key")
         if self.tenancy.needs_admin(path) and not tenant.admin:
@@ -182,7 +186,8 @@ def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> N
         body.checked(svc)
         tenant, name = svc.tenancy.tenant_of(request), body.model or svc.admission.only_model()
         svc.tenancy.authorize(tenant, name)
-        model, _ = await adapters.target(name)  # an adapter shares its base's tokenizer
+        model, adapter = await adapters.target(name)  # an adapter shares its base's tokenizer
+        svc.tenancy.authorize_adapter(tenant, adapter)
         await svc.admission.room(model, Budget(prompts=1, choices=1, max_tokens=1))
         now = time.time()
         query = TokenizerQuery(uid=svc.hub.new_uid(), model=model, pod=svc.pod, created_at=now,
@@ -274,7 +279,8 @@ def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
         snap = svc.stages.snapshot
         cards = [snap.model_card(m) for m in snap.known()] + await adapters.cards(snap)
         tenant = svc.tenancy.tenant_of(request)
-        return {"object": "list", "data": [c for c in cards if svc.tenancy.may_use(tenant, c["id"])]}
+        return {"object": "list", "data": [card_for(c, tenant.admin) for c in cards
+                                           if svc.tenancy.may_use(tenant, c["id"])]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request):
@@ -282,9 +288,10 @@ def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
         if model not in snap.servable() and time.time() - snap.at > 0.25:
             snap = await svc.stages.refresh()  # it may have been declared, or its workers come, since then
         card = await adapters.model_card(snap, model)  # a base model's, or a LoRA adapter's
-        if card is None or not svc.tenancy.may_use(svc.tenancy.tenant_of(request), model):
+        tenant = svc.tenancy.tenant_of(request)
+        if card is None or not svc.tenancy.may_use(tenant, model):
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return card
+        return card_for(card, tenant.admin)
 
 
 def add_request_routes(app: FastAPI, svc: ApiService) -> None:
@@ -312,7 +319,8 @@ def add_request_routes(app: FastAPI, svc: ApiService) -> None:
 
 
 def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
-    """What needs no key (OPEN_PATHS): liveness, readiness, metrics."""
+    """What needs no key (OPEN_PATHS): liveness, readiness, metrics (with keys configured, its series labelled
+    with tenants' names only for an admin key)."""
 
     @app.get("/health")
     async def health():
@@ -329,8 +337,8 @@ def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request):
+        return Response(svc.metrics.render(svc.tenancy.sees_tenant_metrics(request)), media_type=CONTENT_TYPE_LATEST)
 
 
 async def parse_body(request: Request, model: type[M], limits: Limits) -> M:

@@ -344,8 +344,8 @@ class BatchRun:
         return await leased(self.submit(admitted.submission), admitted.lease)
 
     async def submit(self, submission: Submission) -> ApiRequest:
-        jobs = [msgspec.structs.replace(j, background=True, priority=self.b.s.batch_priority)
-                for j in submission.jobs]
+        priority = self.b.svc.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
+        jobs = [msgspec.structs.replace(j, background=True, priority=priority) for j in submission.jobs]
         records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
         record = submission.record
         requests = self.b.svc.requests

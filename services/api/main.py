@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 
 import uvicorn
 
 from services.api.app import create_app
 from services.api.http import edge_protocol
+from services.api.tenants import KeyFileError, check_keys
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,11 @@ def run(settings: ApiSettings) -> int:
     # Long keep-alive by default (--keep-alive-s 120): load generators and proxies reuse connections; 5 s broke
     # reused ones (docs/design.md, "Measured facts behind the design"). The head's deadline and size and the
     # connection limit are the protocol's (services/api/http.py).
+    try:  # before anything starts: one line naming the entry and field, not a traceback
+        check_keys(settings.api_keys_file, settings.api_key)
+    except KeyFileError as e:
+        print(f"rsinfer api: not started: {e}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             http=edge_protocol(settings), timeout_keep_alive=settings.keep_alive_s,

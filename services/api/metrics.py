@@ -45,6 +45,9 @@ class _StageCollector:
 class Metrics:
     def __init__(self, stages: StageRegistry):
         self.registry = CollectorRegistry()
+        # series labelled with tenants' names (services/api/tenancy.py): rendered for admin keys only, since a
+        # tenant's name and usage are not for other tenants nor for keyless callers
+        self.tenants = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rsinfer_http_requests", "HTTP requests", ["model", "endpoint", "status"],
                                 registry=r)
@@ -66,5 +69,5 @@ class Metrics:
         self.batches_running = Gauge("rsinfer_batches_running", "batches this process runs now", registry=r)
         r.register(_StageCollector(stages))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = False) -> bytes:
+        return generate_latest(self.registry) + (generate_latest(self.tenants) if tenants else b"")

@@ -59,7 +59,7 @@ class ApiService:
                             limits=HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
         self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
         self.metrics = Metrics(self.stages)
-        self.tenancy = Tenancy(settings, self.redis, self.keys, self.metrics.registry)  # keys, ownership, quotas
+        self.tenancy = Tenancy(settings, self.redis, self.keys, self.metrics.tenants)  # keys, ownership, quotas
         self.tracer = Tracer("api", settings.otlp_endpoint)
         self.adapters = Adapters(self)  # LoRA: which base model and adapter a request names
         self.admission = Admission(self)

@@ -142,7 +142,8 @@ class RegisteredAdapters:
         problem = registry.name_problem(module.name, self.settings.max_lora_name_chars)
         if problem:
             raise ValueError(problem)
-        path, stored = registry.locate(module.path, self.settings.storage_url, self.settings.max_lora_path_chars)
+        path, stored = registry.locate(module.path, self.settings.storage_url, self.settings.max_lora_path_chars,
+                                       self.settings.lora_roots)
         folder = Path(path) if path else await self.store().fetch_folder(stored, max_bytes=self.settings.max_file_bytes)
         rank, targets = await asyncio.to_thread(check_folder, folder, card)
         record = registry.new_record(module.name, self.model, path, stored, rank=rank, targets=targets)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shlex
 import shutil
@@ -212,6 +213,29 @@ def test_ingress_and_service_monitor(render):
     assert sm["metadata"]["labels"]["release"] == "prometheus"
     api_services = [s for s in kube.by_kind(docs, "Service").values() if selects(sm["spec"]["selector"], s)]
     assert [s["metadata"]["name"] for s in api_services] == ["rs-rsinfer-api"]
+
+
+def test_the_ingress_routes_the_api_not_its_metrics(render):
+    """/metrics (tenants' names and usage for an admin key) stays inside the cluster: the default paths are the
+    API's routes, and a path that would route /metrics is refused at render."""
+    docs = render(sets=["api.ingress.enabled=true"])
+    (ing,) = kube.by_kind(docs, "Ingress").values()
+    paths = {p["path"]: p["pathType"] for p in ing["spec"]["rules"][0]["http"]["paths"]}
+    assert paths == {"/v1": "Prefix", "/generate": "Exact", "/tokenize": "Exact", "/detokenize": "Exact"}
+    assert not [p for p in paths if p == "/" or p.startswith("/metrics")]
+    for path, kind in (("/", "Prefix"), ("/", "ImplementationSpecific"), ("/metrics", "Exact")):
+        hosts = [{"host": "x.example.com", "paths": [{"path": path, "pathType": kind}]}]
+        with pytest.raises(helmbin.RenderError, match="would route the API's /metrics"):
+            render(sets=["api.ingress.enabled=true"], set_json=[f"api.ingress.hosts={json.dumps(hosts)}"])
+    sm = kube.by_kind(render(set_json=['metrics.serviceMonitor={"enabled": true, "authorization": {"type": '
+                                       '"Bearer", "credentials": {"name": "ops-key", "key": "key"}}}']),
+                      "ServiceMonitor")["rs-rsinfer-api"]
+    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"] == {"name": "ops-key", "key": "key"}
+
+
+def test_a_short_api_key_is_refused_at_render(render):
+    with pytest.raises(helmbin.RenderError, match=r"auth\.apiKey: at least 32 characters"):
+        render(sets=["auth.apiKey=sk-short"])
 
 
 def test_termination_grace_must_cover_drain_and_grace(render):
@@ -658,7 +682,7 @@ def test_in_chart_redis(render):
     api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
     api_env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "p")
     assert api_env["RSINFER_REDIS_PASSWORD"] == "also-change-me"
-    assert api_env["RSINFER_API_KEY"] == "change-me"
+    assert api_env["RSINFER_API_KEY"] == "change-me-to-32-or-more-random-characters"
 
     # no password given: one made for this release, the same for Redis and every client
     docs = render([])
@@ -701,7 +725,7 @@ def test_pod_annotations_carry_no_hash_of_a_secret(render):
     """checksum/secret covers what is known of the secrets without them; auth.secretRevision (or Reloader) rolls
     the pods when a secret changes. Neither a secret nor a sha256 of any combination of them appears outside
     the Secret."""
-    api_key, password = "change-me", "also-change-me"
+    api_key, password = "change-me-to-32-or-more-random-characters", "also-change-me"
     docs = render(VALUES["internal-redis"])
     digests = {hashlib.sha256(x.encode()).hexdigest() for x in (
         api_key, password, f"{api_key}|{password}", f"{password}|{api_key}", f"{api_key}{password}")}

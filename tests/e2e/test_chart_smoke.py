@@ -41,7 +41,7 @@ from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-API_KEY = "sk-chart-smoke"
+API_KEY = "sk-chart-smoke-" + "0" * 24
 READY_TIMEOUT_S = 150
 SETTINGS = {"api": ApiSettings, "tokenizer": TokenizerSettings, "scheduler": SchedulerSettings,
             "detokenizer": DetokenizerSettings}

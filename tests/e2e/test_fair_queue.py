@@ -22,7 +22,7 @@ from tests.support.stack import MODEL, Stack, new_stack, start_replicas
 
 pytestmark = [pytest.mark.timeout(180)]
 
-A_KEY, B_KEY = "sk-fair-team-a", "sk-fair-team-b"
+A_KEY, B_KEY = "sk-fair-team-a-" + "0" * 20, "sk-fair-team-b-" + "0" * 20
 A_FLOOD, A_TOKENS = 30, 20  # 30 requests of 0.4 s of engine time, 2 at a time: 6 s first come first served
 ENV = {"RSINFER_ENGINE": "synthetic", "RSINFER_STEP_MS": "20", "RSINFER_MAX_RUNNING": "2",
        "RSINFER_FAIR_QUEUEING": "true", "RSINFER_FAIR_WATERMARK": "1"}

@@ -33,6 +33,8 @@ from tests.support.streaming import reference as texts_of
 
 pytestmark = pytest.mark.timeout(300)
 
+KEY = "sk-api-key-of-this-test-" + "0" * 16  # keys have at least 32 characters
+
 N = 12  # tokens per request
 SLOTS = 3
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -86,7 +88,8 @@ def lora(redis_server, demo_model_dir, tmp_path_factory, made):
     s.lora_env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": str(SLOTS), "RSINFER_MAX_LORA_RANK": "16",
                   "RSINFER_MAX_ADAPTERS": "8", "RSINFER_MAX_KV_TOKENS": "8192", "RSINFER_PAGE_SIZE": "4",
                   "RSINFER_STORAGE_URL": f"file://{store}", "RSINFER_STORAGE_CACHE_DIR": str(store / ".cache"),
-                  "RSINFER_LORA_MODULES": f"sql={made['sql'][0]}"}
+                  "RSINFER_LORA_MODULES": f"sql={made['sql'][0]}",
+                  "RSINFER_LORA_ROOTS": str(tmp_path_factory.getbasetemp())}  # the adapters made here, the store
     try:
         s.api_ports = start_replicas(s, {}, apis=2, **s.lora_env)
         wait_for(lambda: "sql" in _names(s), 60, 0.2)
@@ -387,19 +390,96 @@ def test_an_adapter_from_the_object_store(lora, made, reference):
 
 def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
     port = free_port()
-    lora.start("api-keyed", "api", **{**lora.lora_env, "RSINFER_PORT": str(port), "RSINFER_API_KEY": "k3y"})
+    lora.start("api-keyed", "api", **{**lora.lora_env, "RSINFER_PORT": str(port), "RSINFER_API_KEY": KEY})
     base = f"http://127.0.0.1:{port}"
     try:
         lora.wait_until(lambda: api_ready(base), 60, "keyed api")
         body = {"lora_name": "keyed", "lora_path": str(made["kv"][0])}
         assert httpx.post(f"{base}/v1/load_lora_adapter", json=body).status_code == 401
-        auth = {"Authorization": "Bearer k3y"}
+        auth = {"Authorization": f"Bearer {KEY}"}
         assert httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=auth, timeout=30).status_code == 200
         assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}).status_code == 401
         assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "keyed"}, headers=auth,
                           timeout=30).status_code == 200
     finally:
         lora.kill("api-keyed")
+
+
+def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path, demo_model_dir):
+    """An adapter is allowed by its own name in the key's `models`: neither `model: <adapter>` nor `model: <base>,
+    lora_path: <adapter>` reaches it with a key that lists only the base (a name outside the policy is a 403
+    whether or not it exists); a key that lists the adapter runs it, and with it alone not the base."""
+    base_key, sql_key, admin_key = ("sk-" + name + "-" + "0" * 30 for name in ("base-only", "sql-only", "ops"))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": base_key, "tenant": "base-only", "models": [MODEL]},
+                                {"key": sql_key, "tenant": "sql-only", "models": ["sql"]},
+                                {"key": admin_key, "tenant": "ops", "admin": True}]))
+    port = free_port()
+    lora.start("api-tenants", "api", **{**lora.lora_env, "RSINFER_PORT": str(port),
+                                        "RSINFER_API_KEYS_FILE": str(keys)})
+    base = f"http://127.0.0.1:{port}"
+
+    def post(path: str, key: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{base}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    completion = {"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        lora.wait_until(lambda: api_ready(base), 60, "api with tenants")
+        assert post("/generate", base_key, {"model": MODEL, **gen}).status_code == 200
+        for path, body in (("/generate", gen), ("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            for lora_path in ("sql", "no-such-adapter"):
+                resp = post(path, base_key, {"model": MODEL, "lora_path": lora_path, **body})
+                assert resp.status_code == 403, (path, lora_path, resp.text)
+                assert resp.json()["error"]["param"] == "lora_path", (path, resp.text)
+            resp = post(path, base_key, {"model": "sql", **body})
+            assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", (path, resp.text)
+        for path in ("/tokenize", "/v1/embeddings"):
+            body = {"model": "sql", "prompt": "hi"} if path == "/tokenize" else {"model": "sql", "input": "hi"}
+            resp = post(path, base_key, body)
+            assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", (path, resp.text)
+        ran = post("/generate", sql_key, {"model": "sql", **gen})
+        assert ran.status_code == 200 and ran.json()["output_ids"] == generate(lora, "sql", PROMPTS[0])["output_ids"]
+        resp = post("/generate", sql_key, {"model": MODEL, "lora_path": "sql", **gen})
+        assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", resp.text
+        assert post("/tokenize", sql_key, {"model": "sql", "prompt": "hi"}).status_code == 200
+        _models_show_paths_to_admins_only(base, {base_key: [MODEL], sql_key: ["sql"]}, admin_key, demo_model_dir)
+    finally:
+        lora.kill("api-tenants")
+
+
+def _models_show_paths_to_admins_only(base: str, keys: dict[str, list[str]], admin_key: str, model_dir) -> None:
+    """`/v1/models` (and one model's card) name the models and adapters a tenant may use, never a server path
+    (`root` is the card's own name); an admin's show the folders."""
+    for key, names in keys.items():
+        listed = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert [(m["id"], m["root"]) for m in listed.json()["data"]] == [(n, n) for n in names], listed.text
+        one = httpx.get(f"{base}/v1/models/{names[0]}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        for text in (listed.text, one.text):
+            assert "/" not in "".join(str(v) for m in json.loads(text).get("data", [json.loads(text)])
+                                      for v in m.values()), text
+        assert str(model_dir) not in listed.text + one.text
+    admin = {m["id"]: m for m in httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {admin_key}"},
+                                           timeout=10).json()["data"]}
+    assert admin["sql"]["root"].endswith("/sql") and admin[MODEL]["root"] == str(model_dir)
+
+
+def test_local_adapter_folders_load_only_from_lora_roots(lora, made, tmp_path_factory):
+    """A load's `lora_path` outside --lora-roots (here pytest's temporary directory) is a 400 naming it that says
+    nothing of the path (whether it exists, what it holds); inside, through `..` or a symlink out, the same."""
+    root = tmp_path_factory.getbasetemp()
+    link = tmp_path_factory.mktemp("links") / "etc"
+    link.symlink_to("/etc")
+    said = set()
+    for path in ("/etc", "/etc/passwd", "/no/such/folder", f"{root}/../../etc", str(link), "file:///etc"):
+        resp = load(lora, "outside", path)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path", (path, resp.text)
+        said.add(resp.json()["error"]["message"])
+    assert said == {f"lora_path must lie inside --lora-roots ({root})"}, said
+    resp = load(lora, "inside", made["kv"][0], api=1)
+    assert resp.status_code == 200, resp.text
+    assert unload(lora, "inside").status_code == 200
 
 
 def test_a_scheduler_killed_mid_generation_finishes_on_a_peer_with_the_same_text(lora):
@@ -455,7 +535,8 @@ def test_adapter_aware_routing_sends_each_request_where_its_adapter_is_loaded(re
     restarted without --prefix-routing) whoever reads a request loads its adapter."""
     names = ["sql", "chat", "mlp", "kv"]
     modules = " ".join(f"{n}={made[n][0]}" for n in names)
-    env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": "2", "RSINFER_MAX_KV_TOKENS": "4096", "RSINFER_LORA_MODULES": modules}
+    env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": "2", "RSINFER_MAX_KV_TOKENS": "4096", "RSINFER_LORA_MODULES": modules,
+           "RSINFER_LORA_ROOTS": str(tmp_path_factory.getbasetemp())}
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "lroute")
     try:
         start_replicas(s, {"scheduler": 2}, apis=1, RSINFER_PREFIX_ROUTING="true", **env)

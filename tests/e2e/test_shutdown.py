@@ -23,6 +23,8 @@ from tests.support.stack import LIFECYCLE_ENV
 from tests.support.streaming import Streamer, body, reference
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # `make test-fast` leaves it out
+
+KEY = "sk-api-key-of-this-test-" + "0" * 16  # keys have at least 32 characters
 NO_CLAIMS = {**LIFECYCLE_ENV, "RSINFER_CLAIM_IDLE_MS": "600000"}  # only a hand-back can move work
 
 
@@ -77,9 +79,9 @@ def test_drain_is_the_pods_own_and_is_undone_without_sigterm(pipeline):
     within --drain-timeout-s is undone: the API goes back in service."""
     s = pipeline
     port = free_port()
-    env = {**LIFECYCLE_ENV, "RSINFER_PORT": str(port), "RSINFER_DRAIN_TIMEOUT_S": "4", "RSINFER_API_KEY": "k"}
+    env = {**LIFECYCLE_ENV, "RSINFER_PORT": str(port), "RSINFER_DRAIN_TIMEOUT_S": "4", "RSINFER_API_KEY": KEY}
     s.start("api-drained", "api", **env)
-    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
     wait_for(lambda: api_ready(url), timeout=60)
     for method in ("GET", "POST"):
         assert httpx.request(method, f"{url}/drain?wait=1", headers=key, timeout=5).status_code in (404, 405)

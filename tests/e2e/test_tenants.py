@@ -25,9 +25,10 @@ from tests.support.stack import MODEL, Stack, new_stack, start_replicas
 
 pytestmark = [pytest.mark.timeout(120)]
 
-A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY = "sk-team-a-1111", "sk-team-b-1111", "sk-team-b-2222", "sk-ops-admin-1111"
-C_KEY, D_KEY = "sk-team-c-1111", "sk-team-d-1111"
-ZERO_KEY, RPM_KEY, S_KEY = "sk-team-zero-1111", "sk-team-rpm-1111", "sk-team-s-1111"  # refused; a storer
+A_KEY, B_KEY, B_NEW_KEY, ADMIN_KEY, P_KEY = (f"sk-{name}-{'0' * 24}" for name in (
+    "team-a-1", "team-b-1", "team-b-2", "ops-admin", "team-p-1"))
+C_KEY, D_KEY, ZERO_KEY, RPM_KEY, S_KEY = (f"sk-{name}-{'0' * 24}" for name in (
+    "team-c-1", "team-d-1", "team-zero-1", "team-rpm-1", "team-s-1"))  # one at a time; tpm; refused; a storer
 B_MAX = 2
 D_TPM = 2000
 LEASE_S = 6
@@ -46,7 +47,8 @@ def entries(b_keys: tuple[str, ...] = (B_KEY,)) -> list[dict]:
             {"key": ADMIN_KEY, "tenant": "ops", "admin": True},
             {"key": ZERO_KEY, "tenant": "team-zero", "max_concurrent": 0, "background": True},
             {"key": RPM_KEY, "tenant": "team-rpm", "requests_per_minute": 0},
-            {"key": S_KEY, "tenant": "team-s", "background": True}]
+            {"key": S_KEY, "tenant": "team-s", "background": True},
+            {"key": P_KEY, "tenant": "team-p", "priority": [10, 20]}]
 
 
 def write_keys(path: Path, data: list[dict]) -> None:
@@ -213,6 +215,39 @@ def test_what_b_s_policy_does_not_allow_is_a_403_naming_the_field(tenants, extra
     chat(api1, A_KEY, extra_body=extra)  # A's policy allows any priority and background
 
 
+def _queued_priorities(s: Stack, call) -> list[int]:
+    """`call()`, and the priorities of the jobs team-p's requests queued meanwhile (its model's tokenize stream)."""
+    r, stream = s.redis(), s.keys.tokenize(MODEL)
+    last = r.xrevrange(stream, count=1)
+    call()
+    entries = r.xrange(stream, min=f"({last[0][0]}" if last else "-", count=100_000)
+    jobs = [json.loads(fields["data"]) for _, fields in entries]
+    return [job.get("priority", 0) for job in jobs if job.get("tenant") == "team-p"]
+
+
+def test_every_job_runs_within_its_keys_priority_range_on_every_endpoint(tenants):
+    """A key of [10, 20] needs no `priority`: its jobs run at 10 (the end nearest the default 0), on chat and on
+    the endpoints without a `priority` field (embeddings, score, responses); one it sends outside is a 403."""
+    s, (api1, api2), _ = tenants
+    p = client(api1, P_KEY)
+
+    def post(path: str, body: dict) -> None:
+        """Queued, then answered by the synthetic engine with its 400 (it computes no embeddings or scores)."""
+        resp = httpx.post(f"{api2}{path}", headers=auth(P_KEY), timeout=30, json={"model": MODEL, **body})
+        assert resp.status_code == 400 and "need the paged engine" in resp.text, resp.text
+
+    assert _queued_priorities(s, lambda: chat(api1, P_KEY)) == [10]
+    assert _queued_priorities(s, lambda: chat(api2, P_KEY, extra_body={"priority": 15})) == [15]
+    assert _queued_priorities(s, lambda: post("/v1/embeddings", {"input": ["one", "two"]})) == [10, 10]
+    assert _queued_priorities(s, lambda: post("/v1/score", {"query": "q", "items": ["a"],
+                                                            "label_token_ids": [1, 2]})) == [10]
+    assert _queued_priorities(s, lambda: p.responses.create(model=MODEL, input="hi", max_output_tokens=2)) == [10]
+    for bad in (0, 21):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            chat(api2, P_KEY, extra_body={"priority": bad})
+        assert e.value.response.json()["error"]["param"] == "priority"
+
+
 def test_a_model_outside_the_policy_is_a_403_and_not_listed(tenants):
     _, (api1, _), _ = tenants
     resp = httpx.post(f"{api1}/generate", headers=auth(B_KEY), timeout=10,
@@ -265,6 +300,7 @@ def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
     s, (api1, api2), _ = tenants
     r = s.redis()
     before = {k: int(v) for k, v in r.hgetall(s.keys.usage()).items()}
+    chat(api1, B_KEY)  # team-b's series on api1 too, whichever tests ran before
     usage = chat(api1, A_KEY, max_tokens=7).usage
     chat(api2, A_KEY, max_tokens=5)
 
@@ -275,9 +311,15 @@ def test_usage_is_counted_per_tenant_in_redis_metrics_and_inspect(tenants):
     wait_for(lambda: counted().get("team-a:generated_tokens") == 12, timeout=10, every=0.1)
     got = counted()
     assert got["team-a:requests"] == 2 and got["team-a:prompt_tokens"] == 2 * usage.prompt_tokens
-    metrics = httpx.get(f"{api1}/metrics", timeout=10).text
+    metrics = httpx.get(f"{api1}/metrics", headers=auth(ADMIN_KEY), timeout=10).text
     assert 'rsinfer_tenant_generated_tokens_total{tenant="team-a"}' in metrics
     assert 'rsinfer_tenant_requests_total{tenant="team-b"}' in metrics
+    # without a key (the open /metrics) or with a tenant's: every series but the tenants', no tenant's name
+    for headers in ({}, auth(A_KEY)):
+        metrics = httpx.get(f"{api1}/metrics", headers=headers, timeout=10)
+        assert metrics.status_code == 200 and "rsinfer_http_requests_total" in metrics.text
+        assert "rsinfer_tenant_" not in metrics.text and "team-a" not in metrics.text and "team-b" not in metrics.text
+    assert httpx.get(f"{api1}/metrics", headers=auth("sk-not-a-key-" + "0" * 24), timeout=10).status_code == 401
     out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", s.redis_url,
                           "--namespace", s.namespace], capture_output=True, text=True, timeout=60, check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith("team-a "))
@@ -483,3 +525,25 @@ def test_a_crashed_api_processs_slots_are_freed_once_its_requests_ended(tenants)
             st.close()
     assert_rate_limited(api1)
     wait_for(lambda: _admitted(api1), timeout=60, every=0.25)
+
+
+@pytest.mark.parametrize("command", ["api", "up"])
+@pytest.mark.parametrize(("keys", "env", "says"), [
+    ([{"key": "sk-short", "tenant": "a"}], {}, "keys[0].key: a string of at least 32 characters"),
+    ([{"key": A_KEY, "tenant": "a"}, {"key": B_KEY, "tenant": "default"}], {}, "keys[1].tenant: `default` is "
+     "reserved"),
+    ([{"key": A_KEY, "tenant": "a", "max_concurrent": "eight"}], {}, "keys[0].max_concurrent"),
+    ([], {"RSINFER_API_KEY": "sk-short"}, "--api-key (RSINFER_API_KEY, --api-key-file): a string of at least 32"),
+])
+def test_a_bad_keys_file_or_key_stops_the_start_with_one_line(tmp_path, command, keys, env, says):
+    """`rsinfer api` and `rsinfer up`: exit status 2 and one line naming the entry and field, no traceback
+    (`up` says it before it starts anything)."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(keys))
+    args = ["--api-keys-file", str(path)] if keys else []
+    proc = subprocess.run([sys.executable, "-m", "rsinfer.cli", command, *args, "--port", "0", "--redis-url",
+                           "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], (proc.returncode, lines)
+    assert "Traceback" not in proc.stderr and "sk-short" not in lines[0]

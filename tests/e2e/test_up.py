@@ -117,7 +117,7 @@ def test_up_with_embedded_redis(demo_model_dir, tmp_path):
 
 def test_up_with_an_api_key_becomes_ready_and_keeps_it_out_of_ps(demo_model_dir, tmp_path):
     """The key from a file (or RSINFER_API_KEY): `up` polls its own API with it, and no process shows it."""
-    key = "sk-up-0123456789abcdef"
+    key = "sk-up-0123456789abcdef0123456789abcdef"
     key_file = tmp_path / "api-key"
     key_file.write_text(key + "\n")
     port = free_port()

@@ -11,13 +11,15 @@ from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
 
+KEY, USER, ADMIN = "sk-guard-" + "k" * 24, "sk-user-" + "0" * 24, "sk-admin-" + "0" * 24
+
 
 @pytest.mark.parametrize(("api_key", "client_ip", "auth"), [
     (None, "10.1.2.3", None),
-    ("k", "10.1.2.3", "k"),  # a client with the key
+    (KEY, "10.1.2.3", KEY),  # a client with the key
     (None, "127.0.0.1", None),  # a reverse proxy on the same host: every caller is loopback
-    ("k", "127.0.0.1", "k"),
-    ("k", "::1", "k"),
+    (KEY, "127.0.0.1", KEY),
+    (KEY, "::1", KEY),
 ])
 @pytest.mark.parametrize("method", ["GET", "POST"])
 async def test_no_http_request_drains_the_pod(api_key, client_ip, auth, method):
@@ -32,7 +34,7 @@ async def test_no_http_request_drains_the_pod(api_key, client_ip, auth, method):
 
 
 async def test_the_key_guards_everything_but_the_probes():
-    guard = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_key="k"))
+    guard = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_key=KEY))
     transport = httpx.ASGITransport(app=guard, client=("127.0.0.1", 40000))
     async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
         assert (await client.get("/v1/models")).status_code == 401
@@ -41,15 +43,15 @@ async def test_the_key_guards_everything_but_the_probes():
 
 async def test_named_keys_guard_the_routes_and_admin_alone_reaches_the_operator_endpoints(tmp_path):
     path = tmp_path / "keys.yaml"
-    path.write_text("- {key: sk-user-000001, tenant: users}\n- {key: sk-admin-00001, tenant: ops, admin: true}\n")
+    path.write_text(f"- {{key: {USER}, tenant: users}}\n- {{key: {ADMIN}, tenant: ops, admin: true}}\n")
     for metrics_open in (True, False):
         guard = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_keys_file=str(path),
                                        metrics_open=metrics_open))
         transport = httpx.ASGITransport(app=guard, client=("127.0.0.1", 40000))
-        user, admin = {"Authorization": "Bearer sk-user-000001"}, {"Authorization": "Bearer sk-admin-00001"}
+        user, admin = {"Authorization": f"Bearer {USER}"}, {"Authorization": f"Bearer {ADMIN}"}
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
             assert (await client.get("/v1/models")).status_code == 401
-            basic = {"Authorization": "Basic sk-user-000001"}
+            basic = {"Authorization": f"Basic {USER}"}
             assert (await client.get("/v1/models", headers=basic)).status_code == 401
             assert (await client.get("/health")).status_code == 200
             for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):

@@ -198,12 +198,12 @@ async def test_a_route_answered_in_its_handler_holds_its_slot_for_the_block(redi
     block however the block ends, and the tokens it was given are counted."""
     path = tmp_path / "keys.yaml"
     name = f"t{uuid.uuid4().hex[:6]}"
-    path.write_text(f"- {{key: sk-route-00001, tenant: {name}, max_concurrent: 1}}\n")
+    path.write_text(f"- {{key: sk-route-00000000000000000000000001, tenant: {name}, max_concurrent: 1}}\n")
     redis = connect(redis_server.url)
     keys = Keys(f"q{uuid.uuid4().hex[:8]}")
     tenancy = Tenancy(ApiSettings(redis_url=redis_server.url, api_keys_file=str(path)), redis, keys,
                       CollectorRegistry())
-    tenant = tenancy.ring.tenant("sk-route-00001")
+    tenant = tenancy.ring.tenant("sk-route-00000000000000000000000001")
     try:
         with pytest.raises(RuntimeError):
             async with tenancy.admitted(tenant, SimpleNamespace(prompt_tokens=5, cached_tokens=0,
@@ -222,7 +222,7 @@ async def test_a_route_answered_in_its_handler_holds_its_slot_for_the_block(redi
 
 def test_with_keys_a_request_the_guard_did_not_key_may_do_nothing(tmp_path):
     path = tmp_path / "keys.yaml"
-    path.write_text("- {key: sk-route-00001, tenant: a}\n")
+    path.write_text("- {key: sk-route-00000000000000000000000001, tenant: a}\n")
     tenancy = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_keys_file=str(path)), None, None,
                       CollectorRegistry())
     nobody = tenancy.tenant_of(SimpleNamespace(scope={}))

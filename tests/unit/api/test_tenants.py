@@ -7,17 +7,30 @@ import hashlib
 import json
 import os
 
+import msgspec
 import pytest
 
 from services.api.errors import ApiError
 from services.api.tenancy import Tenancy
-from services.api.tenants import OPEN, KeyFileError, KeyRing, Policy, Tenant, parse_keys
+from services.api.tenants import (
+    MAX_DERIVING,
+    OPEN,
+    KeyCheckBusy,
+    KeyFileError,
+    KeyRing,
+    Policy,
+    SaltedHash,
+    Tenant,
+    parse_keys,
+)
 from shared.messages import SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
 
-A_KEY, A_NEW_KEY, B_KEY, ADMIN_KEY = "sk-tenant-a-0001", "sk-tenant-a-0002", "sk-tenant-b-0001", "sk-admin-0001"
+A_KEY, A_NEW_KEY, B_KEY, ADMIN_KEY, C_KEY = (f"sk-{name}-{'0' * 24}" for name in ("tenant-a-1", "tenant-a-2",
+                                                                                "tenant-b-1", "admin-01", "tenant-c"))
+LONG, OTHER = "sk-long-enough-" + "x" * 20, "sk-other-key-1-" + "x" * 20  # in the cases below as {LONG}, {OTHER}
 
 YAML = f"""
 - key: {A_KEY}
@@ -34,11 +47,15 @@ YAML = f"""
 - key: {ADMIN_KEY}
   tenant: ops
   admin: true
+- key_hash: {SaltedHash.of(C_KEY, 100_000)}
+  tenant: team-c
+  max_concurrent: 1
 """
 
 
 def test_yaml_entries_become_tenants_with_their_policies():
-    keys = parse_keys(YAML)
+    table = parse_keys(YAML)
+    keys = table.digests
     a = keys[hashlib.sha256(A_KEY.encode()).hexdigest()]
     assert a == Tenant("team-a", Policy(models=frozenset({"rsinfer-demo"}), max_concurrent=4, requests_per_minute=60,
                                         tokens_per_minute=10000, priority=(0, 10), background=True,
@@ -46,35 +63,47 @@ def test_yaml_entries_become_tenants_with_their_policies():
     b = keys[hashlib.sha256(B_KEY.encode()).hexdigest()]
     assert b == Tenant("team-b", Policy()) and not b.policy.limited  # omitted limits mean none
     assert keys[hashlib.sha256(ADMIN_KEY.encode()).hexdigest()].admin
+    [(salted, c)] = table.salted
+    assert c == Tenant("team-c", Policy(max_concurrent=1)) and salted.matches(C_KEY.encode())
+    assert not salted.matches(A_KEY.encode()) and salted.iterations == 100_000
 
 
 def test_json_is_read_too_and_two_keys_of_one_tenant_agree():
     entry = {"tenant": "t", "max_concurrent": 2}
     text = json.dumps({"keys": [{"key": A_KEY, **entry}, {"key": A_NEW_KEY, **entry}]})
-    assert {t.name for t in parse_keys(text).values()} == {"t"}
+    assert {t.name for t in parse_keys(text).digests.values()} == {"t"}
 
 
 @pytest.mark.parametrize(("text", "names"), [
-    ("- {tenant: a}", "exactly one of `key` and `key_sha256`"),
-    ("- {key: short, tenant: a}", "keys[0].key"),
-    ("- {key: sk-long-enough, tenant: 'a b'}", "keys[0].tenant"),
-    ("- {key: sk-long-enough, tenant: a, max_concurent: 3}", "unknown field `max_concurent`"),
-    ("- {key: sk-long-enough, tenant: a, max_concurrent: -1}", "keys[0].max_concurrent"),
-    ("- {key: sk-long-enough, tenant: a, max_concurrent: true}", "keys[0].max_concurrent"),
-    ("- {key: sk-long-enough, tenant: a, priority: [5, 1]}", "keys[0].priority"),
-    ("- {key: sk-long-enough, tenant: a, background: 'yes'}", "keys[0].background"),
-    ("- {key: sk-long-enough, tenant: a, models: rsinfer-demo}", "keys[0].models"),
-    ("- {key: sk-long-enough, tenant: a}\n- {key: sk-long-enough, tenant: b}", "keys[1]: the same key"),
-    ("- {key: sk-long-enough, tenant: a}\n- {key: sk-other-key-1, tenant: a, admin: true}", "another policy"),
-    ("- {key: sk-long-enough, tenant: a, weight: 0}", "keys[0].weight"),
-    ("- {key: sk-long-enough, tenant: a, weight: 1001}", "keys[0].weight"),
-    ("- {key: sk-long-enough, tenant: a, weight: 1.5}", "keys[0].weight"),
-    ("{key: sk-long-enough}", "a list of key entries"),
+    ("- {tenant: a}", "exactly one of `key`, `key_hash` and `key_sha256`"),
+    (f"- {{key: {{LONG}}, key_sha256: {'0' * 64}, tenant: a}}", "exactly one of"),
+    ("- {key: short, tenant: a}", "keys[0].key: a string of at least 32 characters"),
+    ("- {key: sk-0123456789abcdef0123456789ab, tenant: a}", "keys[0].key: a string of at least 32"),
+    ("- {key: {LONG}, tenant: default}", "keys[0].tenant: `default` is reserved"),
+    ("- {key_hash: 'pbkdf2_sha256$1000$salt$" + "A" * 43 + "=', tenant: a}", "keys[0].key_hash"),
+    ("- {key_hash: 'pbkdf2_sha256$600000$salt$AAAA', tenant: a}", "keys[0].key_hash"),
+    ("- {key_hash: 'md5$600000$salt$" + "A" * 43 + "=', tenant: a}", "keys[0].key_hash"),
+    ("- {key_hash: 'pbkdf2_sha256$600000$$" + "A" * 43 + "=', tenant: a}", "keys[0].key_hash"),
+    ("- {key_hash: 'pbkdf2_sha256$x$salt$" + "A" * 43 + "=', tenant: a}", "keys[0].key_hash"),
+    ("- {key_hash: 7, tenant: a}", "keys[0].key_hash"),
+    ("- {key: {LONG}, tenant: 'a b'}", "keys[0].tenant"),
+    ("- {key: {LONG}, tenant: a, max_concurent: 3}", "unknown field `max_concurent`"),
+    ("- {key: {LONG}, tenant: a, max_concurrent: -1}", "keys[0].max_concurrent"),
+    ("- {key: {LONG}, tenant: a, max_concurrent: true}", "keys[0].max_concurrent"),
+    ("- {key: {LONG}, tenant: a, priority: [5, 1]}", "keys[0].priority"),
+    ("- {key: {LONG}, tenant: a, background: 'yes'}", "keys[0].background"),
+    ("- {key: {LONG}, tenant: a, models: rsinfer-demo}", "keys[0].models"),
+    ("- {key: {LONG}, tenant: a}\n- {key: {LONG}, tenant: b}", "keys[1]: the same key"),
+    ("- {key: {LONG}, tenant: a}\n- {key: {OTHER}, tenant: a, admin: true}", "another policy"),
+    ("- {key: {LONG}, tenant: a, weight: 0}", "keys[0].weight"),
+    ("- {key: {LONG}, tenant: a, weight: 1001}", "keys[0].weight"),
+    ("- {key: {LONG}, tenant: a, weight: 1.5}", "keys[0].weight"),
+    ("{key: {LONG}}", "a list of key entries"),
     ("- [unclosed", "not YAML or JSON"),
 ])
 def test_a_bad_file_is_refused_naming_the_entry_and_field(text, names):
     with pytest.raises(KeyFileError, match=None) as e:
-        parse_keys(text)
+        parse_keys(text.replace("{LONG}", LONG).replace("{OTHER}", OTHER))
     assert names in str(e.value)
 
 
@@ -124,8 +153,51 @@ def test_a_bad_file_at_start_stops_the_start(tmp_path):
 
 def test_no_key_is_open_mode_and_api_key_is_an_admin_tenant():
     assert KeyRing().tenant(None) is OPEN and not KeyRing().configured
-    ring = KeyRing(api_key="k")
-    assert ring.tenant("k").name == "default" and ring.tenant("k").admin and ring.tenant("x") is None
+    ring = KeyRing(api_key=ADMIN_KEY)
+    assert ring.tenant(ADMIN_KEY).name == "default" and ring.tenant(ADMIN_KEY).admin and ring.tenant("x") is None
+
+
+@pytest.mark.parametrize("key", ["k", "sk-" + "x" * 28, " " + "x" * 40])
+def test_an_api_key_under_32_characters_stops_the_start(key):
+    with pytest.raises(KeyFileError, match=r"--api-key .*at least 32 characters"):
+        KeyRing(api_key=key)
+
+
+async def test_a_salted_key_is_found_by_deriving_once_then_by_its_digest(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text(YAML)
+    ring = KeyRing(str(path))
+    assert ring.tenant(C_KEY) is None  # not derived yet: `find` does it
+    assert (await ring.find(C_KEY)).name == "team-c"
+    assert ring.tenant(C_KEY).name == "team-c"  # remembered as a digest: no derivation again
+    assert await ring.find("sk-not-a-key-" + "x" * 30) is None and (await ring.find(A_KEY)).name == "team-a"
+    assert C_KEY.encode() not in b"".join(ring.digests)
+    path.write_text(YAML.replace("team-c", "team-d"))  # a reload forgets what was derived against the old file
+    ring.checked_at -= 2
+    assert ring.tenant(C_KEY) is None and (await ring.find(C_KEY)).name == "team-d"
+    ring.deriving = MAX_DERIVING  # that many unknown keys already wait: the next is turned away at once
+    with pytest.raises(KeyCheckBusy):
+        await ring.find("sk-another-unknown-key-" + "x" * 20)
+    assert (await ring.find(A_KEY)).name == "team-a"  # a known key is never held up
+
+
+def test_hash_key_writes_an_entry_that_matches_and_refuses_a_short_key(monkeypatch, capsys):
+    import io
+
+    from rsinfer.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(C_KEY + "\n"))
+    assert main(["hash-key", "--iterations", "100000"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("key_hash: pbkdf2_sha256$100000$") and C_KEY not in line
+    [(salted, _)] = parse_keys(f"- {{{line}, tenant: t}}").salted
+    assert salted.matches(C_KEY.encode())
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-short\n"))
+    assert main(["hash-key"]) == 2 and "at least 32 characters" in capsys.readouterr().err
+    assert main(["hash-key", "--new", "--sha256"]) == 0
+    key, digest = capsys.readouterr().out.splitlines()
+    assert digest == "key_sha256: " + hashlib.sha256(key.removeprefix("key: ").encode()).hexdigest()
+    assert len(key.removeprefix("key: ")) >= 32
 
 
 def tenancy(tmp_path) -> Tenancy:
@@ -149,6 +221,21 @@ def test_the_policy_refuses_with_a_403_naming_the_field(tmp_path):
     assert (e.value.status, e.value.param) == (403, "background")
 
 
+def test_an_adapter_is_allowed_by_its_own_name_not_by_its_base(tmp_path):
+    t = tenancy(tmp_path)
+    a, b = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY)  # a: rsinfer-demo only; b: every model
+    for kwargs, field in (({"lora_path": "sql"}, "lora_path"), ({"model": "sql"}, "model")):
+        with pytest.raises(ApiError) as e:
+            t.authorize(a, **{"model": "rsinfer-demo", **kwargs})
+        assert (e.value.status, e.value.param, e.value.code) == (403, field, "model_not_allowed")
+    with pytest.raises(ApiError) as e:
+        t.authorize_adapter(a, "sql", "lora_path")
+    assert (e.value.status, e.value.param) == (403, "lora_path")
+    t.authorize_adapter(a, None)  # no adapter: the base alone
+    t.authorize(b, "rsinfer-demo", lora_path="sql")
+    t.authorize_adapter(b, "sql")
+
+
 def test_a_request_is_its_tenants_and_every_admins(tmp_path):
     t = tenancy(tmp_path)
     a, b, ops = t.ring.tenant(A_KEY), t.ring.tenant(B_KEY), t.ring.tenant(ADMIN_KEY)
@@ -166,6 +253,11 @@ def test_jobs_carry_their_tenant_and_its_weight_for_fair_queueing(tmp_path):
     [b] = t.stamp([job], t.ring.tenant(B_KEY))
     assert (a.tenant, a.weight, b.tenant, b.weight) == ("team-a", 3, "team-b", 1)
     assert a.prompt == "x" and a.uid == "u"
+    # a priority within the key's range whatever the job came with (team-a: [0, 10]; team-b: any)
+    for asked, within in ((0, 0), (7, 7), (-3, 0), (1000, 10)):
+        [a] = t.stamp([msgspec.structs.replace(job, priority=asked)], t.ring.tenant(A_KEY))
+        [b] = t.stamp([msgspec.structs.replace(job, priority=asked)], t.ring.tenant(B_KEY))
+        assert (a.priority, b.priority) == (within, asked)
     open_mode = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0"), None, None, None)
     assert open_mode.stamp([job], OPEN) == [job] and job.tenant == ""
 

@@ -9,6 +9,7 @@ import pytest
 
 from shared import adapters as registry
 from shared.adapters import Module, RegistryFull, locate, name_problem, parse_lora_modules
+from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,9 +34,10 @@ def test_names_are_bounded_and_plain():
 
 def test_paths_are_absolute_folders_or_urls_inside_the_store(tmp_path):
     store = f"file://{tmp_path}/store"
-    assert locate("/models/sql", store, 100) == ("/models/sql", "")
+    roots = f"/models {tmp_path}/elsewhere"
+    assert locate("/models/sql", store, 100, roots) == ("/models/sql", "")
     assert locate(f"file://{tmp_path}/store/adapters/sql", store, 100) == ("", "adapters/sql")
-    assert locate(f"file://{tmp_path}/elsewhere/sql", store, 100) == (f"{tmp_path}/elsewhere/sql", "")
+    assert locate(f"file://{tmp_path}/elsewhere/sql", store, 100, roots) == (f"{tmp_path}/elsewhere/sql", "")
     assert locate("s3://bucket/root/adapters/sql/", "s3://bucket/root", 100) == ("", "adapters/sql")
     for bad, says in (("rel/sql", "absolute"), ("", "non-empty"), ("/" + "x" * 100, "at most 100"),
                       ("s3://other/root/sql", "not in the object store"), ("s3://bucket/rootless", "not in"),
@@ -100,3 +102,26 @@ def test_a_bad_lora_modules_setting_stops_the_process_at_start():
     for cls in (ApiSettings, SchedulerSettings):
         with pytest.raises(ValidationError, match="is not name=path"):
             cls(lora_modules="sql")
+
+
+def test_a_local_folder_must_lie_inside_lora_roots_whatever_it_is(tmp_path):
+    """Outside the roots (or through `..` or a symlink out of them) a path is refused with one message, whether
+    it exists or not; no roots: no local folder at all."""
+    root, outside = tmp_path / "adapters", tmp_path / "secret"
+    (root / "sql").mkdir(parents=True)
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    store = f"file://{tmp_path}/store"
+    assert locate(f"{root}/sql", store, 1000, f"/nowhere {root}") == (f"{root}/sql", "")
+    assert locate(f"{root}/not-yet", store, 1000, str(root)) == (f"{root}/not-yet", "")  # its check says missing
+    said = set()
+    for bad in ("/etc", "/etc/passwd", "/no/such/dir", str(outside), f"{root}/../secret", f"{root}/link",
+                f"{root}x", f"file://{outside}"):
+        with pytest.raises(ValueError) as e:
+            locate(bad, store, 1000, str(root))
+        said.add(str(e.value))
+    assert said == {f"lora_path must lie inside --lora-roots ({root})"}
+    with pytest.raises(ValueError, match="give --lora-roots"):
+        locate(f"{root}/sql", store, 1000, "")
+    with pytest.raises(ValueError, match="--lora-roots: 'rel' is not an absolute path"):
+        ApiSettings(redis_url="redis://127.0.0.1:1/0", lora_roots="/a rel")
