@@ -105,11 +105,13 @@ def name_problem(name: object, max_chars: int) -> str | None:
     return None
 
 
-def locate(lora_path: str, storage_url: str, max_chars: int, roots: str = "") -> tuple[str, str]:
+def locate(lora_path: str, storage_url: str, max_chars: int, roots: str = "", configured: bool = False
+           ) -> tuple[str, str]:
     """(path, stored) of a `lora_path`: an absolute local folder inside one of `roots` (--lora-roots), or an s3://
     or file:// URL inside the object store `storage_url` names (its key prefix there). ValueError saying what is
     wrong. The one check of every adapter path, whoever registers it (an admin's load, --lora-modules of an API
-    process or a scheduler)."""
+    process or a scheduler). `configured`: a path the operator named in --lora-modules, which is loaded wherever
+    it lies (the roots bound what an HTTP request may make the server look at, not the operator's own flags)."""
     if not lora_path:
         raise ValueError("lora_path must be a non-empty string")
     if len(lora_path) > max_chars:
@@ -119,13 +121,14 @@ def locate(lora_path: str, storage_url: str, max_chars: int, roots: str = "") ->
     if "://" not in lora_path:
         if not lora_path.startswith("/"):
             raise ValueError(f"lora_path must be an absolute path or a URL of the object store; got {lora_path!r}")
-        return inside_roots(lora_path, roots), ""
+        return (os.path.realpath(lora_path) if configured else inside_roots(lora_path, roots)), ""
     store = parse_storage_url(storage_url)
     inside = _inside_store(lora_path, store)
     if inside is not None:
         return "", inside
     if lora_path.startswith("file://"):
-        return inside_roots(unquote(urlsplit(lora_path).path), roots), ""
+        path = unquote(urlsplit(lora_path).path)
+        return (os.path.realpath(path) if configured else inside_roots(path, roots)), ""
     raise ValueError(f"lora_path {lora_path!r} is not in the object store --storage-url names "
                      f"({storage_url or 'the local default'}); a folder outside it is given as an absolute path")
 

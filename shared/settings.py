@@ -134,9 +134,10 @@ class AdapterSettings(BaseSettings):
                                      "what requests send as `model`)")
     max_lora_path_chars: int = Field(1024, ge=1, le=4096, description="longest `lora_path` of a LoRA adapter")
     lora_roots: str = Field("", json_schema_extra={"nargs": "+"}, description="directories local LoRA adapter "
-                            "folders may be loaded from (a load's `lora_path`, --lora-modules), separated by "
-                            "spaces: a folder outside them is refused (400 `lora_path`); empty: no local folder, "
-                            "only URLs in the object store (--storage-url)")
+                            "folders may be loaded from by POST /v1/load_lora_adapter, separated by spaces: "
+                            "a folder outside them is refused (400 `lora_path`); empty: no local folder, only URLs "
+                            "in the object store (--storage-url). --lora-modules paths are the operator's own and "
+                            "load wherever they are")
 
     @field_validator("lora_modules")
     @classmethod

@@ -138,7 +138,7 @@ class Adapters:
                            param="lora_name")
         try:
             path, stored = registry.locate(body.lora_path, self.settings.storage_url, self.settings.max_lora_path_chars,
-                                           self.settings.lora_roots)
+                                           self.settings.lora_roots, configured=mode == "config")
         except ValueError as e:
             raise ApiError(400, str(e), param="lora_path") from None
         rank, targets = await self._checked(snap.model_info(base), path, stored, body.lora_path)

@@ -143,7 +143,7 @@ class RegisteredAdapters:
         if problem:
             raise ValueError(problem)
         path, stored = registry.locate(module.path, self.settings.storage_url, self.settings.max_lora_path_chars,
-                                       self.settings.lora_roots)
+                                       self.settings.lora_roots, configured=True)
         folder = Path(path) if path else await self.store().fetch_folder(stored, max_bytes=self.settings.max_file_bytes)
         rank, targets = await asyncio.to_thread(check_folder, folder, card)
         record = registry.new_record(module.name, self.model, path, stored, rank=rank, targets=targets)

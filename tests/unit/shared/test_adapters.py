@@ -123,5 +123,7 @@ def test_a_local_folder_must_lie_inside_lora_roots_whatever_it_is(tmp_path):
     assert said == {f"lora_path must lie inside --lora-roots ({root})"}
     with pytest.raises(ValueError, match="give --lora-roots"):
         locate(f"{root}/sql", store, 1000, "")
+    # --lora-modules: the operator's own paths, wherever they are
+    assert locate(f"{root}/link", store, 1000, "", configured=True) == (str(outside), "")
     with pytest.raises(ValueError, match="--lora-roots: 'rel' is not an absolute path"):
         ApiSettings(redis_url="redis://127.0.0.1:1/0", lora_roots="/a rel")
