@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from shared import children
@@ -37,10 +37,22 @@ def api_ready(url: str) -> bool:
         return False
 
 
-def serving(url: str, model: str | None = None, api_key: str | None = None) -> bool:
+def api_pid(url: str) -> int | None:
+    """The pid of the API process answering at `url` (its /health says), or None."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return int(json.loads(resp.read())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def serving(url: str, model: str | None = None, api_key: str | None = None, pid: int | None = None) -> bool:
     """The API at `url` is ready and `model` (or every model it knows, at least one) has a live worker in
     every stage. `/ready` alone says only that the API takes requests: they would wait for the workers.
-    `api_key`: the key the API requires (for /v1/models; /ready is open)."""
+    `api_key`: the key the API requires (for /v1/models; /ready is open). `pid`: the API process that must be
+    the one answering (not another server that holds the port)."""
+    if pid is not None and api_pid(url) != pid:
+        return False
     if not api_ready(url):
         return False
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -125,9 +137,12 @@ class Launcher:
                 raise TimeoutError(f"{what} not ready in {timeout:.0f} s{where}")
             time.sleep(0.2)
 
-    def wait_serving(self, url: str, model: str | None, timeout: float = 300.0, api_key: str | None = None) -> None:
-        """Until the API at `url` takes requests and `model` has a live worker in every stage (`serving`)."""
-        self.wait_until(lambda: serving(url, model, api_key), timeout, url)
+    def wait_serving(self, url: str, model: str | None, timeout: float = 300.0, api_key: str | None = None,
+                     api: str | None = None) -> None:
+        """Until the API at `url` takes requests and `model` has a live worker in every stage (`serving`);
+        `api`: the name of this stack's API process, which must be the one answering at `url`."""
+        pid = self.procs[api].pid if api else None
+        self.wait_until(lambda: serving(url, model, api_key, pid), timeout, url)
 
     def send_signal(self, name: str, sig: int) -> None:
         """Send `sig` to process `name` (its whole group when each process has its own)."""
@@ -147,10 +162,11 @@ class Launcher:
         if sig == signal.SIGKILL and self.own_groups:
             _kill_group(proc)
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = 15.0, names: Iterable[str] | None = None) -> None:
         """SIGTERM every process (newest first), let them finish for up to `grace` seconds in all, SIGKILL what
-        is left (whole groups when each has its own); the stack is empty after."""
-        procs = list(reversed(self.procs.items()))
+        is left (whole groups when each has its own); the stack is empty after. `names`: only those processes."""
+        wanted = set(self.procs if names is None else names)
+        procs = [(n, p) for n, p in reversed(self.procs.items()) if n in wanted]
         for name, proc in procs:
             if proc.poll() is None or self.own_groups:
                 self.send_signal(name, signal.SIGTERM)
@@ -163,7 +179,8 @@ class Launcher:
             elif proc.poll() is None:
                 proc.kill()
             proc.wait()
-        self.procs.clear()
+        for name, _ in procs:
+            del self.procs[name]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
