@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from rsinfer import local
+from rsinfer.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +95,25 @@ def test_a_recycled_pid_is_not_the_up_that_wrote_the_file(cache, tmp_path):
     path = local.claim(7000, tmp_path / "rsinfer-up-7000-x")
     path.write_text(json.dumps({**json.loads(path.read_text()), "started": "1"}))  # this pid, another start
     assert local.running() == [] and not path.exists()
+
+
+def test_the_tools_ask_which_when_several_run(cache, tmp_path, capsys, monkeypatch):
+    """`inspect`, `healthcheck` and `drain` next to several `up`: one line that asks for --port, exit status 1."""
+    monkeypatch.delenv("RSINFER_PORT", raising=False)
+    mine = local.claim(7000, tmp_path / "rsinfer-up-7000-a")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (cache / "up-7001.json").write_text(json.dumps({"pid": other.pid, "port": 7001, "dir": "", "namespace": "b"}))
+        for argv, says in ((["inspect"], "rsinfer inspect: "), (["healthcheck", "--role", "scheduler"], "unhealthy: "),
+                           (["drain"], "drain failed: ")):
+            assert main(argv) == 1
+            assert capsys.readouterr().out == f"{says}several rsinfer up run here (ports 7000, 7001): give --port\n"
+        liveness = tmp_path / "scheduler.alive"
+        liveness.write_text(json.dumps({"role": "scheduler", "id": "s", "pid": os.getpid()}))
+        local.update(mine, liveness={"scheduler": str(liveness)}, namespace="a")
+        assert main(["healthcheck", "--role", "scheduler", "--port", "7000"]) == 0  # that stack's own file
+        assert capsys.readouterr().out.startswith("ok: ")
+    finally:
+        other.kill()
+        other.wait()
+        local.forget(mine)
