@@ -97,7 +97,7 @@ def _remove_stale(path: Path, state: dict | None) -> None:
     with contextlib.suppress(OSError):
         if runtime.name.startswith(RUNTIME_PREFIX) and runtime.stat().st_uid == os.getuid():
             shutil.rmtree(runtime, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         path.unlink()
 
 
@@ -128,9 +128,16 @@ def forget(path: Path) -> None:
 
 
 def running() -> list[dict]:
-    """The stacks whose `up` lives, by port; the files of dead ones are removed on the way."""
-    with _locked():
-        return _sweep()
+    """The stacks whose `up` lives, by port; the files of dead ones are removed on the way. Nothing is made
+    where no `up` ever ran (a pod's read-only root filesystem: `rsinfer drain` and the probes run there)."""
+    if not state_dir().is_dir():
+        return []
+    try:
+        with _locked():
+            return _sweep()
+    except OSError:  # a directory this user cannot write: read it as it is
+        return sorted((s for s in map(_read, state_dir().glob("up-*.json")) if s is not None and _alive(s)),
+                      key=lambda s: int(s.get("port", 0)))
 
 
 def _sweep() -> list[dict]:

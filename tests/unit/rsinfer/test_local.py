@@ -3,6 +3,7 @@ the stack on --port or the only one; a dead `up`'s file and runtime directory ar
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -117,3 +118,20 @@ def test_the_tools_ask_which_when_several_run(cache, tmp_path, capsys, monkeypat
         other.kill()
         other.wait()
         local.forget(mine)
+
+
+def test_nothing_is_made_where_no_up_ever_ran(tmp_path, monkeypatch):
+    """A pod (read-only root filesystem, no cache directory): `rsinfer drain` and the probes find no stack and
+    write nothing."""
+    monkeypatch.setenv("RSINFER_CACHE", str(tmp_path / "none"))
+    assert local.running() == [] and local.pick(None) is None and not (tmp_path / "none").exists()
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    (readonly / "up-7000.json").write_text(json.dumps({"pid": os.getpid(), "port": 7000, "started": None}))
+    monkeypatch.setenv("RSINFER_CACHE", str(readonly))
+
+    def read_only(*_):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(local.fcntl, "flock", read_only)
+    assert [s["port"] for s in local.running()] == [7000]
