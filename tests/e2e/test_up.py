@@ -62,10 +62,14 @@ def cmdlines(pid: int) -> list[str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """Stop it as a user does (SIGTERM: it removes its files and Redis), then kill whatever is left."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def tool(cache: Path, *args: str) -> subprocess.CompletedProcess:
@@ -129,7 +133,7 @@ def test_up_with_an_api_key_becomes_ready_and_keeps_it_out_of_ps(demo_model_dir,
     key_file = tmp_path / "api-key"
     key_file.write_text(key + "\n")
     port = free_port()
-    proc, lines = start_up(port, demo_model_dir, "--api-key-file", str(key_file))
+    proc, lines = start_up(port, demo_model_dir, "--api-key-file", str(key_file), RSINFER_CACHE=str(tmp_path))
     try:
         assert f"ready on http://127.0.0.1:{port}" in "".join(lines)
         assert f"rsinfer: clients must send an API key (Authorization: Bearer <key>): the key in {key_file} " \
@@ -144,7 +148,7 @@ def test_up_with_an_api_key_becomes_ready_and_keeps_it_out_of_ps(demo_model_dir,
     finally:
         stop(proc)
     port = free_port()
-    proc, lines = start_up(port, demo_model_dir, RSINFER_API_KEY=key)
+    proc, lines = start_up(port, demo_model_dir, RSINFER_API_KEY=key, RSINFER_CACHE=str(tmp_path))
     try:
         assert f"ready on http://127.0.0.1:{port}" in "".join(lines)
         assert "rsinfer: clients must send an API key (Authorization: Bearer <key>): the key in RSINFER_API_KEY\n" \
@@ -172,11 +176,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_children_do_not_outlive_a_killed_up(demo_model_dir):
+def test_children_do_not_outlive_a_killed_up(demo_model_dir, tmp_path):
     """kill -9 of `rsinfer up` (a test runner's timeout, an OOM kill) leaves no worker or redis-server behind."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
-    cache = Path(tempfile.mkdtemp(prefix="rsinfer-up-cache-"))
+    cache = tmp_path
     env.update(OMP_NUM_THREADS="1", RSINFER_THREADS="1", RSINFER_CACHE=str(cache))
     proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
                              str(demo_model_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
