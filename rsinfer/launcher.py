@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from shared import children
+from shared.registry import model_state
 
 STAGES_IN_ORDER = ("tokenizer", "scheduler", "detokenizer", "api")  # the order a pipeline starts in
 # Every process but a scheduler: its work is I/O and small tensors, so one torch thread (the scheduler's engine
@@ -49,21 +50,29 @@ def api_pid(url: str) -> int | None:
 def serving(url: str, model: str | None = None, api_key: str | None = None, pid: int | None = None) -> bool:
     """The API at `url` is ready and `model` (or every model it knows, at least one) has a live worker in
     every stage. `/ready` alone says only that the API takes requests: they would wait for the workers.
-    `api_key`: the key the API requires (for /v1/models; /ready is open). `pid`: the API process that must be
-    the one answering (not another server that holds the port)."""
+    Its body gives each known model's live workers per stage and needs no key (the API may have only
+    `--api-keys-file`'s keys); with `api_key`, /v1/models as that key sees it. `pid`: the API process that must
+    be the one answering (not another server that holds the port)."""
     if pid is not None and api_pid(url) != pid:
         return False
-    if not api_ready(url):
-        return False
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as resp:
-            cards = json.loads(resp.read())["data"]
-    except (OSError, ValueError, KeyError):
-        return False
-    states = {c.get("id"): c.get("state") for c in cards}
+    states = _model_states(url, api_key)
     wanted = [model] if model else list(states)
     return bool(wanted) and all(states.get(m) == "ready" for m in wanted)
+
+
+def _model_states(url: str, api_key: str | None) -> dict[str, str]:
+    """Each model's `state` (shared/registry.py model_state) while the API is ready; {} otherwise."""
+    try:
+        if api_key is None:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+                return {m: model_state(counts) for m, counts in json.loads(resp.read())["models"].items()}
+        if not api_ready(url):
+            return {}
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+        with urllib.request.urlopen(request, timeout=2) as resp:
+            return {c.get("id"): c.get("state") for c in json.loads(resp.read())["data"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a 503 (not ready) is an OSError
+        return {}
 
 
 class Launcher:

@@ -125,7 +125,7 @@ class Up:
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         url, pid = f"http://{host}:{settings.port}", self.stack.procs["api"].pid
         try:
-            self.stack.wait_until(lambda: self.signals or serving(url, self.model, settings.api_key, pid), 300.0,
+            self.stack.wait_until(lambda: self.signals or serving(url, self.model, pid=pid), 300.0,
                                   url)
         except (ProcessDied, TimeoutError):
             print(f"rsinfer: failed to start: {', '.join(self.stack.dead()) or 'not ready in time'}", flush=True)

@@ -254,10 +254,15 @@ def assert_clean_stop(output: str) -> None:
 def test_a_second_up_leaves_the_first_alone(demo_model_dir, tmp_path):
     """One on the port of a running `up` (or of any other server) stops before it starts anything, with one
     line; one whose model does not load fails on its own port. Neither touches the first's file, control socket
-    or Redis: `inspect`, `healthcheck` and `drain` next to it still find it."""
+    or Redis: `inspect`, `healthcheck` and `drain` next to it still find it. (The first has tenants' keys alone:
+    it becomes ready all the same, and says a key is required.)"""
     port = free_port()
-    first = Up(port, demo_model_dir, tmp_path).wait_ready()
+    keys = tmp_path / "keys.yaml"  # tenants' keys alone (no --api-key): `up` still sees its API serve
+    keys.write_text("- key: sk-team-a-0123456789\n  tenant: team-a\n")
+    first = Up(port, demo_model_dir, tmp_path, "--api-keys-file", str(keys)).wait_ready()
     try:
+        assert "rsinfer: clients must send an API key (Authorization: Bearer <key>): one of the keys in " \
+               f"{keys} (--api-keys-file)\n" in first.lines
         state = json.loads((tmp_path / f"up-{port}.json").read_text())
         socket_path = admin_socket_path("", port)
         assert state["pid"] == first.proc.pid and socket_path.exists()

@@ -85,11 +85,11 @@ def test_stop_can_take_some_processes_first(tmp_path: Path):
 
 
 class _FakeApi(BaseHTTPRequestHandler):
-    """/health with a pid, /ready and a ready model, as the API answers them."""
+    """/health with a pid, and /ready with each model's live workers per stage, as the API answers them."""
 
     pid = 0
-    bodies: ClassVar[dict] = {"/health": {"status": "ok"}, "/ready": {"ready": True},
-                              "/v1/models": {"data": [{"id": "m", "state": "ready"}]}}
+    bodies: ClassVar[dict] = {"/health": {"status": "ok"}, "/ready": {"ready": True, "models": {
+        "m": {"tokenizer": 1, "scheduler": 1, "detokenizer": 1}, "cold": {"tokenizer": 0, "scheduler": 1}}}}
 
     def do_GET(self) -> None:
         body = json.dumps({**self.bodies[self.path], **({"pid": self.pid} if self.path == "/health" else {})})
@@ -110,6 +110,7 @@ def test_serving_means_this_stacks_own_api():
         _FakeApi.pid = 4242
         assert serving(url, "m") and serving(url, "m", pid=4242)
         assert not serving(url, "m", pid=os.getpid())
+        assert not serving(url, "cold") and not serving(url)  # a stage without a worker: not every model serves
     finally:
         server.shutdown()
 
