@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # `make test-fast` le
 def start_up(port: int, model_dir, *args: str, **env: str) -> tuple[subprocess.Popen, list[str]]:
     """`rsinfer up` and its output up to "ready on" (an assertion error with the lines if it exits first)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RSINFER_")}
-    env.setdefault("RSINFER_CACHE", tempfile.mkdtemp(prefix="rsinfer-up-"))  # where it leaves its Redis's address
+    if "RSINFER_CACHE" not in env:  # where it leaves its Redis's address
+        env["RSINFER_CACHE"] = tempfile.mkdtemp(prefix="rsinfer-up-")
     proc = subprocess.Popen([sys.executable, "-m", "rsinfer.cli", "up", "--port", str(port), "--model",
                              str(model_dir), "--served-model-name", "demo", *args],
                             env={**base, "OMP_NUM_THREADS": "1", "RSINFER_THREADS": "1", **env},
