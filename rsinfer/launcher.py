@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from shared import children
+from shared.registry import model_state
 
 STAGES_IN_ORDER = ("tokenizer", "scheduler", "detokenizer", "api")  # the order a pipeline starts in
 # Every process but a scheduler: its work is I/O and small tensors, so one torch thread (the scheduler's engine
@@ -37,21 +38,41 @@ def api_ready(url: str) -> bool:
         return False
 
 
-def serving(url: str, model: str | None = None, api_key: str | None = None) -> bool:
+def api_pid(url: str) -> int | None:
+    """The pid of the API process answering at `url` (its /health says), or None."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return int(json.loads(resp.read())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def serving(url: str, model: str | None = None, api_key: str | None = None, pid: int | None = None) -> bool:
     """The API at `url` is ready and `model` (or every model it knows, at least one) has a live worker in
     every stage. `/ready` alone says only that the API takes requests: they would wait for the workers.
-    `api_key`: the key the API requires (for /v1/models; /ready is open)."""
-    if not api_ready(url):
+    Its body gives each known model's live workers per stage and needs no key (the API may have only
+    `--api-keys-file`'s keys); with `api_key`, /v1/models as that key sees it. `pid`: the API process that must
+    be the one answering (not another server that holds the port)."""
+    if pid is not None and api_pid(url) != pid:
         return False
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers), timeout=2) as resp:
-            cards = json.loads(resp.read())["data"]
-    except (OSError, ValueError, KeyError):
-        return False
-    states = {c.get("id"): c.get("state") for c in cards}
+    states = _model_states(url, api_key)
     wanted = [model] if model else list(states)
     return bool(wanted) and all(states.get(m) == "ready" for m in wanted)
+
+
+def _model_states(url: str, api_key: str | None) -> dict[str, str]:
+    """Each model's `state` (shared/registry.py model_state) while the API is ready; {} otherwise."""
+    try:
+        if api_key is None:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+                return {m: model_state(counts) for m, counts in json.loads(resp.read())["models"].items()}
+        if not api_ready(url):
+            return {}
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+        with urllib.request.urlopen(request, timeout=2) as resp:
+            return {c.get("id"): c.get("state") for c in json.loads(resp.read())["data"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a 503 (not ready) is an OSError
+        return {}
 
 
 class Launcher:
@@ -125,9 +146,12 @@ class Launcher:
                 raise TimeoutError(f"{what} not ready in {timeout:.0f} s{where}")
             time.sleep(0.2)
 
-    def wait_serving(self, url: str, model: str | None, timeout: float = 300.0, api_key: str | None = None) -> None:
-        """Until the API at `url` takes requests and `model` has a live worker in every stage (`serving`)."""
-        self.wait_until(lambda: serving(url, model, api_key), timeout, url)
+    def wait_serving(self, url: str, model: str | None, timeout: float = 300.0, api_key: str | None = None,
+                     api: str | None = None) -> None:
+        """Until the API at `url` takes requests and `model` has a live worker in every stage (`serving`);
+        `api`: the name of this stack's API process, which must be the one answering at `url`."""
+        pid = self.procs[api].pid if api else None
+        self.wait_until(lambda: serving(url, model, api_key, pid), timeout, url)
 
     def send_signal(self, name: str, sig: int) -> None:
         """Send `sig` to process `name` (its whole group when each process has its own)."""
@@ -147,10 +171,11 @@ class Launcher:
         if sig == signal.SIGKILL and self.own_groups:
             _kill_group(proc)
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = 15.0, names: Iterable[str] | None = None) -> None:
         """SIGTERM every process (newest first), let them finish for up to `grace` seconds in all, SIGKILL what
-        is left (whole groups when each has its own); the stack is empty after."""
-        procs = list(reversed(self.procs.items()))
+        is left (whole groups when each has its own); the stack is empty after. `names`: only those processes."""
+        wanted = set(self.procs if names is None else names)
+        procs = [(n, p) for n, p in reversed(self.procs.items()) if n in wanted]
         for name, proc in procs:
             if proc.poll() is None or self.own_groups:
                 self.send_signal(name, signal.SIGTERM)
@@ -163,7 +188,8 @@ class Launcher:
             elif proc.poll() is None:
                 proc.kill()
             proc.wait()
-        self.procs.clear()
+        for name, _ in procs:
+            del self.procs[name]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

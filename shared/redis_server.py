@@ -60,16 +60,22 @@ class RedisServer:
     `maxmemory` (e.g. "1gb") bounds its memory with `noeviction`: past it Redis refuses writes (clients see OOM
     errors, the API answers 503) rather than evict streams or records, which would lose requests silently.
     `password` makes it require one; it goes into a config file (mode 0600 in its 0700 directory), never on the
-    command line, where `ps` would show it."""
+    command line, where `ps` would show it. `workdir`: where its files go instead of a new temp directory (made
+    0700, removed at stop as that one would be).
+
+    It leads a process group of its own: a terminal's Ctrl-C reaches the process that started it, which stops it
+    when it chooses (`rsinfer up`: last, after the processes that use it)."""
 
     def __init__(self, port: int = 0, binary: str | None = None, aof_dir: Path | None = None,
-                 maxmemory: str | int | None = None, password: str | None = None):
+                 maxmemory: str | int | None = None, password: str | None = None, *, workdir: Path | None = None):
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
         self.aof = aof_dir is not None
         if aof_dir is not None:
             aof_dir.mkdir(parents=True, exist_ok=True)
-        self.dir = str(aof_dir) if aof_dir is not None else tempfile.mkdtemp(prefix="rsinfer-redis-")
+        if aof_dir is None and workdir is not None:
+            workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = str(aof_dir or workdir or tempfile.mkdtemp(prefix="rsinfer-redis-"))
         self.maxmemory = str(maxmemory) if maxmemory not in (None, "", 0, "0") else None
         self.password = password or None
         self.proc: subprocess.Popen | None = None
@@ -102,7 +108,7 @@ class RedisServer:
         self.proc = children.spawn(
             [self.binary, *self._config_file(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              *persistence, *memory, "--dir", self.dir, "--protected-mode", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = self.client(socket_connect_timeout=0.5)
         try:
             wait_until_up(client, self.proc, timeout)

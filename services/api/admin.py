@@ -49,26 +49,51 @@ def _private_dir(path: Path) -> None:
                               "control socket)")
 
 
+def _answers(path: Path) -> bool:
+    """A process listens on the socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 class AdminSocket:
-    def __init__(self, svc: ApiService, path: Path, drain_timeout_s: float):
-        self.svc, self.path, self.drain_timeout_s = svc, path, drain_timeout_s
+    """The socket, and what it leaves: a process removes only its own socket (never that of another API process
+    on the port, whose start failed), and the directory it made, when empty."""
+
+    def __init__(self, svc: ApiService, path: Path, drain_timeout_s: float, own_dir: bool = False):
+        self.svc, self.path, self.drain_timeout_s, self.own_dir = svc, path, drain_timeout_s, own_dir
         self.server: asyncio.AbstractServer | None = None
+        self.inode: int | None = None  # of the socket file this process bound
 
     async def start(self) -> None:
         _private_dir(self.path.parent)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # a crashed predecessor's
+        if self.path.exists():
+            if _answers(self.path):
+                raise RuntimeError(f"another API process serves the control socket {self.path} (its port is "
+                                   "taken: give another --port, or --admin-socket)")
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()  # a crashed predecessor's
         self.server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_LINE)
         os.chmod(self.path, 0o600)
+        self.inode = self.path.stat().st_ino
         log.info("control socket at %s", self.path)
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await self.server.wait_closed()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self.server is None:
+            return
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await self.server.wait_closed()
+        with contextlib.suppress(OSError):
+            if self.path.stat().st_ino == self.inode:
+                self.path.unlink()
+        if self.own_dir:
+            with contextlib.suppress(OSError):  # not empty: another process's socket, or someone's files
+                self.path.parent.rmdir()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -5,6 +5,7 @@ body then checks its own fields (services/api/schemas.py) and services/api/servi
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Literal, TypeVar
@@ -124,7 +125,8 @@ class Guard:
 def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
 
-    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s)
+    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s,
+                          own_dir=not settings.admin_socket)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -324,7 +326,8 @@ def add_probe_routes(app: FastAPI, svc: ApiService) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """`pid`: which process answers (`rsinfer up` waits for its own API, not another server on the port)."""
+        return {"status": "ok", "pid": os.getpid()}
 
     @app.get("/ready")
     async def ready():

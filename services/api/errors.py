@@ -1,5 +1,6 @@
 """Every HTTP error in OpenAI's shape {"error": {"message", "type", "param", "code"}} with the right
-status: 400 for any bad input (never FastAPI's 422), 401, 404, 408, 413, 431, 429/503 with Retry-After, 504.
+status: 400 for any bad input (never FastAPI's 422), 401, 404, 408, 413, 431, 429/503 with Retry-After, 504;
+`x-should-retry: false` on those a retry cannot fix (every 4xx but 408, 409 and 429, and the deadline's 504).
 
 An unexpected error is a 500 and one log line with the request's uid (`log_unexpected`); its traceback is
 logged at DEBUG only."""
@@ -51,12 +52,26 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed if sent again: a timeout reading it (408), a conflict (409), a
+        limit (429) or a failure of the server (5xx); never a request refused for what it is (4xx), nor one
+        that ran out its own deadline (504: a retry would run the whole generation again)."""
+        return self.status in (408, 409, 429) or (self.status >= 500 and self.status != 504)
+
+    def header_pairs(self) -> dict[str, str]:
+        """The answer's headers: Retry-After; `x-should-retry: false` where a retry cannot help (OpenAI's SDKs,
+        which retry 408, 409, 429 and 5xx by default, honour it)."""
         headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else {}
+        if not self.retryable:
+            headers["x-should-retry"] = "false"
         if self.close:
             headers["Connection"] = "close"
         headers.update(self.headers or {})
-        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+        return headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.header_pairs() or None)
 
 
 def redis_down() -> ApiError:

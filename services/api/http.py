@@ -25,9 +25,9 @@ from shared.settings import ApiSettings
 def raw_response(error: ApiError) -> bytes:
     """A whole HTTP response for an error found before any request reached the app; the connection closes."""
     body = orjson.dumps(error.body())
-    retry = f"retry-after: {max(1, round(error.retry_after))}\r\n".encode() if error.retry_after else b""
+    more = "".join(f"{k.lower()}: {v}\r\n" for k, v in error.header_pairs().items() if k.lower() != "connection")
     return (STATUS_LINE[error.status] + b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n" + retry + b"connection: close\r\n\r\n" + body)
+            + str(len(body)).encode() + b"\r\n" + more.encode() + b"connection: close\r\n\r\n" + body)
 
 
 class EdgeProtocol(HttpToolsProtocol):

@@ -35,7 +35,7 @@ from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests, until_disconnect
-from services.api.sse import SSEResponse, answer_events
+from services.api.sse import SSEResponse, answer_events, shutdown_events
 from services.api.tenancy import Tenancy
 from shared.keys import Keys
 from shared.redis_conn import connect
@@ -186,7 +186,7 @@ class ApiService:
             # The response is sent after this handler returned, so it closes the request itself, when its last
             # byte is sent or it ends early (with the reason).
             response = SSEResponse(events, req.close, self.settings.sse_ping_s, self.settings.slow_client_timeout_s,
-                                   self.closing)
+                                   self.closing, farewell=lambda: shutdown_events(fmt))
             started = True
             return response
         finally:

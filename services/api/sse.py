@@ -10,7 +10,8 @@ another response). Around the chunks, three watchers, each one task for the stre
 - the client leaving (`http.disconnect`) ends the stream at once, as cancellation of the chunk source;
 - a client that accepts nothing for `send_timeout` seconds ends it with reason `EndReason.SLOW_CLIENT`;
 - every `ping_s` a keep-alive comment line (`PING`) is sent;
-- the server shutting down (`closing` set) ends it.
+- the server shutting down (`closing` set, once the grace period is over) ends it: with the format's error
+  event and [DONE] (`shutdown_events`), so that the client sees why, and the response ends as HTTP says.
 
 `on_close(reason)` runs when the response ends for any reason (step 5, finishing the request).
 """
@@ -84,12 +85,25 @@ async def answer_events(first: tuple[list[dict], str | None], rest: AsyncIterato
     await fmt.settle()
 
 
+def shutdown_events(fmt: Format) -> bytes:
+    """The end of a stream the server stops before its request finished: the format's error event, and [DONE]
+    where the format ends so."""
+    error = ApiError(503, "the server is shutting down and ended this stream before the request finished; "
+                     "send it again", code=EndReason.SERVER_SHUTDOWN)
+    frame = named_event if fmt.named_events else sse_event
+    events = b"".join(frame(orjson.dumps(chunk), None, chunk) for chunk in fmt.failure_chunks(error.body()))
+    return events + (DONE if fmt.sends_done else b"")
+
+
 class SSEResponse(Response):
+    """`farewell`: the last events of a stream ended by the server's shutdown (`shutdown_events`)."""
+
     def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[str | None], Awaitable[None]],
-                 ping_s: float, send_timeout: float, closing: asyncio.Event):
+                 ping_s: float, send_timeout: float, closing: asyncio.Event, *,
+                 farewell: Callable[[], bytes] | None = None):
         # A Response for the framework's sake (it passes responses through as they are); nothing of its body.
         self.status_code, self.background, self.raw_headers = 200, None, HEADERS
-        self.chunks, self.on_close = chunks, on_close
+        self.chunks, self.on_close, self.farewell = chunks, on_close, farewell
         self.ping_s, self.send_timeout, self.closing = ping_s, send_timeout, closing
         self.last_send = time.monotonic()
         self.sending_since: float | None = None
@@ -130,7 +144,12 @@ class SSEResponse(Response):
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             return None
-        return next(watchers[t] for t in done if t in watchers)
+        reason = next(watchers[t] for t in done if t in watchers)
+        if reason == EndReason.SERVER_SHUTDOWN and self.farewell is not None:
+            with contextlib.suppress(Exception):  # the client may be gone too
+                await self._send(send, self.farewell())
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return reason
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.chunks:

@@ -91,6 +91,26 @@ def test_deadline_non_stream_is_504(stack):
     wait_for(lambda: engines_idle(stack), timeout=5)
 
 
+def _count(stack, metric: str, status: str) -> float:
+    """The API's counter `metric` summed over every label set with this status (an end reason: ok, timeout...)."""
+    lines = httpx.get(f"{stack.base_url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(metric + "{") and f'status="{status}"' in line)
+
+
+def test_the_openai_client_does_not_retry_a_deadline(stack):
+    """A 504 past the request's own `timeout` says `x-should-retry: false`: the SDK (2 retries by default) sends
+    it once, rather than run the generation three times."""
+    before = _count(stack, "rsinfer_http_requests_total", "timeout")
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="x")  # the SDK's default retries
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=MODEL, messages=LONG["messages"], max_tokens=LONG["max_tokens"],
+                                       extra_body={"timeout": 0.5, "ignore_eos": True})
+    assert _count(stack, "rsinfer_http_requests_total", "timeout") == before + 1  # one request, not three
+    assert caught.value.status_code == 504 and caught.value.response.headers["x-should-retry"] == "false"
+    wait_for(lambda: engines_idle(stack), timeout=5)
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
     ("/v1/completions", {"prompt": ""}, "prompt"),  # empty after tokenization

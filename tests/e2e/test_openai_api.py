@@ -120,7 +120,8 @@ def test_health_and_ready(stack):
     """/ready: this API takes requests (Redis answers, not draining); the live workers per stage of each
     model are in the body for operators, but a model with none would not make it 503
     (tests/e2e/test_scale_to_zero.py)."""
-    assert httpx.get(f"{stack.base_url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{stack.base_url}/health").json()
+    assert health == {"status": "ok", "pid": health["pid"]} and isinstance(health["pid"], int)  # which process
     ready = httpx.get(f"{stack.base_url}/ready")
     assert ready.status_code == 200 and ready.json() == {"ready": True, "redis": True, "draining": False, "models": {
         MODEL: {"tokenizer": 1, "scheduler": 1, "detokenizer": 1}}}

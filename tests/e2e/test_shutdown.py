@@ -73,6 +73,25 @@ def test_sigterm_api_lets_open_streams_finish(pipeline):
     assert s.procs.pop("api-drain").wait(30) == 0
 
 
+def test_a_stream_open_past_the_grace_period_ends_with_an_error_event_and_done(pipeline):
+    """What the grace period leaves open ends as a stream ends, with the reason: an error event, [DONE] and the
+    response's last chunk (not a connection cut mid-response); the request is aborted."""
+    s = pipeline
+    port = free_port()
+    s.start("api-short", "api", RSINFER_PORT=str(port), **{**LIFECYCLE_ENV, "RSINFER_GRACE_PERIOD_S": "1"})
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: api_ready(url), timeout=60)
+    run = Streamer(url, body(63, 3000))
+    wait_for(lambda: len(run.text) > 5, timeout=30)
+    s.procs["api-short"].send_signal(signal.SIGTERM)
+    run.join(30)
+    assert run.reply.done and run.error["code"] == "server_shutdown", run.error
+    assert s.procs.pop("api-short").wait(30) == 0
+    log = (s.log_dir / "api-short.log").read_text()
+    assert "ASGI callable returned" not in log and "Traceback" not in log, log
+    wait_for(lambda: engines_idle(s), timeout=10)
+
+
 def test_drain_is_the_pods_own_and_is_undone_without_sigterm(pipeline):
     """`rsinfer drain` (the preStop hook) drains through the API's control socket, which only this user on this
     machine can open; no HTTP request drains, from loopback or with the key. A drain that no SIGTERM follows

@@ -3,14 +3,18 @@ environment each gets, its log, a death noticed while waiting, and stop/kill rea
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from rsinfer.launcher import Launcher, ProcessDied
+from rsinfer.launcher import Launcher, ProcessDied, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,6 +70,49 @@ def test_stop_terminates_newest_first_and_kills_what_does_not_stop(tmp_path: Pat
         assert first.returncode == -signal.SIGTERM and second.returncode == -signal.SIGKILL
     finally:
         stack.stop()
+
+
+def test_stop_can_take_some_processes_first(tmp_path: Path):
+    """As `rsinfer up` stops its API before the stages that serve its open streams."""
+    stack = Launcher()
+    try:
+        first, second = stack.start("stage", "0", module="http.server"), stack.start("api", "0", module="http.server")
+        stack.stop(grace=10, names=["api"])
+        assert second.returncode is not None and first.poll() is None and list(stack.procs) == ["stage"]
+    finally:
+        stack.stop()
+    assert first.returncode is not None and stack.procs == {}
+
+
+class _FakeApi(BaseHTTPRequestHandler):
+    """/health with a pid, and /ready with each model's live workers per stage, as the API answers them."""
+
+    pid = 0
+    bodies: ClassVar[dict] = {"/health": {"status": "ok"}, "/ready": {"ready": True, "models": {
+        "m": {"tokenizer": 1, "scheduler": 1, "detokenizer": 1}, "cold": {"tokenizer": 0, "scheduler": 1}}}}
+
+    def do_GET(self) -> None:
+        body = json.dumps({**self.bodies[self.path], **({"pid": self.pid} if self.path == "/health" else {})})
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *_) -> None:
+        pass
+
+
+def test_serving_means_this_stacks_own_api():
+    """Another server that holds the port (and answers like an API) is not this stack's API."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        _FakeApi.pid = 4242
+        assert serving(url, "m") and serving(url, "m", pid=4242)
+        assert not serving(url, "m", pid=os.getpid())
+        assert not serving(url, "cold") and not serving(url)  # a stage without a worker: not every model serves
+    finally:
+        server.shutdown()
 
 
 def test_with_groups_of_their_own_a_kill_reaches_the_grandchildren(tmp_path: Path):

@@ -1,18 +1,16 @@
-"""`rsinfer inspect` and the local `up`'s file: the load as columns, one line for a Redis it cannot reach, a watch
-that redraws, and the file that lets it run next to `up` without flags (rsinfer/local.py)."""
+"""`rsinfer inspect`: the load as columns, one line for a Redis it cannot reach, a watch that redraws (the files
+that let it run next to `up` without flags: tests/unit/rsinfer/test_local.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from rsinfer import local
 from rsinfer.cli import build_parser
 from rsinfer.tools import inspect, redacted, worker_tables
 from shared.redis_server import free_port
@@ -74,28 +72,3 @@ def test_watch_redraws_until_stopped(redis_server, capsys):
     assert build_parser().parse_args(["inspect", "--watch"]).watch == 2.0
     assert build_parser().parse_args(["inspect", "--watch", "0.5"]).watch == 0.5
 
-
-def test_up_leaves_where_its_redis_is(tmp_path, monkeypatch):
-    monkeypatch.setenv("RSINFER_CACHE", str(tmp_path))
-    for name in ("RSINFER_REDIS_URL", "RSINFER_NAMESPACE", "RSINFER_REDIS_PASSWORD", "RSINFER_REDIS_PASSWORD_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    assert local.overrides({}) == {}
-    path = local.remember("redis://127.0.0.1:7001/0", "/run/pw", "ns1")
-    assert path == tmp_path / "up.json" and oct(path.stat().st_mode & 0o777) == "0o600"
-    assert local.overrides({}) == {"redis_url": "redis://127.0.0.1:7001/0", "redis_password_file": "/run/pw",
-                                   "namespace": "ns1"}
-    assert local.overrides({"namespace": "x"}) == {"redis_url": "redis://127.0.0.1:7001/0",
-                                                   "redis_password_file": "/run/pw"}
-    assert local.overrides({"redis_url": "redis://elsewhere"}) == {}  # a URL given wins
-    monkeypatch.setenv("RSINFER_REDIS_URL", "redis://env")
-    assert local.overrides({}) == {}
-    monkeypatch.delenv("RSINFER_REDIS_URL")
-
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": int(gone.stdout)}))
-    assert local.found() is None and local.overrides({}) == {}  # the `up` that wrote it is gone
-    local.forget(path)
-    assert path.exists()  # not this process's: left for whoever wrote it
-    local.remember("redis://127.0.0.1:7001/0", "", "ns1")
-    local.forget(path)
-    assert not path.exists()
