@@ -259,7 +259,7 @@ def test_a_second_up_leaves_the_first_alone(demo_model_dir, tmp_path):
     it becomes ready all the same, and says a key is required.)"""
     port = free_port()
     keys = tmp_path / "keys.yaml"  # tenants' keys alone (no --api-key): `up` still sees its API serve
-    keys.write_text("- key: sk-team-a-0123456789\n  tenant: team-a\n")
+    keys.write_text("- key: sk-team-a-0123456789abcdef0123456789\n  tenant: team-a\n")
     first = Up(port, demo_model_dir, tmp_path, "--api-keys-file", str(keys)).wait_ready()
     try:
         assert "rsinfer: clients must send an API key (Authorization: Bearer <key>): one of the keys in " \
