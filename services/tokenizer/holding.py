@@ -189,7 +189,7 @@ class FairHold:
                 await streams.create_group(self.redis, key, self.source.group, mkstream=False)
                 continue
             rows += [(self.source.ref(key, eid), f) for eid, f in got]
-        for d in await self.source.decode_all(rows):
+        for d in await self.source.decode_all(rows, ScheduleJob):
             self._push(Held(d.entry_id, d.msg))
 
     async def claim(self) -> None:
@@ -205,7 +205,7 @@ class FairHold:
                 self.source.cursors[key], entries = result
                 rows += [(self.source.ref(key, eid), f) for eid, f in entries]
         present = set(self.entries())
-        claimed = [d for d in await self.source.decode_all(rows) if d.entry_id not in present]
+        claimed = [d for d in await self.source.decode_all(rows, ScheduleJob) if d.entry_id not in present]
         if not claimed:
             return
         log.info("claimed %d parked jobs a dead or hung tokenizer had read back", len(claimed))
