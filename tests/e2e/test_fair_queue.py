@@ -3,7 +3,7 @@ backlog, pending in their group, or parked in Redis past their hold's cap, and r
 turns per tenant; the API counts each tenant's share of the model's queue.
 
 One stack for the module: two tokenizers with --fair-queueing left unset (on: the API has keys), watermark 1, a
-hold of 4 jobs each (so that a flood is parked), one scheduler on the synthetic engine (20 ms steps, two requests
+hold of 4 jobs each and reads of 2 entries (so that a flood is parked), one scheduler on the synthetic engine (20 ms steps, two requests
 running at most, so that a backlog builds), a detokenizer and an API process with a keys file of two tenants and
 --max-queued 30. Speed is bench/fair_queue.py's; here the order, the shares and the durability.
 """
@@ -30,7 +30,8 @@ A_KEY, B_KEY = "sk-fair-team-a-" + "0" * 20, "sk-fair-team-b-" + "0" * 20
 A_FLOOD, A_TOKENS = 30, 20  # 30 requests of 0.4 s of engine time, 2 at a time: 6 s first come first served
 MAX_QUEUED = 30
 ENV = {"RSINFER_ENGINE": "synthetic", "RSINFER_STEP_MS": "20", "RSINFER_MAX_RUNNING": "2",
-       "RSINFER_FAIR_WATERMARK": "1", "RSINFER_FAIR_MAX_HELD": "4", "RSINFER_MAX_QUEUED": str(MAX_QUEUED)}
+       "RSINFER_FAIR_WATERMARK": "1", "RSINFER_FAIR_MAX_HELD": "4", "RSINFER_MAX_QUEUED": str(MAX_QUEUED),
+       "RSINFER_BATCH_SIZE": "2"}
 
 
 @pytest.fixture(scope="module")
