@@ -3,9 +3,10 @@ backlog, pending in their group, or parked in Redis past their hold's cap, and r
 turns per tenant; the API counts each tenant's share of the model's queue.
 
 One stack for the module: two tokenizers with --fair-queueing left unset (on: the API has keys), watermark 1, a
-hold of 4 jobs each and reads of 2 entries (so that a flood is parked), one scheduler on the synthetic engine (20 ms steps, two requests
-running at most, so that a backlog builds), a detokenizer and an API process with a keys file of two tenants and
---max-queued 30. Speed is bench/fair_queue.py's; here the order, the shares and the durability.
+hold of 4 jobs each and reads of 2 entries (so that a flood is parked), one scheduler on the synthetic engine
+(20 ms steps, two requests running at most, so that a backlog builds), a detokenizer and an API process with a
+keys file of two tenants and --max-queued 30. Speed is bench/fair_queue.py's; here the order, the shares and the
+durability.
 """
 
 from __future__ import annotations
