@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from services.tokenizer.main import TokenizerWorker
+from shared import queued
 from shared.messages import SamplingParams, ScheduleJob, TokenizeJob, decode, encode
 from shared.settings import TokenizerSettings
 from shared.streams import FIELD
@@ -107,3 +108,23 @@ async def test_parked_jobs_a_dead_tokenizer_read_back_are_released_once_by_a_pee
     assert sorted(first + rest) == [f"a{i}" for i in range(7)]  # every one, once (a6 may overtake those claimed)
     assert not await peer.redis.exists(peer.keys.parked("demo", "a"), peer.keys.parked_tenants("demo"))
     assert (await peer.redis.xpending(peer.source.key, peer.group))["pending"] == 0
+
+
+async def test_on_a_redis_cluster_parking_reading_back_and_the_queue_count_name_keys_of_one_slot(redis_cluster,
+                                                                                                  demo_model_dir):
+    """Every multi-key command of parking (the read's pipeline, the reads back, the end script) and the queue's
+    scripts work on a real cluster: their keys share the slot of the model's tokenize stream."""
+    w = tokenizer(redis_cluster.url, f"c{uuid.uuid4().hex[:6]}", "t1", demo_model_dir)
+    try:
+        await w.source.ensure_group()
+        await w.redis.xgroup_create(w.keys.schedule("demo"), "scheduler", id="0", mkstream=True)
+        jobs = [of("a", f"a{i}") for i in range(5)]
+        assert (await queued.enter(w.redis, w.keys, jobs, 30)).admitted
+        await deliver(w, *jobs)
+        assert w.fair.queue.tenants() == {"a": 3} and await w.redis.xlen(w.keys.parked("demo", "a")) == 2
+        assert await run_until(w, 5) == [f"a{i}" for i in range(5)]
+        assert not await w.redis.exists(w.keys.parked("demo", "a"))
+        await queued.leave(w.redis, w.keys, "demo", [j.uid for j in jobs])  # as the scheduler's admission does
+        assert await queued.figures(w.redis, w.keys, "demo") == {}
+    finally:
+        await w.close()
