@@ -72,7 +72,9 @@ for i = 7, #ARGV do
   end
 end
 redis.call('HSET', KEYS[4], tenant, weight)
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ttl) end
+for i = 1, 4 do  -- never shortened: the keys outlive the latest deadline of their jobs
+  if redis.call('TTL', KEYS[i]) < ttl then redis.call('EXPIRE', KEYS[i], ttl) end
+end
 return {1, total, mine, share}
 """.replace("CEILING", str(CEILING))
 

@@ -87,4 +87,6 @@ async def test_a_job_whose_process_died_leaves_at_its_deadline(q):
     await asyncio.sleep(0.3)
     got = await queued.enter(r, keys, jobs("a"), 3)
     assert got.admitted and got.total == 1 and await queued.figures(r, keys, MODEL) == {"a": 1}
-    assert 0 < await r.ttl(keys.queued(MODEL)) <= 121
+    assert 60 < await r.ttl(keys.queued(MODEL)) <= 121
+    assert (await queued.enter(r, keys, jobs("b", timeout=0.1), 3)).admitted
+    assert 60 < await r.ttl(keys.queued(MODEL))  # a shorter deadline does not shorten the keys' life
