@@ -120,7 +120,8 @@ class FairHold:
                          next(h.job.uid for h in plan.park if h.job.tenant == tenant))
             self.parked.add(tenant)
             self.weights[tenant] = next(h.job.weight for h in plan.park if h.job.tenant == tenant)
-            await self.source.add_lane(tenant, create=False)
+            with contextlib.suppress(RedisError, OSError):  # else the next `refresh` adds it: the entries are written
+                await self.source.add_lane(tenant, create=False)
         if plan.hold or plan.park:
             self.wake.set()
 
