@@ -42,7 +42,7 @@ from rsinfer.sse_client import Reply, Request, stream  # noqa: E402
 from shared.keys import SCHEDULER_GROUP, TOKENIZER_GROUP, Keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "fair-queue.json"
-A_KEY, B_KEY = "sk-bench-tenant-a", "sk-bench-tenant-b"
+A_KEY, B_KEY = "sk-bench-tenant-a-" + "0" * 20, "sk-bench-tenant-b-" + "0" * 20  # 32+ characters
 REQUEST_TIMEOUT_S = 600.0
 
 
