@@ -47,8 +47,9 @@ def fair(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
         s.stop()
 
 
-async def one(s: Stack, key: str, max_tokens: int) -> tuple[float, float, int]:
-    """A streamed completion: (when its first token came, when it ended, its completion tokens)."""
+async def one(s: Stack, key: str, max_tokens: int, started: asyncio.Event | None = None) -> tuple[float, float, int]:
+    """A streamed completion: (when its first token came, when it ended, its completion tokens); `started` is set
+    at its first token."""
     client = openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key=key, max_retries=0, timeout=120)
     first, tokens = 0.0, 0
     stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=max_tokens, stream=True,
@@ -56,6 +57,8 @@ async def one(s: Stack, key: str, max_tokens: int) -> tuple[float, float, int]:
     async for chunk in stream:
         if chunk.choices and not first:
             first = time.monotonic()
+            if started is not None:
+                started.set()
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
     await client.close()
@@ -179,9 +182,10 @@ def test_a_flooder_gets_its_share_of_the_queue_and_the_other_tenant_is_admitted(
     are queued (no stale figure lets more in), the rest refused; B, arriving at the full queue, is admitted (its
     share); A's requests whose clients leave, and every other, leave the count: it ends at 0."""
     async def scenario() -> None:
-        b_long = [asyncio.create_task(one(fair, B_KEY, 250)) for _ in range(2)]
-        await asyncio.to_thread(wait_for, lambda: fair.redis().xpending(fair.keys.schedule(MODEL), "scheduler")
-                                ["pending"] == 2, 30, 0.05)  # both running: nothing of A's starts meanwhile
+        running = [asyncio.Event(), asyncio.Event()]
+        b_long = [asyncio.create_task(one(fair, B_KEY, 250, started)) for started in running]
+        async with asyncio.timeout(30):  # both running: nothing of A's starts meanwhile
+            await asyncio.gather(*(started.wait() for started in running))
         a = [asyncio.create_task(completion(fair, A_KEY, 2)) for _ in range(40)]
 
         def refused() -> int:
