@@ -9,8 +9,9 @@ API with a keys file of two tenants). First tenant B alone sends `--b-requests` 
 `--b-tokens` (4) tokens, one a second (B's TTFT idle). Then tenant A floods: a closed loop of `--a-queued` (200)
 plus max-running streams of `--a-tokens` (50) tokens (about a second of engine time each), so that A keeps about
 200 requests queued behind the running batch; once the backlog is there B sends its requests again, one a second
-(B's TTFT under the flood). The backlog is read from Redis at each of B's sends (the API's --max-queued figure:
-the tokenize stream's lag and pending entries and the schedule stream's lag), to show it stayed up.
+(B's TTFT under the flood). The backlog is read from Redis at each of B's sends (the streams' part of the API's
+backlog figure: the tokenize stream's lag and pending entries and the schedule stream's lag; the flood stays
+within --fair-max-held, so none of it is parked), to show it stayed up.
 
 Figures: B's TTFT p50/p99 idle and under the flood, with fair queueing on and off; A's completions per second
 under the flood (what holding the backlog in the tokenizer costs the flood itself); and, to compare B's TTFT
@@ -41,7 +42,7 @@ from rsinfer.sse_client import Reply, Request, stream  # noqa: E402
 from shared.keys import SCHEDULER_GROUP, TOKENIZER_GROUP, Keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "fair-queue.json"
-A_KEY, B_KEY = "sk-bench-tenant-a", "sk-bench-tenant-b"
+A_KEY, B_KEY = "sk-bench-tenant-a-" + "0" * 20, "sk-bench-tenant-b-" + "0" * 20  # 32+ characters
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -64,7 +65,7 @@ def ttft(reply: Reply) -> float | None:
 
 
 def queued(r: redis.Redis, keys: Keys, model: str) -> int:
-    """The API's backlog figure (services/api/registry.py `queued`)."""
+    """The streams' part of the API's backlog figure (services/api/registry.py `queued`)."""
     def group(key: str, name: str) -> dict:
         try:
             return next((g for g in r.xinfo_groups(key) if g["name"] in (name, name.encode())), {})

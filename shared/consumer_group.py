@@ -248,12 +248,13 @@ class GroupConsumer(Generic[M]):
         counts = await streams.delivery_counts(self.redis, self.group, [self.locate(ref) for ref in ids])
         return {ref: c for ref, c in zip(ids, counts, strict=True) if c is not None}
 
-    async def decode_all(self, entries: Rows) -> list[Delivery[M]]:
+    async def decode_all(self, entries: Rows, typ: Any = None) -> list[Delivery[M]]:
+        """Each entry as a `typ` (default: this consumer's), the undecodable ones dead-lettered."""
         out: list[Delivery[M]] = []
         poison: list[tuple[str, dict[bytes, bytes], str]] = []
         for eid, fields in entries:
             try:
-                out.append(Delivery(eid, decode(streams.payload(fields), self.typ)))
+                out.append(Delivery(eid, decode(streams.payload(fields), typ or self.typ)))
             except (KeyError, msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
                 poison.append((eid, fields, f"{type(e).__name__}: {e}"))
         if poison:

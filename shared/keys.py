@@ -8,7 +8,10 @@ the uids its reply hub shard reads together fall in that shard's slot, the slot 
 (shared/slots.py). Stage streams have no tag: each model's streams spread over the cluster by their names. The keys
 of prefix-aware routing (a scheduler's own stream, the pages it caches, who has a stream) carry a tag in the slot of
 the model's schedule stream (`routing_tag`), so that one XREADGROUP reads a scheduler's own stream and the shared
-one, and one script ends a departed scheduler's stream and its set together.
+one, and one script ends a departed scheduler's stream and its set together. The keys of fair queueing (a tenant's
+parked jobs, the model's queue count) carry a tag in the slot of the model's tokenize stream (`fair_tag`), for the
+same reasons: the tokenizers read parked jobs as lanes of the tokenize group, and one script counts a model's
+queue across its tenants.
 """
 
 from __future__ import annotations
@@ -57,6 +60,37 @@ class Keys:
         """Flag (a tokenizer's id, expiring with its heartbeat) set while a tokenizer of the model routes by prefix:
         the model's schedulers join prefix routing once they see it (shared/routing.py `SchedulerLanes`)."""
         return f"{self.namespace}:routing:{model}:{{{self.routing_tag(model)}}}"
+
+    # -- fair queueing (services/tokenizer/holding.py, shared/queued.py): every key of one model carries `fair_tag`
+    def fair_tag(self, model: str) -> str:
+        """Hash tag in the slot of the model's (untagged) tokenize stream."""
+        return tag_in_slot(key_slot(self.tokenize(model)))
+
+    def parked(self, model: str, tenant: str) -> str:
+        """Stream of a tenant's tokenized jobs (ScheduleJob) parked by a tokenizer whose hold was full, read in
+        that tenant's turns by any tokenizer (the `tokenizer` group: a lane of the tokenize stream)."""
+        return f"{self.namespace}:parked:{model}:{{{self.fair_tag(model)}}}:{tenant}"
+
+    def parked_tenants(self, model: str) -> str:
+        """Set of the tenants of the model that have a parked stream (removed with the stream once drained)."""
+        return f"{self.namespace}:parked-tenants:{model}:{{{self.fair_tag(model)}}}"
+
+    def queued(self, model: str) -> str:
+        """Sorted set of the model's queued jobs (admitted, not yet started by a scheduler): member = uid, score =
+        its deadline, past which it no longer counts (its process died)."""
+        return f"{self.namespace}:queued:{model}:{{{self.fair_tag(model)}}}"
+
+    def queued_owners(self, model: str) -> str:
+        """Hash of the model's queued jobs: uid -> tenant."""
+        return f"{self.namespace}:queued-owners:{model}:{{{self.fair_tag(model)}}}"
+
+    def queued_tenants(self, model: str) -> str:
+        """Hash of the model's tenants with jobs queued: tenant -> how many."""
+        return f"{self.namespace}:queued-tenants:{model}:{{{self.fair_tag(model)}}}"
+
+    def queued_weights(self, model: str) -> str:
+        """Hash of the model's tenants with jobs queued: tenant -> its key's `weight` (its share of the queue)."""
+        return f"{self.namespace}:queued-weights:{model}:{{{self.fair_tag(model)}}}"
 
     def detokenize(self, model: str) -> str:
         return f"{self.namespace}:detokenize:{model}"

@@ -121,6 +121,11 @@ class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # The LoRA adapter it runs with: a name in the adapter registry (shared/adapters.py); inside a scheduler, the
     # registration it resolved to (`AdapterRecord.identity`). None: the base model.
     adapter: str | None = None
+    # Fair queueing (services/tokenizer/fair.py) and the model's queue (shared/queued.py): whose turn it takes and
+    # how many jobs a turn of its tenant releases; "" is open mode's one tenant. On a schedule job since v1 too,
+    # so that a parked job says whose it is.
+    tenant: str = ""
+    weight: int = 1
     v: int = VERSION
 
 
@@ -136,10 +141,6 @@ class TokenizeJob(RequestJob, frozen=True, tag_field="kind", tag="tokenize", omi
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] = {}  # extra variables of the chat template (enable_thinking...)
     suffix: str | None = None  # completions: text after the insertion (fill-in-the-middle)
-    # Fair queueing (services/tokenizer/fair.py): whose turn it takes and how many jobs a turn of its tenant
-    # releases; "" is open mode's one tenant.
-    tenant: str = ""
-    weight: int = 1
 
 
 class ScheduleJob(RequestJob, frozen=True, tag_field="kind", tag="schedule", omit_defaults=True, kw_only=True):

@@ -201,13 +201,15 @@ class TokenizerSettings(StageSettings):
                                               "runs or queues counts as this many cached prompt tokens less")
     # Fair queueing (services/tokenizer/fair.py): the backlog is held here, in tenants' lanes, instead of in the
     # schedule stream, which the schedulers read first come first served.
-    fair_queueing: bool = Field(False, description="hold tokenized jobs and release them to the schedulers in "
-                                "turns per tenant (weighted by the key's `weight`), only while the schedule stream's "
-                                "backlog is below --fair-watermark; off: forward each job at once")
+    fair_queueing: bool | None = Field(None, description="hold tokenized jobs and release them to the schedulers "
+                                       "in turns per tenant (weighted by the key's `weight`), only while the schedule "
+                                       "stream's backlog is below --fair-watermark; off: forward each job at once; "
+                                       "unset: on for the jobs that carry a tenant (the API has keys)")
     fair_watermark: int = Field(4, ge=1, le=10_000, description="fair queueing: release held jobs while fewer than "
                                 "this many schedule entries (every scheduler stream together) wait for a scheduler")
-    fair_max_held: int = Field(512, ge=1, le=100_000, description="fair queueing: most jobs one tokenizer holds; "
-                               "past it, it reads no new entry until it releases some")
+    fair_max_held: int = Field(512, ge=1, le=100_000, description="fair queueing: most jobs one tokenizer holds in "
+                               "memory; past it, a tenant over its share of them has its jobs parked in Redis (read "
+                               "back in its turns), and reading goes on")
     fair_poll_ms: int = Field(10, ge=1, le=1000, description="fair queueing: how often the schedule stream's "
                               "backlog is looked at while jobs are held")
 

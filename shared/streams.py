@@ -325,6 +325,17 @@ async def read_group(redis: Redis, keys: Sequence[str], member: Member, count: i
     return [(as_str(key), as_str(eid), fields) for key, entries in resp or [] for eid, fields in entries]
 
 
+async def read_group_each(redis: Redis, counts: dict[str, int], member: Member) -> dict[str, Rows | ResponseError]:
+    """XREADGROUP of new entries of each stream, up to its own count, in one round trip (never blocking): per key,
+    its entries or its error (NOGROUP: the stream was made again, or its group is gone)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key, count in counts.items():
+            pipe.xreadgroup(member.group, member.consumer, {key: ">"}, count=count)
+        results = await pipe.execute(raise_on_error=False)
+    return {key: r if isinstance(r, ResponseError) else [(as_str(e), f) for _, entries in r or [] for e, f in entries]
+            for key, r in zip(counts, results, strict=True)}
+
+
 async def read_group_in_order(redis: Redis, keys: Sequence[str], member: Member, count: int
                               ) -> tuple[KeyedRows, list[str]]:
     """New entries of `keys` read in that order, up to `count` in all (one script, never blocking), and the keys

@@ -6,11 +6,13 @@
 3. the base model and LoRA adapter its `model` names (services/api/adapters.py; 400, 404), the adapter allowed by
    the key's `models` under its own name (a 403);
 4. room for it (`room`): not draining (503), Redis up (503), a known model (404), its fan-out within the limits
-   and the model's backlog under --max-queued (400, 429);
+   and its jobs within --max-queued (400);
 5. its uids, minted here in the slots of the reply hub's shards that will read its replies
    (services/api/reply_hub.py `new_uid`), then the jobs, the format and the record the body builds with them;
-6. the tenant's quota, last, so that a request refused above holds no lease (a 429); its jobs then carry the
-   tenant, its weight and a priority within its key's range (`leased`: every endpoint's jobs pass there).
+6. its jobs counted in the model's queue (`enter`, shared/queued.py: a 429 past the tenant's share of
+   --max-queued), then the tenant's quota, last, so that a request refused above holds no lease (a 429); a
+   request its quota refuses leaves the queue count at once. Its jobs carry the tenant, its weight and a
+   priority within its key's range (`leased`: every endpoint's jobs pass there).
 
 What it returns (`Admitted`) is all services/api/request.py needs to open the request. The Responses API
 (services/api/responses.py) and batch lines (services/api/batches.py) are admitted by the same steps.
@@ -18,6 +20,7 @@ What it returns (`Admitted`) is all services/api/request.py needs to open the re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request as HttpRequest
+from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
 from services.api.quotas import Lease
 from services.api.registry import Snapshot
 from services.api.schemas import Budget, Stamp, Submission
 from services.api.tenants import Tenant
+from shared import queued
 from shared.messages import SamplingParams, TokenizeJob
 
 if TYPE_CHECKING:
@@ -99,7 +104,13 @@ class Admission:
         jobs = tenancy.stamp(submission.jobs, tenant)
         record = {**submission.record, **tenancy.record_fields(tenant)}
         first = jobs[0]
-        lease = await tenancy.admit(tenant, self.reserve(jobs), first.uid, max(j.deadline for j in jobs))
+        await self.enter(jobs)  # stamped with their tenant
+        try:
+            lease = await tenancy.admit(tenant, self.reserve(jobs), first.uid, max(j.deadline for j in jobs))
+        except BaseException:
+            with contextlib.suppress(RedisError, OSError):  # else they leave the count at their deadline
+                await queued.leave(self.svc.redis, self.svc.keys, first.model, [j.uid for j in jobs])
+            raise
         return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), lease)
 
     def reserve(self, jobs: list[TokenizeJob]) -> int:
@@ -142,10 +153,17 @@ class Admission:
             raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "
                            "(--max-queued); send them in smaller requests", param=budget.prompts_param,
                            code="request_too_large")
-        snap = await self._fresh_if(lambda s: s.queued(model) + jobs > most)  # not turned away on a stale figure
-        if snap.queued(model) + jobs > most:
-            raise ApiError(429, f"model `{model}` has {snap.queued(model)} requests queued and this one adds "
-                           f"{jobs}; at most {most} (--max-queued): retry shortly", code="overloaded", retry_after=1)
+        # Whether the model's queue has room for them is counted in Redis, with their uids (`enter`).
+
+    async def enter(self, jobs: list[TokenizeJob]) -> None:
+        """Count the request's jobs in their model's queue, atomically across API processes (shared/queued.py): a
+        429 past the tenant's share of --max-queued, unless the queue has room to spare."""
+        job, most = jobs[0], self.settings.max_queued
+        got = await queued.enter(self.svc.redis, self.svc.keys, jobs, most)
+        if not got.admitted:
+            raise ApiError(429, f"model `{job.model}` has {got.total} requests queued, {got.mine} of them yours, and "
+                           f"this one adds {len(jobs)}; your share is {got.share} of {most} (--max-queued) while "
+                           "others queue: retry shortly", code="overloaded", retry_after=1)
 
     async def _fresh_if(self, stale: Callable[[Snapshot], bool]) -> Snapshot:
         """The registry's snapshot, refreshed first if `stale(snapshot)` and it is over 0.25 s old."""

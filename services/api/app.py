@@ -181,7 +181,8 @@ def add_generation_routes(app: FastAPI, svc: ApiService) -> None:
 
 def add_tokenizer_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
     """vLLM's /tokenize and /detokenize, answered by the model's tokenizer stage (services/api/tokenization.py):
-    admitted like a request of one token, so a draining server, an unknown model or a full backlog refuse it."""
+    admitted like a request of one token, so a draining server or an unknown model refuse it (a query is not
+    counted in the model's queue: no scheduler takes it, and the tokenizers read on past any backlog)."""
     limits = svc.limits
 
     async def ask(request: Request, body: tokenization.TokenizeRequest | tokenization.DetokenizeRequest, op: str):

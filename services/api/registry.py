@@ -42,6 +42,7 @@ class Snapshot:
     models: dict[str, dict[str, int]] = field(default_factory=dict)  # every known model: live workers per stage
     backlog: dict[str, dict[str, StageBacklog]] = field(default_factory=dict)
     declared: dict[str, dict] = field(default_factory=dict)  # what stages declared of each model
+    counted: dict[str, int] = field(default_factory=dict)  # each model's queue count (shared/queued.py)
 
     def ready(self) -> bool:
         """The API can take requests: Redis answers. Workers are not needed (requests wait for them)."""
@@ -76,10 +77,11 @@ class Snapshot:
 
     def queued(self, model: str) -> int:
         """Requests of a model not yet running: at or waiting for a tokenizer, or waiting for room in a
-        scheduler (schedule entries stay pending while they run, so only their lag counts)."""
+        scheduler (schedule entries stay pending while they run, so only their lag counts); or, if more, its
+        queue count, which also counts the jobs fair queueing parked."""
         b = self.backlog.get(model, {})
         tok, sched = b.get("tokenizer", StageBacklog()), b.get("scheduler", StageBacklog())
-        return tok.lag + tok.pending + sched.lag
+        return max(tok.lag + tok.pending + sched.lag, self.counted.get(model, 0))
 
 
 class StageRegistry:
@@ -97,7 +99,8 @@ class StageRegistry:
             live = servable_models(workers)
             models = {m: live.get(m, dict.fromkeys(STAGES, 0)) for m in {*self.configured, *declared, *live}}
             backlog = {m: await self._backlog(m) for m in models}
-            self.snapshot = Snapshot(time.time(), True, workers, models, backlog, declared)
+            counted = {m: int(await self.redis.zcard(self.keys.queued(m))) for m in models}
+            self.snapshot = Snapshot(time.time(), True, workers, models, backlog, declared, counted)
         except (RedisError, OSError) as e:
             log.warning("stage registry refresh failed: %s", e)
             self.snapshot = Snapshot(time.time(), False)

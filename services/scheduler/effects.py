@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
-from shared import streams
+from shared import queued, streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, ReplyEvent, TokenDelta, encode
 from shared.request_states import Status
@@ -94,7 +94,17 @@ class RecordRunning:
     stop: str | None  # its stop strings as JSON, for a detokenizer that did not see a choice's first delta
 
 
-Effect = Publish | Checkpoint | Pooled | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
+@dataclass(frozen=True, slots=True)
+class Dequeued:
+    """Requests this scheduler took from the model's queue (run, or ended at its door): they no longer count
+    against --max-queued and their tenants' shares of it (shared/queued.py)."""
+
+    model: str
+    uids: list[str]
+
+
+Effect = (Publish | Checkpoint | Pooled | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
+          | Dequeued)
 
 
 class EffectWriter:
@@ -110,7 +120,7 @@ class EffectWriter:
         self._write: dict[type, Callable[[Pipeline, Any], None]] = {
             Publish: self.publish, Checkpoint: self.checkpoint, Pooled: self.pooled, Fail: self.fail,
             EndAborted: self.end_aborted, RecordAbort: self.record_abort, RecordRunning: self.record_running,
-            PageChanges: lanes.write_pages}
+            PageChanges: lanes.write_pages, Dequeued: self.dequeued}
 
     def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> None:
         """Queue every effect's commands, in order, then one acknowledgement of all the entries they end."""
@@ -148,6 +158,9 @@ class EffectWriter:
 
     def record_abort(self, pipe: Pipeline, e: RecordAbort) -> None:
         self.requests.note_abort(pipe, e.uid, e.reason)
+
+    def dequeued(self, pipe: Pipeline, e: Dequeued) -> None:
+        queued.leave(pipe, self.requests.keys, e.model, e.uids)
 
     def record_running(self, pipe: Pipeline, e: RecordRunning) -> None:
         self.requests.set_status(pipe, e.uid, Status.RUNNING, scheduler=self.id, entry=e.entry,

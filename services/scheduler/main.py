@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from services.scheduler.adapters import SYNC_EVERY_S, RegisteredAdapters
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.book import Ends, RequestBook
-from services.scheduler.effects import Effect, EffectWriter, Publish
+from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish
 from services.scheduler.engine.base import Engine, StepOutput
 from services.scheduler.engine.factory import build_engine
 from services.scheduler.recovery import AbortNotes, Recovery
@@ -174,7 +174,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         if self.adapters is not None:  # adapter names -> the registrations' identities
             batch = await self.adapters.resolved(batch)
         found = await self.recovery.look_up(batch)
-        now, effects = time.time(), []
+        now, effects = time.time(), [Dequeued(self.model_name, [d.msg.uid for d in batch])]
         for d in batch:
             try:
                 verdict, ended = self.admission.verdict(d, claimed, found[d.msg.uid], now)

@@ -211,4 +211,5 @@ class PromptEncoder:
                            "logit_bias")
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
                            deadline=job.deadline, params=p, input_ids=ids, background=job.background,
-                           priority=job.priority, trace=job.trace, adapter=job.adapter)
+                           priority=job.priority, trace=job.trace, adapter=job.adapter, tenant=job.tenant,
+                           weight=job.weight)

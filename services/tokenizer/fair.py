@@ -8,12 +8,19 @@ which the schedulers read first come first served: each tenant has a lane (first
 lanes take turns, a turn releasing as many of its tenant's jobs as its weight (the key's `weight`, 1 by
 default). A tenant that sends its first job while another's flood is held waits for one turn of each tenant
 ahead of it, not for the whole flood (docs/design.md, "Fair queueing").
+
+The hold in memory is bounded (--fair-max-held); the tokenizer never stops reading because of it. Once it is full,
+a tenant over its share of it (`holds`) has its jobs parked in Redis instead, in a stream of its own, and so does
+a tenant that has jobs parked already (its jobs stay first in, first out); parked jobs are read back into their
+tenant's lane as room frees, the emptiest lanes first (`refills`), so a tenant's turn never waits behind another's
+excess, in memory or in Redis (services/tokenizer/holding.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -22,6 +29,65 @@ T = TypeVar("T")
 def releasable(backlog: int, watermark: int, held: int) -> int:
     """How many held jobs to release now: enough to bring the schedule stream's backlog up to the watermark."""
     return max(0, min(held, watermark - backlog))
+
+
+def applies(setting: bool | None, tenant: str) -> bool:
+    """Whether fair queueing takes a job: --fair-queueing on, or left unset (auto) and the job has a tenant (the
+    API has keys, so every job carries its key's tenant; open mode's jobs have none)."""
+    return setting if setting is not None else tenant != ""
+
+
+@dataclass
+class Plan(Generic[T]):
+    """Where a read's tokenized jobs go: to the schedulers now, into the hold, or parked in Redis."""
+
+    send: list[T] = field(default_factory=list)
+    hold: list[T] = field(default_factory=list)
+    park: list[T] = field(default_factory=list)
+
+
+def plan(jobs: Iterable[tuple[str, bool, T]], lanes: dict[str, int], parked: Collection[str], max_held: int
+         ) -> Plan[T]:
+    """Each (tenant, fair queueing applies, job) sent, held or parked, in order (`holds`)."""
+    out: Plan[T] = Plan()
+    lanes, parked = dict(lanes), set(parked)
+    for tenant, fair, job in jobs:
+        if not fair:
+            out.send.append(job)
+        elif holds(lanes, tenant, parked, max_held):
+            out.hold.append(job)
+            lanes[tenant] = lanes.get(tenant, 0) + 1
+        else:
+            out.park.append(job)
+            parked.add(tenant)
+    return out
+
+
+def holds(lanes: dict[str, int], tenant: str, parked: Collection[str], max_held: int) -> bool:
+    """Whether a new job of `tenant` is held in memory (else parked), given the jobs held per tenant (`lanes`) and
+    the tenants with jobs parked. Within --fair-max-held, yes, unless its tenant has jobs parked (they go first).
+    Past it, only a tenant under its share of it (--fair-max-held over the tenants held, itself included), and never
+    past twice the cap."""
+    if tenant in parked:
+        return False
+    held = sum(lanes.values())
+    if held < max_held:
+        return True
+    share = max_held // len(lanes.keys() | {tenant})
+    return lanes.get(tenant, 0) < share and held < 2 * max_held
+
+
+def refills(lanes: dict[str, int], parked: Iterable[str], targets: dict[str, int], max_held: int) -> dict[str, int]:
+    """How many parked jobs to read back per tenant: each lane topped up to its target (`targets`, of each parked
+    tenant), the emptiest first, while the hold is under --fair-max-held."""
+    room = max_held - sum(lanes.values())
+    out: dict[str, int] = {}
+    for tenant in sorted(parked, key=lambda t: (lanes.get(t, 0), t)):
+        want = min(room, targets[tenant] - lanes.get(tenant, 0))
+        if want > 0:
+            out[tenant] = want
+            room -= want
+    return out
 
 
 class FairQueue(Generic[T]):

@@ -5,9 +5,11 @@ writes the request records and error replies, then the schedule entries, and ack
 With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
 (shared/routing.py: one more round trip per batch).
 
-With `--fair-queueing` a tokenized job is held instead (its entry pending, kept alive) and released to the
-schedule stream in tenants' turns while that stream's backlog is below --fair-watermark
-(services/tokenizer/fair.py): released, it is sent and acknowledged in one pipeline.
+With fair queueing (`--fair-queueing`, or unset and the job has a tenant) a tokenized job is held instead (its
+entry pending, kept alive), or parked in Redis past the hold's cap, and released to the schedule stream in tenants'
+turns while that stream's backlog is below --fair-watermark (services/tokenizer/holding.py, the decisions in
+services/tokenizer/fair.py): released, it is sent and acknowledged in one pipeline. Every job that ends here
+leaves the model's queue count (shared/queued.py).
 
 A read's `/tokenize` and `/detokenize` queries (TokenizerQuery) are answered here, on their reply streams, in one
 pipeline with their records: they never reach a scheduler, so they are answered while the schedulers are scaled
@@ -22,17 +24,17 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from services.tokenizer import queries
 from services.tokenizer.encode import PromptEncoder
-from services.tokenizer.fair import FairQueue, releasable
-from shared import streams
+from services.tokenizer.fair import Plan
+from services.tokenizer.holding import FairHold, going_on
+from shared import queued, streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
-from shared.keys import SCHEDULER_GROUP, TOKENIZER_GROUP
+from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
 from shared.models import context_length, load_tokenizer
 from shared.redis_conn import barrier
@@ -51,15 +53,6 @@ HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
 Entry = TokenizeJob | TokenizerQuery  # what the tokenize stream carries
 
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A tokenized job fair queueing holds: its tokenize entry (pending, ours) and what goes to a scheduler."""
-
-    entry_id: str
-    job: ScheduleJob
-    tenant: str
-    weight: int
 
 
 class TokenizerWorker(PushWorker[Entry]):
@@ -85,13 +78,14 @@ class TokenizerWorker(PushWorker[Entry]):
         self._heavy_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize-heavy")
         self._heavy: dict[asyncio.Task, str] = {}  # heavy jobs being encoded apart -> their entry
         self._heavy_room = asyncio.Semaphore(HEAVY_IN_FLIGHT)
-        self.held: FairQueue[Held] | None = FairQueue() if settings.fair_queueing else None
+        self.fair = None if settings.fair_queueing is False else FairHold(settings, self.source, self.requests, self,
+                                                                          model_name)
         self._releaser: asyncio.Task | None = None
 
     def load(self) -> dict:
         out = super().load()
-        if self.held is not None:  # jobs fair queueing holds, per tenant
-            out = {**out, "held": len(self.held), "held_by_tenant": self.held.tenants()}
+        if self.fair is not None:  # jobs fair queueing holds, per tenant
+            out = {**out, **self.fair.load()}
         if self.router is None:
             return out
         return {**out, "routing_to": len(self.router.candidates)}  # schedulers it routes among
@@ -100,8 +94,8 @@ class TokenizerWorker(PushWorker[Entry]):
         await super().start()
         if self.router is not None:
             await self.router.refresh()
-        if self.held is not None:
-            self._releaser = asyncio.create_task(self._release_loop(), name="fair-release")
+        if self.fair is not None:
+            self._releaser = asyncio.create_task(self.fair.run(self.stopping), name="fair-release")
 
     async def watch(self) -> None:
         await super().watch()
@@ -109,14 +103,12 @@ class TokenizerWorker(PushWorker[Entry]):
             await self.router.refresh()
 
     def held_entries(self) -> list[str]:
-        held = [h.entry_id for h in self.held.items()] if self.held is not None else []
+        held = self.fair.entries() if self.fair is not None else []
         return [*super().held_entries(), *self._heavy.values(), *held]
 
     def lost(self, refs: list[str]) -> None:
-        """Held jobs a peer claimed while we were stalled: theirs to forward now."""
-        if self.held is not None and refs:
-            gone = set(refs)
-            self.held.remove(lambda h: h.entry_id in gone)
+        if self.fair is not None:
+            self.fair.lost(refs)
 
     def heavy(self, job: Entry) -> bool:
         if isinstance(job, TokenizerQuery):
@@ -127,7 +119,6 @@ class TokenizerWorker(PushWorker[Entry]):
     async def handle(self, batch: list[Delivery[Entry]], claimed: bool) -> None:
         """Small jobs are encoded together; each heavy one (much text, a new grammar) apart, in the background,
         so that the read's other jobs, and the reads after it, do not wait for it."""
-        await self._room_to_hold()
         light = []
         for d in batch:
             if not self.heavy(d.msg):
@@ -160,78 +151,12 @@ class TokenizerWorker(PushWorker[Entry]):
             self._heavy.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._heavy_room.release()
 
-    # -- fair queueing: hold, then release in turns ------------------------------------------------------
-    async def _room_to_hold(self) -> None:
-        """Past --fair-max-held, read nothing more (this handler returns later) until releases make room."""
-        if self.held is None:
-            return
-        while len(self.held) >= self.settings.fair_max_held and not self.stopping.is_set():
-            self.busy_since = time.time()  # waiting on the schedulers, not stuck (liveness)
-            await asyncio.sleep(self.settings.fair_poll_ms / 1000)
-
-    async def _release_loop(self) -> None:
-        while not self.stopping.is_set():
-            await asyncio.sleep(self.settings.fair_poll_ms / 1000)
-            try:
-                await self._release_some()
-            except (RedisError, OSError) as e:  # held still, and pending: released once Redis is back
-                log.warning("fair queueing: could not release held jobs (%s)", e)
-                await asyncio.sleep(0.5)
-            except Exception:  # a dead releaser would hold every job until its deadline: never let it die
-                log.exception("fair queueing: releasing failed")
-                await asyncio.sleep(0.5)
-
-    def _schedule_streams(self) -> list[str]:
+    def schedule_streams(self) -> list[str]:
         """Every stream schedulers read this model's jobs from: the shared one and, routing, each one's own."""
         shared = self.keys.schedule(self.model_name)
         if self.router is None:
             return [shared]
         return [shared, *(self.keys.scheduler_stream(self.model_name, c.id) for c in self.router.candidates)]
-
-    async def _release_some(self) -> None:
-        assert self.held is not None
-        if not len(self.held):
-            return
-        watermark = self.settings.fair_watermark
-        backlog = await streams.undelivered(self.redis, self._schedule_streams(), SCHEDULER_GROUP, watermark)
-        batch = self.held.take(releasable(backlog, watermark, len(self.held)))
-        if batch:
-            await self._release(batch)
-
-    async def _release(self, batch: list[Held]) -> None:
-        """Send released jobs (an aborted or expired one ends here) and acknowledge them, in one pipeline; if it
-        fails they stay held, at the head of their lanes."""
-        try:
-            aborted = await self.requests.abort_reasons(h.job.uid for h in batch)
-            now = time.time()
-            go = [h.job for h in batch if h.job.uid not in aborted and h.job.deadline > now]
-            routes = await self._schedulers_for(go)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for h in batch:
-                    if h.job.uid in aborted:
-                        log.info("uid=%s skipped while held: aborted (%s)", h.job.uid, aborted[h.job.uid])
-                        self.requests.end_aborted(pipe, h.job.uid, h.job.params.n, aborted[h.job.uid])
-                    elif h.job.deadline <= now:
-                        log.info("uid=%s skipped while held: deadline passed", h.job.uid)
-                        self.requests.end_timed_out(pipe, h.job.uid)
-                    else:
-                        self._send(pipe, h.job, routes.get(h.job.uid))
-                self.source.ack_in(pipe, [h.entry_id for h in batch])
-                await pipe.execute()
-        except BaseException:
-            for h in reversed(batch):
-                self.held.restore(h.tenant, h.weight, h)  # type: ignore[union-attr]
-            raise
-
-    def _hold(self, batch: list[Delivery[TokenizeJob]], forward: list[ScheduleJob]) -> None:
-        """Queue the forwarded jobs in their tenants' lanes; an entry held already (claimed back from ourselves
-        after a keep-alive failed) is not held twice."""
-        assert self.held is not None
-        going = {j.uid: j for j in forward}
-        present = {h.entry_id for h in self.held.items()}
-        for d in batch:
-            if (job := going.get(d.msg.uid)) is not None and d.entry_id not in present:
-                self.held.push(d.msg.tenant, d.msg.weight, Held(d.entry_id, job, d.msg.tenant, d.msg.weight))
 
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: heavy jobs still encoding get until the deadline; what is left is handed back."""
@@ -265,25 +190,26 @@ class TokenizerWorker(PushWorker[Entry]):
             todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
             results = await asyncio.get_running_loop().run_in_executor(thread, self.encoder.encode, todo)
             encoded = dict(zip((j.uid for j in todo), results, strict=True))
-            routes = {} if self.held is not None else await self._schedulers_for(
-                [e for e in encoded.values() if isinstance(e, ScheduleJob)])  # held: routed when released
+            going = going_on(batch, encoded)
+            plan = self.fair.plan(going) if self.fair is not None else Plan(send=going)
+            routes = await self.schedulers_for([h.job for h in plan.send])  # held: routed when released
             async with self.redis.pipeline(transaction=False) as pipe:
-                forward = [r for job in jobs if (r := self._record_outcome(pipe, job, encoded.get(job.uid),
-                                                                           aborted.get(job.uid)))]
+                for job in jobs:
+                    self._record_outcome(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
                 # The record says `tokenized` before a scheduler can read the job (and write `running`); on a
                 # cluster, where the two are on different nodes, only a barrier orders them.
                 barrier(pipe)
-                if self.held is None:
-                    for job in forward:
-                        self._send(pipe, job, routes.get(job.uid))
-                    done = batch
-                else:  # the record says `tokenized`; the job is held, its entry pending until it is released
-                    going = {j.uid for j in forward}
-                    done = [d for d in batch if d.msg.uid not in going]
-                self.source.ack_in(pipe, [d.entry_id for d in done])
+                for h in plan.send:
+                    self.send(pipe, h.job, routes.get(h.job.uid))
+                if self.fair is not None:  # parked: in Redis before its tokenize entry is acknowledged
+                    self.fair.park(pipe, (h.job for h in plan.park))
+                ended = [j.uid for j in jobs if not isinstance(encoded.get(j.uid), ScheduleJob)]
+                queued.leave(pipe, self.keys, self.model_name, ended)
+                waiting = self.fair.waiting(plan) if self.fair is not None else set()  # held: pending until released
+                self.source.ack_in(pipe, [d.entry_id for d in batch if d.entry_id not in waiting])
                 await pipe.execute()
-            if self.held is not None:
-                self._hold(batch, forward)
+            if self.fair is not None:
+                await self.fair.placed(plan)
         finally:
             end_spans(spans, [encoded.get(job.uid) for job in jobs])
 
@@ -338,15 +264,16 @@ class TokenizerWorker(PushWorker[Entry]):
             for job in messages:
                 self.requests.end_failed(pipe, job.uid, ReplyError(
                     message="the request could not be tokenized: every attempt failed", code="request_dead_lettered"))
+            queued.leave(pipe, self.keys, self.model_name, [j.uid for j in messages if isinstance(j, TokenizeJob)])
             await pipe.execute()
 
-    async def _schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
+    async def schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
         """uid -> the scheduler whose own stream the job goes to (None: the shared stream)."""
         if self.router is None or not jobs:
             return {}
         return dict(zip((j.uid for j in jobs), await self.router.route(jobs), strict=True))
 
-    def _send(self, pipe, job: ScheduleJob, scheduler: str | None) -> None:
+    def send(self, pipe, job: ScheduleJob, scheduler: str | None) -> None:
         if scheduler is None:
             streams.add(pipe, self.keys.schedule(self.model_name), job)
             return

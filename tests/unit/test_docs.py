@@ -25,7 +25,7 @@ DOC_PATH = re.compile(r"[\w/.-]+\.md\b")
 REPO_PATH = re.compile(r"(?<![\w./-])(?:docs|shared|services|rsinfer|tests|bench|deploy|helm)/[\w/.-]*\w")
 # Keys methods that are not key builders: one parses a key, one dispatches to the stage builders, one names the
 # hash tag of a model's routing keys (the doc writes it `{<tag>}`).
-NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream", "routing_tag"}
+NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream", "routing_tag", "fair_tag"}
 # The doc writes a worker's key as `<role>:<id>`, as the README and the operator recipes do.
 PLACEHOLDER = {"worker_id": "id"}
 
@@ -82,7 +82,8 @@ def key_patterns() -> dict[str, str]:
             continue
         params = inspect.signature(method).parameters
         key = method(*(f"<{PLACEHOLDER.get(p, p)}>" for p in params))
-        out[name] = key.replace(f"{{{keys.routing_tag('<model>')}}}", "{<tag>}")
+        out[name] = key.replace(f"{{{keys.routing_tag('<model>')}}}", "{<tag>}").replace(
+            f"{{{keys.fair_tag('<model>')}}}", "{<ftag>}")
     return out
 
 

@@ -1,6 +1,6 @@
 """services/tokenizer/fair.py: which held job goes next, and how many go (no Redis)."""
 
-from services.tokenizer.fair import FairQueue, releasable
+from services.tokenizer.fair import FairQueue, applies, holds, plan, refills, releasable
 
 
 def test_releasable_fills_the_schedule_stream_up_to_the_watermark():
@@ -80,3 +80,39 @@ def test_a_failed_release_goes_back_to_the_head_of_its_lane():
     for item in reversed(taken):
         q.restore("a", 1, item)
     assert q.take(3) == ["a0", "a1", "a2"]
+
+
+# -- the hold's cap: hold or park (services/tokenizer/holding.py applies it)
+def test_fair_queueing_applies_when_set_or_when_a_job_has_a_tenant():
+    assert applies(True, "") and applies(True, "a")
+    assert not applies(False, "a")
+    assert applies(None, "a") and not applies(None, "")  # unset: keys configured, not open mode
+
+
+def test_within_the_cap_every_job_is_held_unless_its_tenant_has_jobs_parked():
+    assert holds({"a": 3}, "a", parked=set(), max_held=4)
+    assert holds({"a": 3}, "b", parked={"a"}, max_held=4)
+    assert not holds({"a": 1}, "a", parked={"a"}, max_held=4)  # behind its own parked jobs: first in, first out
+
+
+def test_past_the_cap_only_a_tenant_under_its_share_is_held_and_never_past_twice_the_cap():
+    assert not holds({"a": 8}, "a", parked=set(), max_held=8)  # the flooder's excess is parked
+    assert holds({"a": 8}, "b", parked=set(), max_held=8)  # b's share is 4 of 8
+    assert holds({"a": 8, "b": 3}, "b", parked=set(), max_held=8)
+    assert not holds({"a": 8, "b": 4}, "b", parked=set(), max_held=8)
+    assert holds({"a": 8, "b": 3}, "c", parked=set(), max_held=8)  # 8 / 3 = 2
+    assert holds({"a": 15}, "b", parked=set(), max_held=8) and not holds({"a": 16}, "b", parked=set(), max_held=8)
+
+
+def test_a_flood_past_the_cap_is_parked_and_another_tenant_still_held():
+    p = plan([("a", True, f"a{i}") for i in range(6)] + [("b", True, "b0"), ("o", False, "o0"), ("a", True, "a6")],
+             lanes={}, parked=set(), max_held=4)
+    assert p.hold == ["a0", "a1", "a2", "a3", "b0"] and p.park == ["a4", "a5", "a6"] and p.send == ["o0"]
+
+
+def test_parked_jobs_come_back_into_the_emptiest_lanes_first_within_the_cap():
+    targets = {"a": 4, "b": 4, "c": 2}
+    assert refills({"a": 3}, ["a", "b", "c"], targets, max_held=10) == {"b": 4, "c": 2, "a": 1}
+    assert refills({"a": 6}, ["a", "b", "c"], targets, max_held=10) == {"b": 4}  # b, then c: no room left
+    assert refills({"x": 9}, ["b", "c"], targets, max_held=10) == {"b": 1}
+    assert refills({"x": 12}, ["b"], targets, max_held=10) == {}

@@ -169,19 +169,19 @@ async def test_fair_queueing_holds_jobs_pending_and_releases_them_in_turns_up_to
     w = fair_worker
     await w._deliver(await read(w, *(of("a", f"a{i}") for i in range(5))), claimed=False)
     await w._deliver(await read(w, of("b", "b0"), of("b", "b1")), claimed=False)
-    assert await scheduled(w) == set() and len(w.held) == 7
+    assert await scheduled(w) == set() and len(w.fair.queue) == 7
     assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 7  # durable: claimable if we die
     assert await w.redis.hget(w.keys.request("a0"), "status") == b"tokenized"
-    assert sorted(w.held_entries()) == sorted(h.entry_id for h in w.held.items())  # kept alive
-    await w._release_some()
-    await w._release_some()  # the backlog is at the watermark: nothing more goes
+    assert sorted(w.held_entries()) == sorted(h.entry_id for h in w.fair.queue.items())  # kept alive
+    await w.fair.release_some()
+    await w.fair.release_some()  # the backlog is at the watermark: nothing more goes
     assert await take(w) == ["a0", "b0"]  # B's lane joined the round before the first release
     order = []
     for _ in range(3):
-        await w._release_some()
+        await w.fair.release_some()
         order += await take(w)
     assert order == ["a1", "b1", "a2", "a3", "a4"]
-    assert len(w.held) == 0 and (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
+    assert len(w.fair.queue) == 0 and (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
     assert w.load()["held"] == 0
 
 
@@ -189,7 +189,7 @@ async def test_a_job_aborted_while_held_ends_when_its_turn_comes(fair_worker):
     w = fair_worker
     await w._deliver(await read(w, of("a", "gone"), of("a", "kept")), claimed=False)
     await w.redis.set(w.keys.abort("gone"), "client")
-    await w._release_some()
+    await w.fair.release_some()
     assert await take(w) == ["kept"]
     assert await w.redis.hget(w.keys.request("gone"), "status") == b"aborted"
     assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
@@ -200,4 +200,4 @@ async def test_held_jobs_a_peer_claimed_are_dropped(fair_worker):
     entries = await read(w, of("a", "a0"), of("a", "a1"))
     await w._deliver(entries, claimed=False)
     w.lost([entries[0][0]])
-    assert [h.job.uid for h in w.held.items()] == ["a1"]
+    assert [h.job.uid for h in w.fair.queue.items()] == ["a1"]

@@ -1,0 +1,92 @@
+"""shared/queued.py against a real redis-server: a model's queue counted per tenant, each within its share of
+--max-queued, in one script per admission; jobs leave it when a stage takes or ends them, or at their deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from redis.asyncio import Redis
+
+from shared import queued
+from shared.keys import Keys
+from shared.messages import SamplingParams, TokenizeJob
+
+pytestmark = pytest.mark.timeout(30)
+MODEL = "m"
+
+
+@pytest.fixture
+async def q(redis_server):
+    r = Redis.from_url(redis_server.url)
+    yield r, Keys(f"q{uuid.uuid4().hex[:8]}")
+    await r.aclose()
+
+
+def jobs(tenant: str, n: int = 1, weight: int = 1, timeout: float = 60.0) -> list[TokenizeJob]:
+    now = time.time()
+    return [TokenizeJob(uid=uuid.uuid4().hex, model=MODEL, pod="p", created_at=now, deadline=now + timeout,
+                        params=SamplingParams(), tenant=tenant, weight=weight) for _ in range(n)]
+
+
+async def admitted(q, tenant: str, times: int, most: int, weight: int = 1) -> list[list[str]]:
+    r, keys = q
+    out = []
+    for _ in range(times):
+        js = jobs(tenant, weight=weight)
+        if (await queued.enter(r, keys, js, most)).admitted:
+            out.append([j.uid for j in js])
+    return out
+
+
+async def test_one_tenant_alone_may_fill_the_queue_and_no_more(q):
+    assert len(await admitted(q, "a", 40, most=30)) == 30
+    assert await queued.figures(*q, MODEL) == {"a": 30}
+
+
+async def test_a_tenant_arriving_at_a_full_queue_gets_its_share_and_the_flooder_no_more(q):
+    a = await admitted(q, "a", 40, most=30)
+    assert len(a) == 30
+    assert len(await admitted(q, "b", 20, most=30)) == 15  # half of 30: two tenants queue
+    assert len(await admitted(q, "a", 5, most=30)) == 0  # over its share, and the queue is past --max-queued
+    r, keys = q
+    await queued.leave(r, keys, MODEL, [u for uids in a[:20] for u in uids])  # 20 of A's taken by a scheduler
+    assert await queued.figures(r, keys, MODEL) == {"a": 10, "b": 15}
+    assert len(await admitted(q, "a", 10, most=30)) == 5  # within the queue's room again
+
+
+async def test_concurrent_admissions_never_pass_the_limit(q):
+    r, keys = q
+    results = await asyncio.gather(*(queued.enter(r, keys, jobs("a"), 30) for _ in range(60)))
+    assert sum(x.admitted for x in results) == 30
+
+
+async def test_shares_follow_weights_and_requests_of_several_jobs_count_each(q):
+    r, keys = q
+    assert len(await admitted(q, "a", 40, most=40)) == 40
+    assert len(await admitted(q, "b", 40, most=40, weight=3)) == 30  # 3 / (1 + 3) of 40
+    assert not (await queued.enter(r, keys, jobs("c", n=11), 40)).admitted  # past its share (8) and the queue full
+    got = await queued.enter(r, keys, jobs("c", n=8), 40)
+    assert got.admitted and got.share == 8 and got.mine == 8  # 40 × 1 / (1 + 3 + 1)
+
+
+async def test_everything_leaves_the_count_and_its_keys(q):
+    r, keys = q
+    uids = [u for batch in await admitted(q, "a", 3, most=10) + await admitted(q, "b", 2, most=10) for u in batch]
+    await queued.leave(r, keys, MODEL, [*uids, "never-queued"])
+    assert await queued.figures(r, keys, MODEL) == {}
+    assert not await r.exists(keys.queued(MODEL), keys.queued_owners(MODEL), keys.queued_weights(MODEL))
+
+
+async def test_a_job_whose_process_died_leaves_at_its_deadline(q):
+    r, keys = q
+    assert (await queued.enter(r, keys, jobs("a", n=3, timeout=0.2), 3)).admitted
+    assert not (await queued.enter(r, keys, jobs("a"), 3)).admitted
+    await asyncio.sleep(0.3)
+    got = await queued.enter(r, keys, jobs("a"), 3)
+    assert got.admitted and got.total == 1 and await queued.figures(r, keys, MODEL) == {"a": 1}
+    assert 60 < await r.ttl(keys.queued(MODEL)) <= 121
+    assert (await queued.enter(r, keys, jobs("b", timeout=0.1), 3)).admitted
+    assert await r.ttl(keys.queued(MODEL)) > 60  # a shorter deadline does not shorten the keys' life
