@@ -41,7 +41,7 @@ from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
 from services.api.metrics import Metrics
 from services.api.reply_hub import HubError, ReplyHub
-from shared import streams
+from shared import queued, streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
 from shared.reply_order import OrderedReplies
@@ -237,7 +237,12 @@ class Requests:
         metrics (stream, full, generate; by default the submission's). The request holds its tenant's lease."""
         sub = admitted.submission
         opening = self.open_jobs(sub.jobs, sub.record, sub.stream, label or sub.label, writes=sub.writes)
-        return await leased(opening, admitted.lease)
+        try:
+            return await leased(opening, admitted.lease)
+        except BaseException:  # not opened: its jobs leave the model's queue count now, not at their deadline
+            with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                await queued.leave(self.redis, self.keys, sub.jobs[0].model, [j.uid for j in sub.jobs])
+            raise
 
     async def open_jobs(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str, *,
                         writes: Writes | None = None) -> ApiRequest:
