@@ -194,6 +194,14 @@ def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     return target.xack(key, group, *ids)
 
 
+async def ack_delete(redis: Redis, key: str, group: str, ids: Sequence[str]) -> None:
+    """XACK, then XDEL, for a stream that one group reads: what it acknowledged nobody needs, so the stream holds
+    only what is still to do (an entry acknowledged but not deleted, by a crash between the two, is left to
+    `trim_acknowledged`)."""
+    await redis.xack(key, group, *ids)
+    await redis.xdel(key, *ids)
+
+
 # -- reading without a group -----------------------------------------------------------------------------------
 async def read(redis: Redis, positions: dict[str, str], count: int, block_ms: int | None
                ) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
@@ -343,6 +351,21 @@ async def read_group_in_order(redis: Redis, keys: Sequence[str], member: Member,
     got, missing = await redis.eval(_READ_IN_ORDER, len(keys), *keys, member.group, member.consumer, count)
     rows = [(as_str(key), as_str(eid), fields_of(f)) for key, entries in got for eid, f in entries]
     return rows, [as_str(k) for k in missing]
+
+
+async def read_group_each(redis: Redis, keys: Sequence[str], member: Member, count: int
+                          ) -> dict[str, Rows | ResponseError]:
+    """XREADGROUP of new entries of each of `keys` on its own, never blocking, in one round trip (the keys need
+    not share a slot): per key, up to `count` entries, or the error (NOGROUP: no stream or group yet)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.xreadgroup(member.group, member.consumer, {key: ">"}, count=count)
+        results = await pipe.execute(raise_on_error=False)
+    out: dict[str, Rows | ResponseError] = {}
+    for key, result in zip(keys, results, strict=True):
+        out[key] = result if isinstance(result, ResponseError) else \
+            [(as_str(eid), f) for _, entries in result or [] for eid, f in entries]
+    return out
 
 
 async def autoclaim(redis: Redis, cursors: dict[str, str], member: Member, min_idle_ms: int, count: int

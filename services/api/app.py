@@ -21,7 +21,8 @@ from services.api import errors, tokenization
 from services.api.adapters import Adapters, card_for
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
-from services.api.batches import Batches, BatchRunner, CreateBatch
+from services.api.batch_runner import BatchRunner
+from services.api.batches import Batches, CreateBatch
 from services.api.errors import ApiError
 from services.api.files import Files
 from services.api.limits import Limits
@@ -244,6 +245,11 @@ def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batch
     @app.post("/v1/files")
     async def upload_file(request: Request):
         return await files.upload(request, tenant(request))
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, limit: int = Query(10_000, ge=1, le=10_000),
+                         order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return await files.list(tenant(request), purpose, limit, order, after)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(request: Request, file_id: str):

@@ -24,7 +24,7 @@ from tests.support.stack import LIFECYCLE_ENV, MODEL, new_stack, start_replicas
 pytestmark = pytest.mark.timeout(300)
 GOOD = 201
 BAD = ['{"custom_id": "broken", ', '{"method": "POST", "url": "/v1/completions", "body": {}}',
-       json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+       json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/moderations", "body": {}}),
        json.dumps({"custom_id": "bad-field", "method": "POST", "url": "/v1/chat/completions",
                    "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}})]
 
@@ -182,7 +182,7 @@ def test_files_and_batch_listing(stack, first_run):
     with pytest.raises(openai.NotFoundError):
         c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        c.batches.create(input_file_id=first_run.input_file_id, endpoint="/v1/embeddings", completion_window="24h")
+        c.batches.create(input_file_id=first_run.input_file_id, endpoint="/v1/moderations", completion_window="24h")
     small = c.files.create(file=("s.jsonl", io.BytesIO(json.dumps(good_line(0)).encode())), purpose="batch")
     made = [c.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h").id
             for _ in range(2)]
