@@ -165,8 +165,9 @@ class Files:
     async def register(self, file_id: str, filename: str, purpose: str, size: int, *, tenant: str, ttl_s: int
                        ) -> dict[str, Any]:
         """The metadata of contents stored (and counted, `FileQuota.reserve`) already; the file's object."""
-        meta = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": size,
-                "created_at": int(time.time()), "tenant": tenant, "ttl_s": ttl_s}
+        now = time.time()
+        meta = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": size, "created_at": int(now),
+                "created": f"{now:.6f}", "tenant": tenant, "ttl_s": ttl_s}  # `created`: the listing's order
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.file(file_id), mapping=meta)
             pipe.expire(self.keys.file(file_id), ttl_s)
@@ -186,7 +187,7 @@ class Files:
             found = await pipe.execute()
         metas = [{k.decode(): v.decode() for k, v in h.items()} for h in found]
         metas = [m for m in metas if m and (purpose is None or m["purpose"] == purpose)]
-        metas.sort(key=lambda m: (int(m["created_at"]), m["id"]), reverse=order == "desc")
+        metas.sort(key=lambda m: float(m.get("created") or m["created_at"]), reverse=order == "desc")
         start = 0
         if after is not None:
             at = next((k for k, m in enumerate(metas) if m["id"] == after), None)
