@@ -238,7 +238,29 @@ def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> 
 
 def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batches) -> None:
     """The Files and Batch APIs (services/api/files.py, services/api/batches.py)."""
+    add_file_routes(app, svc, files)
 
+    def tenant(request: Request) -> Tenant:
+        return svc.tenancy.tenant_of(request)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        return await batches.create(await parse_body(request, CreateBatch, svc.limits), tenant(request))
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None):
+        return await batches.list(tenant(request), limit, after)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve_batch(request: Request, batch_id: str):
+        return await batches.get(batch_id, tenant(request))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str):
+        return await batches.cancel(batch_id, tenant(request))
+
+
+def add_file_routes(app: FastAPI, svc: ApiService, files: Files) -> None:
     def tenant(request: Request) -> Tenant:
         return svc.tenancy.tenant_of(request)
 
@@ -262,22 +284,6 @@ def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batch
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str):
         return await files.delete(file_id, tenant(request))
-
-    @app.post("/v1/batches")
-    async def create_batch(request: Request):
-        return await batches.create(await parse_body(request, CreateBatch, svc.limits), tenant(request))
-
-    @app.get("/v1/batches")
-    async def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None):
-        return await batches.list(tenant(request), limit, after)
-
-    @app.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(request: Request, batch_id: str):
-        return await batches.get(batch_id, tenant(request))
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(request: Request, batch_id: str):
-        return await batches.cancel(batch_id, tenant(request))
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:
