@@ -70,8 +70,8 @@ async def _take(pending: deque[asyncio.Task[bytes] | bytes]) -> bytes:
 
 
 async def delete_results(store: ObjectStore, batch_id: str) -> int:
-    """Every stored line result of the batch deleted; how many."""
+    """Every stored line result of the batch deleted (`READ_AHEAD` at once); how many."""
     keys = [info.key async for info in store.list_objects(lines_prefix(batch_id))]
-    for key in keys:
-        await store.delete(key)
+    for at in range(0, len(keys), READ_AHEAD):
+        await asyncio.gather(*(store.delete(key) for key in keys[at:at + READ_AHEAD]))
     return len(keys)

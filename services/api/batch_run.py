@@ -262,6 +262,7 @@ class BatchRun:
         self.check_sizes()
         written: list[str] = []
         fields: dict[str, Any] = {}
+        code = "output_too_large"
         try:
             if self.failure is None:
                 for name, ok in (("output", True), ("error", False)):
@@ -269,9 +270,9 @@ class BatchRun:
                     if file_id:
                         fields[f"{name}_file_id"] = file_id
         except ApiError as e:  # the tenant's bound on stored files
-            self.failure = e.message
+            self.failure, code = e.message, e.code or code
         if self.failure is not None:
-            await self.b.fail(self.id, self.failure, "output_too_large", None)
+            await self.b.fail(self.id, self.failure, code, None)
             for file_id in written:
                 await self.b.files.remove(file_id, self.tenant_name)
             await self.b.clean_up(self.id)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 GROUP = "batch"
 WORK_POLL_S = 2.0  # how often an API process looks for a batch to run
 TENANTS_S = 10.0  # how often it reads which tenants have batches
+MIN_SLEEP_S = 0.05
 
 
 @dataclass
@@ -101,12 +102,13 @@ class BatchRunner:
                 await asyncio.sleep(1.0)
 
     async def sleep(self) -> None:
-        """Until WORK_POLL_S passed, a run ended or a parked batch is due."""
-        parked = [h.due for h in self.held.values() if h.task is None]
-        wait = min([WORK_POLL_S, *(d - time.monotonic() for d in parked)])
-        if wait > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), wait)
+        """Until WORK_POLL_S passed (a third of --batch-claim-idle-s at most: the touch), a run ended or a parked
+        batch comes due (one due already waits for a run to end: its tenant or the runner is full)."""
+        now = time.monotonic()
+        later = [h.due - now for h in self.held.values() if h.task is None and h.due > now]
+        wait = max(MIN_SLEEP_S, min([WORK_POLL_S, self.s.batch_claim_idle_s / 3, *later]))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), wait)
         self.wake.clear()
 
     async def reap(self) -> None:
