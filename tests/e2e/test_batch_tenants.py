@@ -35,9 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 KEYS = {name: f"sk-{name}-0123456789" for name in ("good", "slow", "off", "cap", "big", "pol", "a2", "b2", "tok")}
 ADMIN_KEY = "sk-ops-admin-0123456789"
 SLOW_RPM = 3
-MAX_FILE_BYTES = 20_000
+MAX_FILE_BYTES = 40_000
 MAX_FILES = 6
-MAX_TENANT_BYTES = 40_000
+MAX_TENANT_BYTES = 60_000
 
 
 def entries(**policies: dict) -> list[dict]:
@@ -177,7 +177,7 @@ def test_a_tenants_files_and_bytes_are_bounded_across_processes(env):
     assert "--max-files-per-tenant" in e.value.message
     for file_id in small[1:]:
         clients[0].files.delete(file_id)
-    pad = {"custom_id": "p", "method": "POST", "url": "/v1/chat/completions", "body": {"x": "y" * 15_000}}
+    pad = {"custom_id": "p", "method": "POST", "url": "/v1/chat/completions", "body": {"x": "y" * 25_000}}
     upload(clients[0], [pad])
     upload(clients[1], [pad])
     with pytest.raises(openai.PermissionDeniedError) as e:
@@ -188,7 +188,7 @@ def test_a_tenants_files_and_bytes_are_bounded_across_processes(env):
 
 def test_an_output_past_max_file_bytes_fails_the_batch_with_the_reason_and_leaves_nothing(env):
     c = env.client("big")
-    batch = create(c, upload(c, [line(k, max_tokens=40) for k in range(60)]))
+    batch = create(c, upload(c, [line(k, max_tokens=120) for k in range(60)]))  # ~58 KB of output
     done = wait_end(c, batch.id, timeout=60)
     assert done.status == "failed" and done.output_file_id is None
     (error,) = done.errors.data
@@ -200,7 +200,7 @@ def test_an_output_past_max_file_bytes_fails_the_batch_with_the_reason_and_leave
 
 def test_a_tenants_policy_is_read_again_for_each_line(env):
     c = env.client("pol")
-    batch = create(c, upload(c, [line(k, max_tokens=100) for k in range(40)]))
+    batch = create(c, upload(c, [line(k, max_tokens=50) for k in range(40)]))  # 5 waves of 8; ~28 KB of output
     wait_for(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 1, timeout=60, every=0.1)
     write_keys(env.keys_file, entries(pol={"models": ["other-model"]}))
     try:
@@ -240,8 +240,8 @@ def test_a_tenant_lists_only_its_own_batches_and_files(env):
 
 
 def test_line_results_of_ended_and_expired_batches_are_swept(env):
-    c = env.client("a2")
-    ended = c.batches.list(limit=1).data[0]
+    c = env.client("good")
+    ended = wait_end(c, create(c, upload(c, [line(0)])).id)
     assert ended.status == "completed"
     strays = [env.store / "batches" / ended.id / "lines" / "00000000.ok",
               env.store / "batches" / "batch_expired0" / "lines" / "00000003.err"]
