@@ -32,8 +32,9 @@ from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack, start_re
 
 pytestmark = pytest.mark.timeout(300)
 
-KEYS = {name: f"sk-{name}-0123456789" for name in ("good", "slow", "off", "cap", "big", "pol", "a2", "b2", "tok")}
-ADMIN_KEY = "sk-ops-admin-0123456789"
+TENANTS = ("good", "slow", "off", "cap", "big", "pol", "a2", "b2", "tok")
+KEYS = {name: f"sk-{name}-{'0123456789' * 4}" for name in TENANTS}
+ADMIN_KEY = f"sk-ops-admin-{'0123456789' * 4}"
 SLOW_RPM = 3
 MAX_FILE_BYTES = 40_000
 MAX_FILES = 6
