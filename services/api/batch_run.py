@@ -63,17 +63,12 @@ class BatchRun:
         self.store = batches.files.store()
         self.done: dict[int, Result] = {}  # lines whose result is stored (by this run or a predecessor)
         self.pending: deque[Line] = deque()  # lines to feed, in order
-        self.running: dict[int, list[str]] = {}  # line -> its requests' uids
+        self.line = LineRun(batches, self.id, self.tenant_name)
         self.cancelled: set[int] = set()  # lines this run aborted
         self.stopping = h["status"] in STOPPING
         self.refused: float | None = None  # a line was refused: the Retry-After of the longest refusal
         self.failure: str | None = None  # why the batch fails (an output file over its bound)
         self.finished = 0  # lines this run ended
-
-    @property
-    def tenant(self) -> Tenant:
-        """Its policy and quota as the keys say now."""
-        return self.b.svc.tenancy.named(self.tenant_name)
 
     def sizes(self) -> tuple[int, int]:
         """The output and error files' sizes, from the results stored and the lines that could not be read."""
@@ -140,7 +135,7 @@ class BatchRun:
 
     async def stop(self) -> None:
         self.stopping = True
-        for index, uids in list(self.running.items()):
+        for index, uids in list(self.line.running.items()):
             if index in self.cancelled:
                 continue
             self.cancelled.add(index)
@@ -150,7 +145,7 @@ class BatchRun:
     # -- one line --------------------------------------------------------------------------------------------
     async def one(self, line: Line) -> bool:
         """Run the line and store its result (True), or keep it for later if it was refused (False)."""
-        ok, out, retry = await self.answer(line)
+        ok, out, retry = await self.line.answer(line)
         if retry is not None and not self.stopping:
             self.pending.appendleft(line)
             self.refused = max(self.refused or 0.0, retry)
@@ -180,73 +175,6 @@ class BatchRun:
                 self.stopping = True
                 return True
         return False
-
-    async def answer(self, line: Line) -> tuple[bool, dict, float | None]:
-        """The line's answer (200 and the body) or its HTTP error, as the endpoint would answer it, and, for a
-        refusal before anything was submitted, its Retry-After."""
-        opened = False
-        try:
-            admitted, fmt = await self.prepare(line)
-            req = await self.open(admitted)
-            opened = True
-            self.running[line.index] = [j.uid for j in admitted.submission.jobs]
-            try:
-                body = await self.b.svc.full_body(req, fmt)
-            finally:
-                self.running.pop(line.index, None)
-                await req.close()
-            on_end = getattr(fmt, "on_end", None)
-            if on_end is not None:
-                await on_end(body)
-            return True, output_line(self.id, line, 200, body), None
-        except (RedisError, OSError):
-            raise
-        except Exception as e:
-            err = as_api_error(e)
-            if err is None:
-                log.exception("batch=%s line %d failed", self.id, line.index)
-                err = ApiError(500, "the request failed", code="server_error")
-            retry = (err.retry_after or 1.0) if err.status in RETRY and not opened else None
-            return False, output_line(self.id, line, err.status, err.body()), retry
-
-    async def prepare(self, line: Line) -> tuple[Admitted, Format]:
-        """The line admitted as its endpoint admits a body (services/api/admission.py), with its own uids."""
-        if line.body.get("stream") or line.body.get("background"):
-            raise ApiError(400, "a batch's requests are neither streamed nor background", param="stream")
-        new_uid = self.uids(line.index)
-        if line.url == "/v1/responses":
-            return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), self.tenant, new_uid)
-        admitted = await self.b.svc.admission.admit(BODIES[line.url].model_validate(line.body), self.tenant, new_uid)
-        return admitted, admitted.submission.fmt
-
-    def uids(self, index: int) -> Callable[[], str]:
-        counter: Iterator[int] = iter(range(1 << 30))
-        return lambda: line_uid(self.id, index, next(counter))
-
-    async def open(self, admitted: Admitted) -> ApiRequest:
-        """Submit the line's jobs, as background jobs behind interactive ones, holding the tenant's lease (taken
-        at admission); those a predecessor submitted (their record exists) are followed instead."""
-        return await leased(self.submit(admitted.submission), admitted.lease)
-
-    async def submit(self, submission: Submission) -> ApiRequest:
-        priority = self.b.svc.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
-        jobs = [msgspec.structs.replace(j, background=True, priority=priority) for j in submission.jobs]
-        records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
-        record = submission.record
-        requests = self.b.svc.requests
-        members: list[SingleRequest] = []
-        try:
-            for job in jobs:
-                if records[job.uid][0] is None:
-                    members.append(await SingleRequest.open(requests, job, record, False, "batch",
-                                                            writes=None if members else submission.writes))
-                else:
-                    members.append(await requests.attach(job.uid, await self.b.svc.store.record(job.uid), None))
-        except BaseException:
-            for m in members:
-                await m.close(EndReason.REJECTED)
-            raise
-        return members[0] if len(members) == 1 else RequestGroup(members, jobs[0].params.n)
 
     # -- the end ---------------------------------------------------------------------------------------------
     async def finalize(self) -> None:
@@ -319,3 +247,84 @@ class BatchRun:
 
     async def status(self) -> str:
         return (await self.b.redis.hget(self.key, "status") or b"").decode()
+
+
+class LineRun:
+    """One line of a batch run as its endpoint runs a body (services/api/admission.py), under its tenant's policy
+    and quota as the keys say at that line."""
+
+    def __init__(self, batches: Batches, batch_id: str, tenant_name: str):
+        self.b, self.id, self.tenant_name = batches, batch_id, tenant_name
+        self.running: dict[int, list[str]] = {}  # line -> its requests' uids
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.b.svc.tenancy.named(self.tenant_name)
+
+    async def answer(self, line: Line) -> tuple[bool, dict, float | None]:
+        """The line's answer (200 and the body) or its HTTP error, as the endpoint would answer it, and, for a
+        refusal before anything was submitted, its Retry-After."""
+        opened = False
+        try:
+            admitted, fmt = await self.prepare(line)
+            req = await self.open(admitted)
+            opened = True
+            self.running[line.index] = [j.uid for j in admitted.submission.jobs]
+            try:
+                body = await self.b.svc.full_body(req, fmt)
+            finally:
+                self.running.pop(line.index, None)
+                await req.close()
+            on_end = getattr(fmt, "on_end", None)
+            if on_end is not None:
+                await on_end(body)
+            return True, output_line(self.id, line, 200, body), None
+        except (RedisError, OSError):
+            raise
+        except Exception as e:
+            err = as_api_error(e)
+            if err is None:
+                log.exception("batch=%s line %d failed", self.id, line.index)
+                err = ApiError(500, "the request failed", code="server_error")
+            final = (err.headers or {}).get("x-should-retry") == "false"  # e.g. more tokens than its tpm ever
+            retry = (err.retry_after or 1.0) if err.status in RETRY and not opened and not final else None
+            return False, output_line(self.id, line, err.status, err.body()), retry
+
+    async def prepare(self, line: Line) -> tuple[Admitted, Format]:
+        """The line admitted as its endpoint admits a body (services/api/admission.py), with its own uids."""
+        if line.body.get("stream") or line.body.get("background"):
+            raise ApiError(400, "a batch's requests are neither streamed nor background", param="stream")
+        new_uid = self.uids(line.index)
+        if line.url == "/v1/responses":
+            return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), self.tenant, new_uid)
+        admitted = await self.b.svc.admission.admit(BODIES[line.url].model_validate(line.body), self.tenant, new_uid)
+        return admitted, admitted.submission.fmt
+
+    def uids(self, index: int) -> Callable[[], str]:
+        counter: Iterator[int] = iter(range(1 << 30))
+        return lambda: line_uid(self.id, index, next(counter))
+
+    async def open(self, admitted: Admitted) -> ApiRequest:
+        """Submit the line's jobs, as background jobs behind interactive ones, holding the tenant's lease (taken
+        at admission); those a predecessor submitted (their record exists) are followed instead."""
+        return await leased(self.submit(admitted.submission), admitted.lease)
+
+    async def submit(self, submission: Submission) -> ApiRequest:
+        priority = self.b.svc.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
+        jobs = [msgspec.structs.replace(j, background=True, priority=priority) for j in submission.jobs]
+        records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
+        record = submission.record
+        requests = self.b.svc.requests
+        members: list[SingleRequest] = []
+        try:
+            for job in jobs:
+                if records[job.uid][0] is None:
+                    members.append(await SingleRequest.open(requests, job, record, False, "batch",
+                                                            writes=None if members else submission.writes))
+                else:
+                    members.append(await requests.attach(job.uid, await self.b.svc.store.record(job.uid), None))
+        except BaseException:
+            for m in members:
+                await m.close(EndReason.REJECTED)
+            raise
+        return members[0] if len(members) == 1 else RequestGroup(members, jobs[0].params.n)

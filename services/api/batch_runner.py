@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 GROUP = "batch"
 WORK_POLL_S = 2.0  # how often an API process looks for a batch to run
-TENANTS_S = 10.0  # how often it reads which tenants have batches
+TENANTS_S = WORK_POLL_S  # how often it reads which tenants have batches (one SMEMBERS)
 MIN_SLEEP_S = 0.05
 
 
