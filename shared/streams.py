@@ -353,21 +353,6 @@ async def read_group_in_order(redis: Redis, keys: Sequence[str], member: Member,
     return rows, [as_str(k) for k in missing]
 
 
-async def read_group_each(redis: Redis, keys: Sequence[str], member: Member, count: int
-                          ) -> dict[str, Rows | ResponseError]:
-    """XREADGROUP of new entries of each of `keys` on its own, never blocking, in one round trip (the keys need
-    not share a slot): per key, up to `count` entries, or the error (NOGROUP: no stream or group yet)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.xreadgroup(member.group, member.consumer, {key: ">"}, count=count)
-        results = await pipe.execute(raise_on_error=False)
-    out: dict[str, Rows | ResponseError] = {}
-    for key, result in zip(keys, results, strict=True):
-        out[key] = result if isinstance(result, ResponseError) else \
-            [(as_str(eid), f) for _, entries in result or [] for eid, f in entries]
-    return out
-
-
 async def autoclaim(redis: Redis, cursors: dict[str, str], member: Member, min_idle_ms: int, count: int
                     ) -> dict[str, tuple[str, Rows] | ResponseError]:
     """XAUTOCLAIM on each stream from its cursor, in one round trip: per key, the next cursor and the entries

@@ -93,6 +93,8 @@ class BatchRunner:
                     swept = time.monotonic()
                     await self.b.files.sweep_orphans()
                     await self.b.sweep_results()
+                    for tenant in self.tenants:  # what a crash left acknowledged but not deleted
+                        await streams.trim_acknowledged(self.b.redis, self.b.keys.batch_work(tenant))
                 await self.fill()
             except (RedisError, OSError) as e:
                 log.warning("batch runner: %s", e)
@@ -218,7 +220,7 @@ class BatchRunner:
                 self.grouped.discard(key)  # NOGROUP: the stream was deleted; made again next time
                 continue
             self.cursors[key], rows[key] = got
-        fresh = await streams.read_group_each(self.b.redis, [k for k in keys if not rows.get(k)], self.member, 1)
+        fresh = await streams.read_group_each(self.b.redis, {k: 1 for k in keys if not rows.get(k)}, self.member)
         for key, got in fresh.items():
             if isinstance(got, ResponseError):
                 self.grouped.discard(key)

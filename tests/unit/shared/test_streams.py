@@ -96,8 +96,8 @@ async def test_undelivered_counts_each_streams_lag_up_to_a_cap_even_where_redis_
 
 
 async def test_each_stream_is_read_on_its_own_and_what_is_acknowledged_is_deleted(env):
-    """read_group_each: several streams in one round trip, a missing group reported per stream; ack_delete: the
-    stream keeps only what is still to do."""
+    """ack_delete: the stream keeps only what is still to do (read_group_each reads the streams of several
+    tenants in one round trip, a missing group reported per stream)."""
     from redis.exceptions import ResponseError
 
     redis, keys = env
@@ -106,7 +106,7 @@ async def test_each_stream_is_read_on_its_own_and_what_is_acknowledged_is_delete
     for key in (a, b):
         assert await streams.create_group(redis, key, "batch", mkstream=True)
     ids = [await redis.xadd(a, {"i": i}) for i in range(3)]
-    got = await streams.read_group_each(redis, [a, b, missing], member, 2)
+    got = await streams.read_group_each(redis, {a: 2, b: 2, missing: 2}, member)
     assert [eid for eid, _ in got[a]] == [i.decode() for i in ids[:2]] and got[b] == []
     assert isinstance(got[missing], ResponseError)
     await streams.ack_delete(redis, a, "batch", [ids[0].decode()])
