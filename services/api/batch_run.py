@@ -16,12 +16,14 @@ its own, and the predecessor's, gone with its process, charges nothing. An outpu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 import orjson
 from redis.exceptions import RedisError
@@ -37,6 +39,7 @@ from services.api.request import ApiRequest, RequestGroup, SingleRequest, leased
 from services.api.response_schemas import ResponseRequest
 from services.api.schemas import ChatCompletionRequest, CompletionRequest, Submission
 from services.api.tenants import Tenant
+from shared import queued
 from shared.request_states import EndReason
 
 if TYPE_CHECKING:
@@ -307,7 +310,13 @@ class LineRun:
     async def open(self, admitted: Admitted) -> ApiRequest:
         """Submit the line's jobs, as background jobs behind interactive ones, holding the tenant's lease (taken
         at admission); those a predecessor submitted (their record exists) are followed instead."""
-        return await leased(self.submit(admitted.submission), admitted.lease)
+        sub = admitted.submission
+        try:
+            return await leased(self.submit(sub), admitted.lease)
+        except BaseException:  # not opened: its jobs leave the model's queue count now, not at their deadline
+            with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                await queued.leave(self.b.redis, self.b.keys, sub.jobs[0].model, [j.uid for j in sub.jobs])
+            raise
 
     async def submit(self, submission: Submission) -> ApiRequest:
         priority = self.b.svc.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
@@ -327,4 +336,9 @@ class LineRun:
             for m in members:
                 await m.close(EndReason.REJECTED)
             raise
+        # a followed job was counted in the model's queue by its admission here, but it was queued (and counted,
+        # and maybe started) by the predecessor: it leaves the count, which would otherwise hold it till its deadline
+        followed = [j.uid for j in jobs if records[j.uid][0] is not None]
+        if followed:
+            await queued.leave(self.b.redis, self.b.keys, jobs[0].model, followed)
         return members[0] if len(members) == 1 else RequestGroup(members, jobs[0].params.n)

@@ -277,8 +277,10 @@ def test_a_runner_taking_over_does_not_count_tokens_again(env):
     out = [json.loads(x) for x in survivor.files.content(done.output_file_id).text.splitlines()]
     generated = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
     assert generated == 6 * 120
-    # each line's tokens were charged when its result was stored, before the batch completed
+    # each line's tokens were charged once, by the lease of the request that ran it, before the batch completed
     assert int(r.hget(keys.usage(), "tok:generated_tokens") or 0) == generated
+    # the lines it followed do not stay in the model's queue count (which would hold every batch's feed back)
+    wait_for(lambda: r.zcard(keys.queued(MODEL)) == 0, timeout=10, every=0.2)
     env.bases = [env.bases[0 if name == "api2" else 1]] * 2
 
 
