@@ -66,8 +66,10 @@ def stream_catalogue(keys: Keys) -> list[Stream]:
                "reattaches); a scheduler taking the request over. The braces are part of the key: the uid is the "
                "request's Redis Cluster hash tag, e.g. rsinfer:reply:{3f9a...}"),
         Stream("batch-work", keys.batch_work(), (BatchWork,), "api (POST /v1/batches)",
-               "every API process's batch runner, one batch at a time; an entry idle for --batch-claim-idle-s is "
-               "claimed by another runner; acknowledged when its batch ends", "batch"),
+               "every API process's batch runner, several batches at once in turns across tenants (each tenant's "
+               "batches on a stream of its own, rsinfer:batch-work:<tenant>; open mode's is this one); an entry "
+               "idle for --batch-claim-idle-s is claimed by another runner; acknowledged and deleted when its "
+               "batch ends", "batch"),
     ]
 
 

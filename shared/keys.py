@@ -130,13 +130,33 @@ class Keys:
         return f"{self.namespace}:batch:{{{batch_id}}}"
 
     def batches(self) -> str:
-        """Every batch by creation time (sorted set: batch id -> created_at), for GET /v1/batches."""
+        """Every batch by creation time (sorted set: batch id -> created_at), for an admin's GET /v1/batches."""
         return f"{self.namespace}:batches"
 
-    def batch_work(self) -> str:
-        """Stream of batches to run (`batch`: its id), read by every API process's batch runner in the
-        `batch` consumer group: a runner that dies leaves its entry pending, and another claims it."""
-        return f"{self.namespace}:batch-work"
+    def tenant_batches(self, tenant: str) -> str:
+        """One tenant's batches by creation time (sorted set: batch id -> created_at), for its GET /v1/batches."""
+        return f"{self.namespace}:batches:{{t:{tenant}}}"
+
+    def batch_work(self, tenant: str = "") -> str:
+        """Stream of one tenant's batches to run (`batch`: its id; open mode's tenant "" has the plain name), read
+        by every API process's batch runner in the `batch` consumer group, in turns across tenants: a runner
+        that dies leaves its entry pending, and another claims it. An entry is deleted once acknowledged."""
+        return f"{self.namespace}:batch-work" + (f":{tenant}" if tenant else "")
+
+    def batch_tenants(self) -> str:
+        """Set of the tenants that have created batches: whose `batch_work` streams the runners read. No TTL:
+        bounded by the keys file's tenants."""
+        return f"{self.namespace}:batch-tenants"
+
+    def tenant_files(self, tenant: str) -> str:
+        """Sorted set of one tenant's stored files (file id -> the unix time its metadata expires): its
+        GET /v1/files and its --max-files-per-tenant; an expired member is removed at the next count."""
+        return f"{self.namespace}:files:{{t:{tenant}}}"
+
+    def tenant_file_bytes(self, tenant: str) -> str:
+        """Hash of the bytes of each of `tenant_files` (file id -> bytes) and their sum (`_total`), for
+        --max-file-bytes-per-tenant; same hash tag, so one script keeps both."""
+        return f"{self.namespace}:file-bytes:{{t:{tenant}}}"
 
     def request_pattern(self) -> str:
         return f"{self.namespace}:req:*"

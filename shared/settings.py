@@ -412,6 +412,16 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                 "interactive ones (0) when both wait for the engine")
     batch_claim_idle_s: float = Field(30.0, gt=0, description="a batch whose runner (an API process) has not "
                                       "touched it for this long is taken over by another")
+    batch_max_running: int = Field(4, ge=1, description="most batches one API process runs at once, taken in "
+                                   "turns across tenants")
+    batch_max_running_per_tenant: int = Field(2, ge=1, description="most batches of one tenant one API process "
+                                              "runs (or holds parked) at once")
+    batch_sweep_s: float = Field(3600.0, gt=0, description="how often each API process deletes what ended "
+                                 "batches and expired files left in the object store")
+    max_files_per_tenant: int = Field(10_000, ge=1, description="most files one tenant stores at once (its "
+                                      "uploads and its batches' output and error files): past it a 403")
+    max_file_bytes_per_tenant: int = Field(16 << 30, ge=1, description="most bytes one tenant's stored files "
+                                           "hold together: past it a 403 (an output file past it fails its batch)")
 
     max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
                                     "input and the conversation of its previous_response_id")

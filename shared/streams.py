@@ -194,6 +194,14 @@ def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     return target.xack(key, group, *ids)
 
 
+async def ack_delete(redis: Redis, key: str, group: str, ids: Sequence[str]) -> None:
+    """XACK, then XDEL, for a stream that one group reads: what it acknowledged nobody needs, so the stream holds
+    only what is still to do (an entry acknowledged but not deleted, by a crash between the two, is left to
+    `trim_acknowledged`)."""
+    await redis.xack(key, group, *ids)
+    await redis.xdel(key, *ids)
+
+
 # -- reading without a group -----------------------------------------------------------------------------------
 async def read(redis: Redis, positions: dict[str, str], count: int, block_ms: int | None
                ) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:

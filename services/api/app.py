@@ -21,7 +21,8 @@ from services.api import errors, tokenization
 from services.api.adapters import Adapters, card_for
 from services.api.adapters import install as install_adapters
 from services.api.admin import AdminSocket, admin_socket_path
-from services.api.batches import Batches, BatchRunner, CreateBatch
+from services.api.batch_runner import BatchRunner
+from services.api.batches import Batches, CreateBatch
 from services.api.errors import ApiError
 from services.api.files import Files
 from services.api.limits import Limits
@@ -237,25 +238,10 @@ def add_response_routes(app: FastAPI, svc: ApiService, responses: Responses) -> 
 
 def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batches) -> None:
     """The Files and Batch APIs (services/api/files.py, services/api/batches.py)."""
+    add_file_routes(app, svc, files)
 
     def tenant(request: Request) -> Tenant:
         return svc.tenancy.tenant_of(request)
-
-    @app.post("/v1/files")
-    async def upload_file(request: Request):
-        return await files.upload(request, tenant(request))
-
-    @app.get("/v1/files/{file_id}")
-    async def retrieve_file(request: Request, file_id: str):
-        return await files.get(file_id, tenant(request))
-
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str):
-        return Response(await files.content(file_id, tenant(request)), media_type="application/jsonl")
-
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(request: Request, file_id: str):
-        return await files.delete(file_id, tenant(request))
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
@@ -272,6 +258,32 @@ def add_batch_routes(app: FastAPI, svc: ApiService, files: Files, batches: Batch
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str):
         return await batches.cancel(batch_id, tenant(request))
+
+
+def add_file_routes(app: FastAPI, svc: ApiService, files: Files) -> None:
+    def tenant(request: Request) -> Tenant:
+        return svc.tenancy.tenant_of(request)
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        return await files.upload(request, tenant(request))
+
+    @app.get("/v1/files")
+    async def list_files(request: Request, purpose: str | None = None, limit: int = Query(10_000, ge=1, le=10_000),
+                         order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return await files.list(tenant(request), purpose, limit, order, after)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve_file(request: Request, file_id: str):
+        return await files.get(file_id, tenant(request))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str):
+        return Response(await files.content(file_id, tenant(request)), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str):
+        return await files.delete(file_id, tenant(request))
 
 
 def add_model_routes(app: FastAPI, svc: ApiService, adapters: Adapters) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.api.limits import depth_over
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 MAX_CUSTOM_ID_CHARS = 512
 
 

@@ -250,6 +250,16 @@ class Quotas:
         self.leases[member] = lease
         return lease
 
+    async def count(self, tenant: Tenant) -> None:
+        """An action that generates nothing (an upload, a batch's creation): counted in the tenant's requests per
+        minute (a 429 past it), holding no slot and reserving no token."""
+        rpm = tenant.policy.requests_per_minute
+        if rpm is not None:
+            result = await self.redis.eval(ADMIT, 2, self.keys.quota_slots(tenant.name),
+                                           self.keys.quota_window(tenant.name), "", -1, self.lease_s, -1, rpm, -1, 0)
+            if int(result[0]):
+                raise refusal(tenant, result, 0)
+
     async def _admit(self, tenant: Tenant, member: str, expiry: float, reserve: int) -> list:
         p = tenant.policy
         return await self.redis.eval(ADMIT, 2, self.keys.quota_slots(tenant.name), self.keys.quota_window(tenant.name),

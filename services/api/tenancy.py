@@ -134,6 +134,22 @@ class Tenancy:
             return None
         return await self.quotas.admit(tenant, reserve, uid, deadline)
 
+    async def admit_action(self, tenant: Tenant, what: str) -> None:
+        """A non-generating action (`what`: "store files", "run batches"): a 403 for a suspended tenant (its policy
+        allows no request: max_concurrent or requests_per_minute 0, or no model), a 429 past its requests per
+        minute (`Quotas.count`)."""
+        if not self.on:
+            return
+        if self.suspended(tenant):
+            raise ApiError(403, f"this key may not {what}: its policy allows no request (suspended)",
+                           code="tenant_suspended")
+        await self.quotas.count(tenant)
+
+    @staticmethod
+    def suspended(tenant: Tenant) -> bool:
+        p = tenant.policy
+        return p.max_concurrent == 0 or p.requests_per_minute == 0 or p.models == frozenset()
+
     @contextlib.asynccontextmanager
     async def admitted(self, tenant: Tenant, counts: Any = None) -> AsyncIterator[Lease | None]:
         """`admit` for a route answered within its handler (no stream outlives it): the lease is released when

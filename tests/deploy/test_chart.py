@@ -171,7 +171,7 @@ def test_commands_probes_and_env_match_the_cli(render, case):
 # ---------- api ----------
 
 def test_api_service_probes_and_graceful_shutdown(render):
-    docs = render([])
+    docs = render([], sets=["objectStorage.url=s3://files/rsinfer"])
     api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
     spec = kube.pod_spec(api)
     (c,) = spec["containers"]
@@ -201,6 +201,33 @@ def test_api_fixed_replicas_without_hpa(render):
     docs = render(VALUES["cpu"])
     assert kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]["spec"]["replicas"] == 1
     assert not kube.by_kind(docs, "HorizontalPodAutoscaler")
+
+
+def test_without_object_storage_the_api_is_one_pod_with_a_bounded_cache(render):
+    """The Files and Batch APIs keep files in the API pod's cache directory when objectStorage.url is empty: by
+    default one API pod then (with a url: two, and the HPA), and the cache emptyDir has a sizeLimit."""
+    docs = render([])
+    api = kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]
+    assert api["spec"]["replicas"] == 1 and not kube.by_kind(docs, "HorizontalPodAutoscaler")
+    for dep in kube.by_kind(docs, "Deployment").values():
+        (cache,) = [v for v in kube.pod_spec(dep)["volumes"] if v["name"] == "cache"]
+        assert cache["emptyDir"]["sizeLimit"] == "20Gi", dep["metadata"]["name"]
+    docs = render([], sets=["objectStorage.url=s3://files/rsinfer", "api.autoscaling.enabled=false"])
+    assert kube.by_kind(docs, "Deployment")["rs-rsinfer-api"]["spec"]["replicas"] == 2
+    docs = render([], sets=["podCache.sizeLimit=5Gi"])
+    (cache,) = [v for v in kube.pod_spec(kube.by_kind(docs, "Deployment")["rs-rsinfer-api"])["volumes"]
+                if v["name"] == "cache"]
+    assert cache["emptyDir"]["sizeLimit"] == "5Gi"
+
+
+@pytest.mark.parametrize("sets", [["api.replicas=2"], ["api.autoscaling.enabled=true"]])
+def test_several_api_pods_without_object_storage_do_not_render(helm_bin, sets):
+    args = [a for s in sets for a in ("--set", s)]
+    proc = helmbin.helm("template", "rs", str(helmbin.CHART), *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "objectStorage.url is empty" in out and "objectStorage.allowPerPod" in out
+    ok = helmbin.helm("template", "rs", str(helmbin.CHART), *args, "--set", "objectStorage.allowPerPod=true")
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_ingress_and_service_monitor(render):
@@ -913,6 +940,23 @@ def test_notes_print_the_redis_recipes_for_this_release(helm_bin, tmp_path):
     notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
     url = "rediss://clustercfg.redis.example.internal:6379/0"
     assert f"alias rcli='redis-cli -c -u {url} --tls --cacert ca.crt'" in notes
+
+
+def test_notes_say_where_files_are_kept_without_object_storage(helm_bin, tmp_path):
+    chart = tmp_path / "rsinfer"
+    shutil.copytree(helmbin.CHART, chart)
+    (chart / "notes.txt").write_text((chart / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
+        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+
+    def notes(*sets: str) -> str:
+        return kube.by_kind(helmbin.render([], sets=list(sets), chart=chart), "ConfigMap")["notes"]["data"]["notes"]
+
+    assert "objectStorage.url is empty" in notes() and "WARNING" not in notes()
+    shared = notes("api.replicas=3", "objectStorage.allowPerPod=true")
+    assert "WARNING: the API may run 3 pods" in shared
+    assert "objectStorage.url is empty" not in notes("objectStorage.url=s3://files/rsinfer")
 
 
 # ---------- tenants: the keys file from a Secret ----------

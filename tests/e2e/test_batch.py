@@ -24,7 +24,7 @@ from tests.support.stack import LIFECYCLE_ENV, MODEL, new_stack, start_replicas
 pytestmark = pytest.mark.timeout(300)
 GOOD = 201
 BAD = ['{"custom_id": "broken", ', '{"method": "POST", "url": "/v1/completions", "body": {}}',
-       json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+       json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/moderations", "body": {}}),
        json.dumps({"custom_id": "bad-field", "method": "POST", "url": "/v1/chat/completions",
                    "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}})]
 
@@ -182,7 +182,7 @@ def test_files_and_batch_listing(stack, first_run):
     with pytest.raises(openai.NotFoundError):
         c.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        c.batches.create(input_file_id=first_run.input_file_id, endpoint="/v1/embeddings", completion_window="24h")
+        c.batches.create(input_file_id=first_run.input_file_id, endpoint="/v1/moderations", completion_window="24h")
     small = c.files.create(file=("s.jsonl", io.BytesIO(json.dumps(good_line(0)).encode())), purpose="batch")
     made = [c.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h").id
             for _ in range(2)]
@@ -192,3 +192,22 @@ def test_files_and_batch_listing(stack, first_run):
     rest = c.batches.list(limit=100, after=page.data[-1].id)
     ids = [b.id for b in page.data] + [b.id for b in rest.data]
     assert first_run.id in ids and len(ids) == len(set(ids))
+
+
+def test_embedding_lines_and_output_expires_after(stack, first_run):
+    """OpenAI takes /v1/embeddings lines and `output_expires_after` (the output files' lifetime)."""
+    c = client(stack, 1)
+    rows = [{"custom_id": f"e{k}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": MODEL, "input": f"text {k}"}} for k in range(3)]
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    f = c.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
+                             output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = wait_done(c, batch.id, timeout=60)
+    assert done.status == "completed" and done.request_counts.completed == 3
+    out = [json.loads(r) for r in c.files.content(done.output_file_id).text.splitlines()]
+    direct = c.embeddings.create(model=MODEL, input="text 0").data[0].embedding
+    assert out[0]["response"]["body"]["data"][0]["embedding"] == pytest.approx(direct, abs=1e-4)  # another batch
+    output = c.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    assert [x.id for x in c.files.list(purpose="batch_output", limit=100).data][:1] == [done.output_file_id]

@@ -261,7 +261,8 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 - name: tmp
   emptyDir: {}
 - name: cache
-  emptyDir: {}
+  emptyDir:
+    sizeLimit: {{ .Values.podCache.sizeLimit }}
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.tlsCaSecret }}
 - name: redis-ca
   secret:
@@ -393,6 +394,28 @@ auth.existingSecret or auth.redisPassword for GitOps). */}}
 {{- end }}
 {{- end }}
 
+{{/* ---------- the API's pods ---------- */}}
+
+{{/* Whether an HPA scales the API: api.autoscaling.enabled; unset (null), whether its files are in shared object
+storage (without, one pod: see rsinfer.apiReplicas). "true" or empty. */}}
+{{- define "rsinfer.apiAutoscaled" -}}
+{{- $on := .Values.api.autoscaling.enabled }}
+{{- if kindIs "invalid" $on }}{{ $on = not (empty .Values.objectStorage.url) }}{{ end }}
+{{- if $on }}true{{ end }}
+{{- end }}
+
+{{/* The API's replicas without an HPA: api.replicas; unset (null), 2 with shared object storage, else 1. */}}
+{{- define "rsinfer.apiReplicas" -}}
+{{- $n := .Values.api.replicas }}
+{{- if kindIs "invalid" $n }}{{ $n = ternary 2 1 (not (empty .Values.objectStorage.url)) }}{{ end }}
+{{- int $n }}
+{{- end }}
+
+{{/* The most API pods there may be. */}}
+{{- define "rsinfer.apiMaxPods" -}}
+{{- if include "rsinfer.apiAutoscaled" . }}{{ int .Values.api.autoscaling.maxReplicas }}{{ else }}{{ include "rsinfer.apiReplicas" . }}{{ end }}
+{{- end }}
+
 {{/* ---------- checks the schema cannot express ---------- */}}
 
 {{- define "rsinfer.validate" -}}
@@ -436,6 +459,10 @@ auth.existingSecret or auth.redisPassword for GitOps). */}}
 {{- fail (printf "modelPools %s, %s: keda.minReplicaCount (%v) exceeds keda.maxReplicaCount (%v)" $pool.name $stage $cfg.keda.minReplicaCount $cfg.keda.maxReplicaCount) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- $pods := int (include "rsinfer.apiMaxPods" .) }}
+{{- if and (gt $pods 1) (not .Values.objectStorage.url) (not .Values.objectStorage.allowPerPod) }}
+{{- fail (printf "the API may run %d pods but objectStorage.url is empty: the Files and Batch APIs would keep each file in one pod's cache directory, where the other pods do not find it (uploads 404, batches fail). Set objectStorage.url (s3://bucket/prefix; MinIO, Ceph... with objectStorage.endpointUrl), or run one API pod (api.replicas: 1 and api.autoscaling.enabled: false), or set objectStorage.allowPerPod: true if this release does not use Files and Batches" $pods) }}
 {{- end }}
 {{- with .Values.api.settings.drain_timeout_s }}
 {{- if le (float64 .) (float64 $.Values.api.drainSeconds) }}

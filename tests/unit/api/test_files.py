@@ -31,3 +31,40 @@ async def test_an_expired_files_contents_are_swept_at_the_second_look(redis_serv
     finally:
         await files.close()
         await redis.aclose()
+
+
+async def test_a_tenants_files_and_bytes_are_counted_released_and_expire(redis_server, tmp_path):
+    """FileQuota: the bounds refuse with a 403 naming the setting; a delete releases at once, an expired file at
+    the next count; a file written again (a batch's output, by a second run) counts once."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from services.api.errors import ApiError
+    from services.api.files import FileQuota
+
+    redis = connect(redis_server.url)
+    keys = Keys(f"q{uuid.uuid4().hex[:8]}")
+    quota = FileQuota(ApiSettings(max_files_per_tenant=2, max_file_bytes_per_tenant=100), redis, keys)
+    later = time.time() + 3600
+    try:
+        await quota.reserve("t", "f1", 60, later)
+        await quota.reserve("t", "f1", 60, later)  # the same file again
+        await quota.reserve("u", "g1", 100, later)  # another tenant's bounds are its own
+        with pytest.raises(ApiError) as e:
+            await quota.reserve("t", "f2", 41, later)
+        assert e.value.status == 403 and "--max-file-bytes-per-tenant" in e.value.message
+        await quota.reserve("t", "f2", 40, time.time() + 1)
+        with pytest.raises(ApiError) as e:
+            await quota.reserve("t", "f3", 0, later)
+        assert e.value.status == 403 and "--max-files-per-tenant" in e.value.message
+        await quota.release("t", "f1")
+        await quota.reserve("t", "f3", 60, later)
+        assert sorted(await quota.ids("t")) == ["f2", "f3"]
+        await asyncio.sleep(2.1)  # f2 expires
+        await quota.reserve("t", "f4", 40, later)
+        assert sorted(await quota.ids("t")) == ["f3", "f4"]
+        assert int(await redis.hget(keys.tenant_file_bytes("t"), "_total")) == 100
+    finally:
+        await redis.aclose()

@@ -93,3 +93,21 @@ async def test_undelivered_counts_each_streams_lag_up_to_a_cap_even_where_redis_
     gone = keys.scheduler_stream("m", "gone")
     assert await streams.undelivered(redis, [shared, own, fresh, gone], "scheduler", cap=100) == 3 + 2 + 1
     assert await streams.undelivered(redis, [shared, own], "scheduler", cap=2) == 2 + 2
+
+
+async def test_each_stream_is_read_on_its_own_and_what_is_acknowledged_is_deleted(env):
+    """ack_delete: the stream keeps only what is still to do (read_group_each reads the streams of several
+    tenants in one round trip, a missing group reported per stream)."""
+    from redis.exceptions import ResponseError
+
+    redis, keys = env
+    member = streams.Member("batch", "r1")
+    a, b, missing = keys.batch_work("a"), keys.batch_work("b"), keys.batch_work("none")
+    for key in (a, b):
+        assert await streams.create_group(redis, key, "batch", mkstream=True)
+    ids = [await redis.xadd(a, {"i": i}) for i in range(3)]
+    got = await streams.read_group_each(redis, {a: 2, b: 2, missing: 2}, member)
+    assert [eid for eid, _ in got[a]] == [i.decode() for i in ids[:2]] and got[b] == []
+    assert isinstance(got[missing], ResponseError)
+    await streams.ack_delete(redis, a, "batch", [ids[0].decode()])
+    assert await redis.xlen(a) == 2 and (await redis.xpending(a, "batch"))["pending"] == 1
