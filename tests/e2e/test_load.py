@@ -59,14 +59,19 @@ def test_slow_client_is_aborted_and_slows_nobody(loaded):
 def test_backlog_past_max_queued_gets_429(loaded):
     s = loaded
     [tok] = [w.name for w in workers(s, "tokenizer")]
+    queued = s.keys.queued_tenants(MODEL)  # the model's queue, counted at admission (shared/queued.py)
+    wait_for(lambda: sum(int(v) for v in s.redis().hvals(queued)) == 0, timeout=30, every=0.1)  # earlier tests'
     s.procs[tok].send_signal(signal.SIGSTOP)  # nothing gets tokenized: the backlog grows
     runs = []
     try:
         runs = [Streamer(s.base_url, body(100 + i, 3)) for i in range(26)]
+        probes_taken = []
+
         def rejected() -> httpx.Response | None:
             try:  # an accepted probe just waits in the backlog too
                 resp = httpx.post(f"{s.base_url}/v1/chat/completions", json=body(200, 3), timeout=1)
             except httpx.ReadTimeout:
+                probes_taken.append(1)
                 return None
             return resp if resp.status_code == 429 else None
 
@@ -74,12 +79,13 @@ def test_backlog_past_max_queued_gets_429(loaded):
         assert resp.headers["Retry-After"] == "1" and resp.json()["error"]["code"] == "overloaded"
     finally:
         s.procs[tok].send_signal(signal.SIGCONT)
-    # Admission reads a backlog figure up to 0.25 s old, so a few of the 26 may be refused too; every one
-    # accepted is served once there is room.
+    # The queue is counted atomically: exactly --max-queued requests are taken (the 26 and the probes that got
+    # in before them), and every one is served once there is room.
     for run in runs:
         run.join(60)
     refused = [r for r in runs if r.error and r.error.get("status") == 429]
-    assert len(runs) - len(refused) >= 20 and all(len(r.result()) > 0 for r in runs if r not in refused)
+    assert len(runs) - len(refused) + len(probes_taken) == 20
+    assert all(len(r.result()) > 0 for r in runs if r not in refused)
     wait_for(lambda: httpx.post(f"{s.base_url}/v1/chat/completions", json=body(201, 1)).status_code == 200)
 
 
