@@ -31,6 +31,7 @@ from fastapi import Request as HttpRequest
 from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
+from services.api.limits import jobs_fit_context
 from services.api.quotas import Lease
 from services.api.registry import Snapshot
 from services.api.schemas import Budget, Stamp, Submission
@@ -95,7 +96,9 @@ class Admission:
         self.tenancy.authorize_adapter(tenant, adapter, "model" if body.lora_path is None else "lora_path")
         budget = body.budget(params)
         await self.room(model, budget)
-        submission = body.submission(params, self.stamp(model, adapter, budget.prompts, new_uid))
+        stamp = self.stamp(model, adapter, budget.prompts, new_uid)
+        submission = body.submission(params, stamp)
+        jobs_fit_context(submission.jobs, stamp.model_info, budget.prompts_param)
         return await self.leased(submission, tenant)
 
     async def leased(self, submission: Submission, tenant: Tenant) -> Admitted:

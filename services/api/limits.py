@@ -8,7 +8,8 @@ services/api/app.py `Guard` and services/api/http.py).
 - what the request record keeps for its TTL: OpenAI's limits on `user`, `safety_identifier` and `metadata`;
 - free text that travels with the job but is not the prompt: stop strings (UTF-8 bytes, each and together),
   `stop_token_ids`, `logit_bias`, a structured-output constraint, `tools`, `chat_template_kwargs`. Prompts and
-  messages are bounded by the body limit and by the model's context (the tokenizer refuses what cannot fit);
+  messages are bounded by the body limit and by the model's context: text of more bytes than the context's
+  tokens can stand for is refused here (`fits_context`), before it is queued; the tokenizer refuses the rest;
 - fan-out (services/api/schemas.py `Budget`): sequences (prompts x choices), completion tokens, logprob entries.
 """
 
@@ -21,8 +22,35 @@ import orjson
 
 from services.api.errors import ApiError
 from services.api.schemas import Budget
-from shared.messages import SamplingParams
+from shared.messages import ChatMessage, SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
+
+VERBATIM_ROLES = ("user", "system", "tool")  # chat templates render these messages' text as it is (trimmed)
+
+
+def fits_context(messages: list[ChatMessage] | None, prompt: str | None, model_info: dict, param: str) -> None:
+    """A 400 for text that cannot fit the model's context, whatever it tokenizes to: a token stands for at most
+    `max_token_bytes` bytes (the tokenizer's bound, in its model_info), and a prompt holds at least its text and
+    the text of the messages a template renders as they are. Refused before anything of it is queued or stored,
+    so a client cannot make Redis hold megabytes the tokenizer will refuse."""
+    per_token, context = model_info.get("max_token_bytes"), model_info.get("max_model_len")
+    if not per_token or not context:
+        return
+    most = per_token * context
+    if prompt is not None and len(prompt) * 4 <= most and not messages:  # a character is at most 4 bytes
+        return
+    size = len(prompt.encode()) if prompt is not None else 0
+    size += sum(len(m.content.strip().encode()) for m in messages or () if m.role in VERBATIM_ROLES)
+    if size > most:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; a prompt of {size} bytes of "
+                       f"text cannot fit it (a token of this model stands for at most {per_token} bytes)",
+                       param=param, code="context_length_exceeded")
+
+
+def jobs_fit_context(jobs: list[TokenizeJob], model_info: dict, prompts_param: str) -> None:
+    """`fits_context` for each job of a request (its messages, or its prompt)."""
+    for job in jobs:
+        fits_context(job.messages, job.prompt, model_info, "messages" if job.messages else prompts_param)
 
 
 def too_large(param: str, message: str) -> ApiError:

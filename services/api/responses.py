@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 from services.api import errors
 from services.api.admission import Admitted
 from services.api.errors import ApiError
+from services.api.limits import fits_context
 from services.api.request import EndedEarly
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
@@ -47,13 +48,12 @@ from services.api.response_store import ResponseStore, Stored
 from services.api.schemas import BadRequest, Stamp, Submission
 from services.api.service import ApiService
 from services.api.tenants import Tenant
-from shared.messages import ChatMessage, SamplingParams
+from shared.messages import SamplingParams
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
 
 log = logging.getLogger(__name__)
 
 REBUILD_S = 10.0  # longest wait for an ended (or cancelled) request's reply stream to be read to its end
-VERBATIM_ROLES = ("user", "system", "tool")  # chat templates render these messages' text as it is (trimmed)
 
 
 def not_found(response_id: str) -> ApiError:
@@ -73,20 +73,6 @@ def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
     if body.tools and body.tool_choice != "none" and model_info.get("tool_call_parser", "none") != "none":
         out["tools"] = model_info["tool_call_parser"]
     return out
-
-
-def fits_context(messages: list[ChatMessage], model_info: dict) -> None:
-    """A 400 for a conversation whose text cannot fit the model's context, whatever it tokenizes to: a token
-    stands for at most `max_token_bytes` bytes (the tokenizer's bound, in its model_info), and the prompt holds
-    at least the text of the messages a template renders as they are."""
-    per_token, context = model_info.get("max_token_bytes"), model_info.get("max_model_len")
-    if not per_token or not context:
-        return
-    size = sum(len(m.content.strip().encode()) for m in messages if m.role in VERBATIM_ROLES)
-    if size > per_token * context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens; a conversation of {size} "
-                       f"bytes of text cannot fit it (a token of this model stands for at most {per_token} bytes)",
-                       param="input", code="context_length_exceeded")
 
 
 def format_of_doc(meta: dict[str, Any], uid: str) -> ResponseFormat:
@@ -136,7 +122,7 @@ class ResponseBody:
         --max-stored-response-bytes before anything is written."""
         body = self.request
         messages = body.messages(self.history.items, self.items)
-        fits_context(messages, stamp.model_info)
+        fits_context(messages, None, stamp.model_info, "input")
         parse = answer_parsing(body, stamp.model_info)
         fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
         sub = body.submission(params, stamp, messages, fmt)

@@ -11,10 +11,10 @@ import pytest
 
 from services.api.app import BodyReader, create_app
 from services.api.errors import ApiError
-from services.api.limits import Limits, depth_over
+from services.api.limits import Limits, depth_over, jobs_fit_context
 from services.api.request import StageFailed, ended_early
 from services.api.schemas import Budget
-from shared.messages import Guided, ReplyError, SamplingParams
+from shared.messages import ChatMessage, Guided, ReplyError, SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -143,3 +143,20 @@ async def test_field_limits_come_before_anything_needs_redis():
         resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": [
             {"role": "user", "content": "hi"}], "user": "u" * 300})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "user"
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_it_is_queued():
+    """A prompt of more bytes than the context's tokens can stand for (the tokenizer's `max_token_bytes`) is a 400
+    naming the field; a model that did not say its bound, or text within it, passes."""
+    info = {"max_model_len": 100, "max_token_bytes": 10}  # at most 1,000 bytes of text
+
+    def job(**kw) -> TokenizeJob:
+        return TokenizeJob(uid="u", model="m", pod="p", created_at=0.0, deadline=1.0, params=SamplingParams(), **kw)
+
+    jobs_fit_context([job(prompt="é" * 500), job(messages=[ChatMessage("user", "x" * 1000)])], info, "prompt")
+    jobs_fit_context([job(prompt="x" * 5000)], {"max_model_len": 100}, "prompt")
+    for bad, param in ((job(prompt="é" * 501), "prompt"),
+                       (job(messages=[ChatMessage("system", "x" * 600), ChatMessage("user", "y" * 401)]), "messages")):
+        with pytest.raises(ApiError) as e:
+            jobs_fit_context([job(prompt="ok"), bad], info, "prompt")
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "context_length_exceeded")
