@@ -10,16 +10,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from shared.flags import flag_parser, settings_from_args
 from shared.settings import (
     ApiSettings,
     CommonSettings,
     DetokenizerSettings,
+    DrainCommand,
     ProbeSettings,
+    RedisSettings,
     SchedulerSettings,
     TokenizerSettings,
     UpSettings,
-    flag_parser,
-    settings_from_args,
 )
 
 SERVICES = {
@@ -37,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_text) in SERVICES.items():
-        flag_parser(cls, sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False))
+        # the usage line names no flag: with a hundred of them it would fill screens before the first group
+        flag_parser(cls, sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+                                        usage="%(prog)s [flags]"))
 
     demo = sub.add_parser("demo-model", help="write a random-weight demo checkpoint to DIR", allow_abbrev=False)
     demo.add_argument("dir")
@@ -46,28 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     insp = sub.add_parser("inspect", help="in-flight requests and stage backlogs, read from Redis",
-                          allow_abbrev=False)
-    flag_parser(CommonSettings, insp)
-    insp.add_argument("uid", nargs="?")
+                          allow_abbrev=False, usage="%(prog)s [uid] [--watch [SECONDS]] [--all] [--port PORT] [flags]")
+    insp.add_argument("uid", nargs="?", help="show this request's record instead")
+    insp.add_argument("--all", action="store_true", help="list every request record Redis still keeps (finished "
+                      "ones too, until they expire), found by SCAN, instead of the index of those in flight")
     insp.add_argument("--port", type=int, default=None, help="next to several `rsinfer up`: the one on this port")
     insp.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                       help="show the overview again every SECONDS (default 2) until Ctrl-C")
+    flag_parser(RedisSettings, insp)
 
     health = sub.add_parser("healthcheck", help="liveness: exit 0 if this worker's loop moves (a local file; "
                             "Redis is not asked); with --ready, also its heartbeat in Redis is fresh",
-                            allow_abbrev=False)
+                            allow_abbrev=False, usage="%(prog)s --role ROLE [--ready] [flags]")
     flag_parser(ProbeSettings, health)
     health.add_argument("--role", required=True, choices=["tokenizer", "scheduler", "detokenizer"])
-    health.add_argument("--max-stall-s", type=float, default=60.0,
+    health.add_argument("--max-stall-s", type=float, default=60.0, metavar="SECONDS",
                         help="fail when the loop has not moved for this long")
     health.add_argument("--ready", action="store_true",
                         help="readiness: also fail while Redis is unreachable or this worker's heartbeat is stale")
     health.add_argument("--port", type=int, default=None, help="next to several `rsinfer up`: the one on this port")
 
     drain = sub.add_parser("drain", help="take this pod's API out of service (its preStop hook)",
-                           allow_abbrev=False)
-    flag_parser(ApiSettings, drain)
-    drain.add_argument("--wait", type=float, default=0.0, help="seconds to keep the hook running after it")
+                           allow_abbrev=False, usage="%(prog)s [--wait SECONDS] [flags]")
+    flag_parser(DrainCommand, drain)
+    drain.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                       help="seconds to keep the hook running after it")
 
     spec = sub.add_parser("asyncapi", help="write the message contract as AsyncAPI 3.0 (docs/asyncapi.yaml)",
                           allow_abbrev=False)
@@ -188,7 +194,7 @@ def _hash_key(args: argparse.Namespace) -> int:
 def _drain(args: argparse.Namespace) -> int:
     from rsinfer import local, tools
 
-    given = {k: v for k, v in vars(args).items() if k in ApiSettings.model_fields and v is not None}
+    given = {k: v for k, v in vars(args).items() if k in DrainCommand.model_fields and v is not None}
     if not (given.keys() & {"port", "admin_socket"}) and not os.environ.get("RSINFER_PORT"):
         try:  # next to `rsinfer up`: the only one running (in a pod: none, and the default port)
             stack = local.pick(None)
@@ -197,7 +203,7 @@ def _drain(args: argparse.Namespace) -> int:
             return 1
         if stack is not None:
             given["port"] = stack["port"]
-    return tools.drain(ApiSettings(**given), args.wait)
+    return tools.drain(DrainCommand(**given), args.wait)
 
 
 def _healthcheck(args: argparse.Namespace) -> int:
@@ -218,7 +224,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     logging.disable(logging.WARNING)  # it reports what goes wrong itself, in one line (a lost Redis, say)
     try:
-        settings, _ = _next_to_up(CommonSettings, args)
+        settings, _ = _next_to_up(RedisSettings, args)
     except local.StackError as e:
         print(f"rsinfer inspect: {e}")
         return 1

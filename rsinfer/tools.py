@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import textwrap
 import time
 from urllib.parse import urlsplit, urlunsplit
 
@@ -18,11 +19,17 @@ from shared.keys import STAGES, Keys
 from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
 from shared.registry import declared_models, live_workers
+from shared.request_states import TERMINAL
 from shared.request_store import RequestStore
-from shared.settings import ApiSettings, CommonSettings, ProbeSettings
+from shared.settings import CommonSettings, DrainCommand, ProbeSettings, RedisSettings
+
+# what the tool reads by, as every process of a deployment does by default (it has no flags for them)
+HEARTBEAT_TTL_S = CommonSettings.model_fields["heartbeat_ttl_s"].default
+REQUEST_TTL_S = CommonSettings.model_fields["request_ttl_s"].default
+REPLY_MAXLEN = CommonSettings.model_fields["reply_maxlen"].default
 
 
-async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
+async def inspect(settings: RedisSettings, args: argparse.Namespace) -> int:
     """One request's record (`uid`), or the overview: workers with their load, stage backlogs, adapters and
     requests; with `--watch` the overview again every so many seconds, until Ctrl-C. A Redis that cannot be
     reached is one line and exit status 1."""
@@ -30,11 +37,11 @@ async def inspect(settings: CommonSettings, args: argparse.Namespace) -> int:
     try:
         redis = connect(settings.redis_url, **settings.redis_options())
         keys = Keys(settings.namespace)
-        requests = RequestStore(redis, keys, settings.request_ttl_s, settings.reply_maxlen)
+        requests = RequestStore(redis, keys, REQUEST_TTL_S, REPLY_MAXLEN)  # only read here
         if args.uid:
             return await _print_record(requests, args.uid)
         while True:
-            text = "\n".join(await overview(redis, keys, requests, settings.heartbeat_ttl_s))
+            text = "\n".join(await overview(redis, keys, requests, HEARTBEAT_TTL_S, args.all))
             print(f"\033[H\033[2J{text}" if args.watch else text, flush=True)  # a watch redraws the screen
             if not args.watch:
                 return 0
@@ -65,10 +72,26 @@ async def _print_record(requests: RequestStore, uid: str) -> int:
     return 0
 
 
-async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: float) -> list[str]:
+WIDTH = 120  # every table fits a terminal this wide: long cells are cut (…), a worker's extra figures left out
+MOST_REQUESTS = 100  # requests listed, oldest first (the count says how many more are in flight)
+# a worker's figures shown first when it reports them; the rest follow as reported, while the table fits
+FIRST_COLUMNS = ("running", "waiting", "requests", "inflight", "draining", "held", "kv_used_tokens",
+                 "kv_total_tokens", "last_step_at")
+SHORT = {"running_sequences": "seqs", "kv_used_tokens": "kv_used", "kv_total_tokens": "kv_total",
+         "prefix_hit_tokens": "prefix_hit", "last_step_at": "last_step", "subscriptions": "subs",
+         "prefix_page_size": "page", "finished_tracked": "finished", "kv_cache_usage": "kv_usage"}
+
+
+def cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters (its end replaced by … when longer)."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: float, every: bool = False
+                   ) -> list[str]:
     workers = await live_workers(redis, keys, heartbeat_ttl_s)
     lines = worker_tables(workers, time.time())
-    lines.append(f"{'MODEL':20} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
+    lines.append(f"{'MODEL':32} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
     # declared models too: one scaled to zero has requests waiting for its workers
     for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
         for stage in STAGES:
@@ -77,33 +100,71 @@ async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: f
             except ResponseError:  # no such stream yet
                 continue
             for g in groups:
-                lines.append(f"{model:20} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
+                lines.append(f"{cut(model, 32):32} {stage:12} {g.get('lag') or 0:>6} {g.get('pending', 0):>8}")
     lines += await _adapter_lines(redis, keys, workers)
     lines += await _usage_lines(redis, keys)
     lines += await _batch_lines(redis, keys)
+    lines += await request_lines(redis, keys, requests, every)
+    return lines
+
+
+REQUEST_FIELDS = ("status", "kind", "model", "prompt_tokens", "completion_tokens", "created_at")
+
+
+async def request_lines(redis, keys: Keys, requests: RequestStore, every: bool) -> list[str]:
+    """The requests in flight, oldest first, from their index (`Keys.inflight`: no SCAN); `every`: every record
+    Redis still keeps, finished ones too, found by SCAN (slow on a large Redis)."""
+    if every:
+        uids = [keys.uid_of_request_key(k.decode()) async for k in redis.scan_iter(match=keys.request_pattern(),
+                                                                                     count=500)]
+        count = len(uids)
+    else:
+        count, uids = await requests.inflight(MOST_REQUESTS)
+    rows = [(uid, dict(zip(REQUEST_FIELDS, values, strict=True)))
+            for uid, values in (await requests.fields(uids, *REQUEST_FIELDS)).items()]
+    # a record gone (expired) or ended: its index entry is on its way out
+    rows = [(u, r) for u, r in rows if r["status"] is not None and (every or r["status"] not in TERMINAL)]
+    now = time.time()
+    rows.sort(key=lambda row: float(row[1]["created_at"] or now))
+    what = f"REQUESTS: {count} records" if every else f"IN FLIGHT: {count}"
+    if count > len(uids):
+        what += f" (the {len(uids)} nearest their deadline shown)"
     # KIND: chat, completion, generate, response, the prefill-only embedding and score, or a /tokenize or
     # /detokenize query (answered by a tokenizer)
-    lines.append(f"\n{'UID':34} {'STATUS':10} {'KIND':10} {'MODEL':20} {'PROMPT':>6} {'DONE':>6} AGE")
-    now = time.time()
-    async for key in redis.scan_iter(match=keys.request_pattern(), count=500):
-        uid = keys.uid_of_request_key(key.decode())
-        r = await requests.record(uid)
-        age = now - float(r.get("created_at", now))
-        lines.append(f"{uid:34} {r.get('status', '?'):10} {r.get('kind', '-'):10} {r.get('model', ''):20} "
-                     f"{r.get('prompt_tokens', ''):>6} {r.get('completion_tokens', ''):>6} {age:.1f}s")
+    lines = [f"\n{what}", f"{'UID':32} {'STATUS':9} {'KIND':10} {'MODEL':32} {'PROMPT':>7} {'DONE':>7} {'AGE':>8}"]
+    for uid, r in rows:
+        age = now - float(r["created_at"] or now)
+        lines.append(f"{cut(uid, 32):32} {cut(r['status'], 9):9} {cut(r['kind'] or '-', 10):10} "
+                     f"{cut(r['model'] or '', 32):32} {r['prompt_tokens'] or '':>7} {r['completion_tokens'] or '':>7} "
+                     f"{age:>7.1f}s")
     return lines
 
 
 def worker_tables(workers: list, now: float) -> list[str]:
     """One table per role: a worker per row, a column per figure of its load (what its heartbeat reports;
-    nested objects such as `model_info` are left out, times shown as ages)."""
+    nested objects such as `model_info` are left out, times shown as ages), as many as fit WIDTH; the others are
+    named below it."""
     lines: list[str] = []
     for role in sorted({w.role for w in workers}):
         rows = sorted((w for w in workers if w.role == role), key=lambda w: w.id)
-        columns = list(dict.fromkeys(k for w in rows for k, v in w.load.items() if not isinstance(v, dict)))
-        header = ["WORKER", "MODEL", *(c.upper() for c in columns)]
-        cells = [[w.id, w.model or "-", *(_cell(c, w.load.get(c), now) for c in columns)] for w in rows]
-        lines += [role.upper(), *aligned([header, *cells]), ""]
+        reported = list(dict.fromkeys(k for w in rows for k, v in w.load.items() if not isinstance(v, dict)))
+        columns = [c for c in FIRST_COLUMNS if c in reported] + [c for c in reported if c not in FIRST_COLUMNS]
+        cells = [[cut(w.id, 36), cut(w.model or "-", 24)] for w in rows]
+        header = ["WORKER", "MODEL"]
+        left_out = []
+        for c in columns:
+            column = [cut(_cell(c, w.load.get(c), now), 16) for w in rows]
+            widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header))]
+            if sum(widths) + 2 * len(widths) + max(len(x) for x in [SHORT.get(c, c), *column]) > WIDTH:
+                left_out.append(c)
+                continue
+            header.append(SHORT.get(c, c).upper())
+            for row, cell in zip(cells, column, strict=True):
+                row.append(cell)
+        lines += [role.upper(), *aligned([header, *cells])]
+        if left_out:
+            lines += textwrap.wrap(f"(also in its heartbeat: {', '.join(left_out)})", WIDTH)
+        lines.append("")
     return lines
 
 
@@ -135,7 +196,7 @@ async def _usage_lines(redis, keys: Keys) -> list[str]:
     counters = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
     lines = [f"\n{'TENANT':24} {'REQUESTS':>10} {'PROMPT':>12} {'CACHED':>12} {'GENERATED':>12}"]
     for tenant, row in sorted(usage.items()):
-        lines.append(f"{tenant:24} " + " ".join(f"{row.get(c, '0'):>{10 if c == 'requests' else 12}}"
+        lines.append(f"{cut(tenant, 24):24} " + " ".join(f"{row.get(c, '0'):>{10 if c == 'requests' else 12}}"
                                                 for c in counters))
     return lines
 
@@ -150,7 +211,9 @@ async def _adapter_lines(redis, keys: Keys, workers: list) -> list[str]:
     lines = [f"\n{'ADAPTER':24} {'BASE':20} {'RANK':>4} {'RESIDENT ON':32} SOURCE"]
     for name, r in sorted(records.items()):
         on = [w.id for w in workers if w.role == "scheduler" and r.identity in w.load.get("lora_adapters", ())]
-        lines.append(f"{name:24} {r.base:20} {r.rank:>4} {','.join(on) or '-':32} {r.path or 'store:' + r.stored}")
+        source = r.path or "store:" + r.stored
+        lines.append(f"{cut(name, 24):24} {cut(r.base, 20):20} {r.rank:>4} {cut(','.join(on) or '-', 32):32} "
+                     f"{cut(source, WIDTH - 84)}")
     return lines
 
 
@@ -161,9 +224,9 @@ async def _batch_lines(redis, keys: Keys, newest: int = 20) -> list[str]:
     rows = [(i, {k.decode(): v.decode() for k, v in h.items()}) for i, h in rows if h]
     if not rows:
         return []
-    lines = [f"\n{'BATCH':34} {'STATUS':11} {'ENDPOINT':22} {'TOTAL':>6} {'DONE':>6} {'FAILED':>6}"]
+    lines = [f"\n{'BATCH':38} {'STATUS':11} {'ENDPOINT':22} {'TOTAL':>6} {'DONE':>6} {'FAILED':>6}"]
     for i, h in rows:
-        lines.append(f"{i:34} {h.get('status', '?'):11} {h.get('endpoint', ''):22} {h.get('total', '-'):>6} "
+        lines.append(f"{i:38} {h.get('status', '?'):11} {cut(h.get('endpoint', ''), 22):22} {h.get('total', '-'):>6} "
                      f"{h.get('completed', '0'):>6} {h.get('failed', '0'):>6}")
     return lines
 
@@ -186,7 +249,7 @@ def healthcheck(settings: ProbeSettings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def heartbeat_fresh(settings: CommonSettings, role: str) -> tuple[bool, str]:
+async def heartbeat_fresh(settings: ProbeSettings, role: str) -> tuple[bool, str]:
     """Redis answers and holds a fresh heartbeat of this worker. The probe runs as another process, so it finds
     the worker by name: the newest heartbeat of `<role>:<name>@...`."""
     keys = Keys(settings.namespace)
@@ -208,7 +271,7 @@ async def heartbeat_fresh(settings: CommonSettings, role: str) -> tuple[bool, st
     return True, "heartbeat fresh"
 
 
-def drain(settings: ApiSettings, wait: float) -> int:
+def drain(settings: DrainCommand, wait: float) -> int:
     """Drain the API process of this pod through its control socket (services/api/admin.py): it turns unready
     and refuses new requests for --drain-timeout-s, unless SIGTERM comes first; then keep the hook running for
     `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open

@@ -158,6 +158,12 @@ class Keys:
         --max-file-bytes-per-tenant; same hash tag, so one script keeps both."""
         return f"{self.namespace}:file-bytes:{{t:{tenant}}}"
 
+    def inflight(self) -> str:
+        """Sorted set of the requests in flight: member = uid, score = its deadline (unix s). Entered with the
+        record (`RequestStore.create`), left when the record turns terminal (`RequestStore.set_status`); what
+        `rsinfer inspect` and an operator list without SCAN."""
+        return f"{self.namespace}:inflight"
+
     def request_pattern(self) -> str:
         return f"{self.namespace}:req:*"
 

@@ -20,12 +20,13 @@ from redis.asyncio.client import Pipeline
 from shared import streams
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence
-from shared.request_states import EndReason, Finish, Status
+from shared.request_states import TERMINAL, EndReason, Finish, Status
 
 ABORTS_MAXLEN = 10_000  # notifications kept per model: schedulers read them within a step
 ERROR_CHARS = 500  # of an error message in the record
 
 ReplyEntry = tuple[str, msgspec.Struct, bool]  # (uid, message, refresh the reply stream's TTL)
+PRUNE_AFTER_S = 60  # a request in the index this long past its deadline had its end lost (a process died)
 
 
 def deadline_error() -> ReplyError:
@@ -36,6 +37,12 @@ def deadline_error() -> ReplyError:
 
 def _field(v: Any) -> str | int | float:
     return v if isinstance(v, str | int | float) and not isinstance(v, bool) else str(v)
+
+
+async def prune_inflight(redis: Redis, keys: Keys) -> int:
+    """Drop from the index of requests in flight those PRUNE_AFTER_S past their deadline, whose end was lost
+    (each API process, once a second: services/api/registry.py); how many."""
+    return int(await redis.zremrangebyscore(keys.inflight(), "-inf", time.time() - PRUNE_AFTER_S))
 
 
 class RequestStore:
@@ -52,15 +59,32 @@ class RequestStore:
         return self._appender
 
     # -- the record ---------------------------------------------------------------------------------------------
+    def create(self, pipe: Pipeline, uid: str, deadline: float, **fields: Any) -> None:
+        """Write a new request's record (`queued`, with its deadline and `fields`) and enter it in the index of
+        requests in flight (`Keys.inflight`, one ZADD), which it leaves when its record ends (`set_status`) or,
+        were that end lost, once past its deadline (`prune_inflight`)."""
+        self.set_status(pipe, uid, Status.QUEUED, deadline=f"{deadline:.3f}", **fields)
+        pipe.zadd(self.keys.inflight(), {uid: deadline})
+
+    async def inflight(self, most: int) -> tuple[int, list[str]]:
+        """How many requests are in the index, and the uids of the first `most` by deadline."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(self.keys.inflight())
+            pipe.zrange(self.keys.inflight(), 0, most - 1)
+            count, uids = await pipe.execute()
+        return int(count), [u.decode() if isinstance(u, bytes) else u for u in uids]
+
     def set_status(self, pipe: Pipeline, uid: str, status: str | None = None, **fields: Any) -> None:
         """HSET the record (status plus any fields, e.g. prompt_tokens; None values are not written) and refresh
-        its TTL."""
+        its TTL. A terminal status takes the request out of the index of requests in flight."""
         mapping = {k: _field(v) for k, v in fields.items() if v is not None}
         if status:
             mapping["status"] = status
         mapping["updated_at"] = f"{time.time():.3f}"
         pipe.hset(self.keys.request(uid), mapping=mapping)
         pipe.expire(self.keys.request(uid), self.ttl)
+        if status in TERMINAL:
+            pipe.zrem(self.keys.inflight(), uid)
 
     def count_generated(self, pipe: Pipeline, uid: str, tokens: int) -> None:
         """A choice ended after `tokens` tokens: record field `generated_tokens` sums every choice's, which is what

@@ -1,17 +1,15 @@
 """Settings of every process, parsed once at the entry point and passed down.
 
 Each field is a `--kebab-case` flag and an `RSINFER_UPPER_CASE` environment variable; a flag wins over
-the environment, the environment over the default. `flag_parser` builds the argparse flags from the
-fields so that the CLI, the environment and the Helm chart cannot drift apart.
+the environment, the environment over the default. shared/flags.py builds the argparse flags from the
+fields (and groups them in `--help`) so that the CLI, the environment and the Helm chart cannot drift apart.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import socket
-import typing
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +42,9 @@ class SecretFiles(BaseSettings):
         return self
 
 
-class CommonSettings(SecretFiles):
+class RedisSettings(SecretFiles):
+    """The Redis every process talks through and the namespace of its keys: all that `rsinfer inspect` needs."""
+
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
@@ -53,15 +53,6 @@ class CommonSettings(SecretFiles):
     redis_cluster: Literal["auto", "yes", "no"] = Field("auto", description="whether --redis-url is a node of a "
                                                         "Redis Cluster; auto = ask the server")
     namespace: str = Field("rsinfer", description="prefix of every Redis key, so releases can share a Redis")
-    log_level: str = Field("INFO", description="logging level")
-    worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
-                           "consumer groups is <name>@<start>, unique per process start (default name: host)")
-    heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
-    heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
-    request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
-    reply_maxlen: int = Field(8192, ge=16, description="approximate cap on entries in one reply stream")
-    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector for traces (e.g. "
-                                      "http://otel-collector:4318); none = tracing off")
 
     def redis_options(self) -> dict:
         """What shared/redis_conn.py connects with: password, CA bundle and cluster mode."""
@@ -72,6 +63,16 @@ class CommonSettings(SecretFiles):
             opts["ssl_ca_certs"] = self.redis_tls_ca
         return opts
 
+
+class WorkerSettings(BaseSettings):
+    """Who a worker is and how long its heartbeat says it lives (its processes and `rsinfer healthcheck`)."""
+
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
+                           "consumer groups is <name>@<start>, unique per process start (default name: host)")
+    heartbeat_ttl_s: float = Field(5.0, description="a worker whose heartbeat is older is dead")
+
     def name(self) -> str:
         return self.worker_id or socket.gethostname()
 
@@ -79,6 +80,17 @@ class CommonSettings(SecretFiles):
         """`<name>@<pid>.<random>`: a process restarted under the same name (a pod's container restart) is
         another worker, so its predecessor's requests are seen as orphaned and its consumer as gone."""
         return f"{self.name()}@{PROCESS_START}"
+
+
+class CommonSettings(RedisSettings, WorkerSettings):
+    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+    log_level: str = Field("INFO", description="logging level")
+    heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
+    request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
+    reply_maxlen: int = Field(8192, ge=16, description="approximate cap on entries in one reply stream")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector for traces (e.g. "
+                                      "http://otel-collector:4318); none = tracing off")
 
 
 class StorageSettings(BaseSettings):
@@ -164,7 +176,7 @@ class LivenessSettings(BaseSettings):
                                "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
 
 
-class ProbeSettings(CommonSettings, LivenessSettings):
+class ProbeSettings(RedisSettings, WorkerSettings, LivenessSettings):
     """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
 
 
@@ -273,6 +285,13 @@ class DrainSettings(BaseSettings):
                               "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
     drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
                                    "seconds is undone: the process goes back in service")
+
+
+class DrainCommand(DrainSettings):
+    """`rsinfer drain`: finds the control socket of the pod's API process."""
+
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the API process to drain (its control "
+                      "socket is named after it)")
 
 
 class ApiKeyFile(BaseSettings):
@@ -441,41 +460,3 @@ class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
     redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
                                  description="embedded redis-server's maxmemory (noeviction: past it writes are "
                                  "refused and the API answers 503 broker_full); 0 = unbounded")
-
-
-def _is_bool(annotation: object) -> bool:
-    """bool, or an optional bool (unset: a default that depends on the machine)."""
-    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
-
-
-def flag_parser(settings_cls: type[BaseSettings], parser: argparse.ArgumentParser) -> None:
-    """Add one `--flag` per settings field; unset flags stay None so the environment can fill them."""
-    for name, field in settings_cls.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description or ''} (env RSINFER_{name.upper()}, default {field.default!r})"
-        if _is_bool(field.annotation):
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        elif isinstance(field.json_schema_extra, dict) and "nargs" in field.json_schema_extra:
-            # several values after one flag (`--lora-modules a=/x b=/y`), joined by spaces as in the environment
-            parser.add_argument(flag, dest=name, default=None, help=help_text, nargs=field.json_schema_extra["nargs"],
-                                action=_JoinValues)
-        else:
-            parser.add_argument(flag, dest=name, default=None, help=help_text,
-                                choices=_choices(field.annotation))
-
-
-class _JoinValues(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, " ".join(values))
-
-
-def _choices(annotation: object) -> list[str] | None:
-    if typing.get_origin(annotation) is Literal:
-        return list(typing.get_args(annotation))
-    return None
-
-
-def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace) -> BaseSettings:
-    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
-    return settings_cls(**given)

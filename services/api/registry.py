@@ -22,6 +22,7 @@ from shared import streams
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
 from shared.registry import WorkerInfo, complete, declared_models, live_workers, model_state, servable_models
+from shared.request_store import prune_inflight
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class StageRegistry:
             models = {m: live.get(m, dict.fromkeys(STAGES, 0)) for m in {*self.configured, *declared, *live}}
             backlog = {m: await self._backlog(m) for m in models}
             counted = {m: int(await self.redis.zcard(self.keys.queued(m))) for m in models}
+            await prune_inflight(self.redis, self.keys)  # once a second here, never per request
             self.snapshot = Snapshot(time.time(), True, workers, models, backlog, declared, counted)
         except (RedisError, OSError) as e:
             log.warning("stage registry refresh failed: %s", e)

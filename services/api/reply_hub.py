@@ -62,7 +62,9 @@ class _Shard:
         self.redis = connect_single(hub.url, **hub.redis_options)
         self.control = hub.keys.control(hub.pod, index, slots.uid_in_slot(slot))
         self.control_id = "$"
-        self.subs: dict[str, Inbox] = {}
+        # reply stream -> the inboxes reading it: a request's own, and in the same process a reattach to it or
+        # the read that rebuilds its final object (each gets every entry after its own position)
+        self.subs: dict[str, list[Inbox]] = {}
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
 
     def wake_in(self, pipe) -> None:
@@ -79,9 +81,10 @@ class _Shard:
         failing_since = None
         while True:
             positions = {self.control: self.control_id}
-            for key, sub in self.subs.items():
-                if not sub.paused:
-                    positions[key] = sub.last_id
+            for key, inboxes in self.subs.items():
+                reading = [sub.last_id for sub in inboxes if not sub.paused]
+                if reading:
+                    positions[key] = min(reading, key=streams.id_tuple)
             try:
                 if self.control_id == "$":  # learn the control stream's tip once, so wakes aren't missed
                     self.control_id = await self._control_tip()
@@ -104,17 +107,25 @@ class _Shard:
             if key == self.control:
                 self.control_id = entries[-1][0]
                 continue
-            sub = self.subs.get(key)
-            if sub is None:
-                continue
-            sub.last_id = entries[-1][0]
-            for entry_id, fields in entries:
-                sub.queue.put_nowait((entry_id, streams.payload(fields)))
-            if sub.queue.qsize() >= self.hub.high_water:
-                sub.paused = True
+            for sub in self.subs.get(key, ()):
+                if not sub.paused:
+                    self._deliver(sub, entries)
+
+    def _deliver(self, sub: Inbox, entries: list) -> None:
+        """The entries past the inbox's position (all of them unless another inbox of its stream read from further
+        back: entries are in order, so the first one past it starts what is new)."""
+        start = next((k for k, (entry_id, _) in enumerate(entries) if streams.id_after(entry_id, sub.last_id)),
+                     len(entries))
+        if start == len(entries):
+            return
+        sub.last_id = entries[-1][0]
+        for entry_id, fields in entries[start:]:
+            sub.queue.put_nowait((entry_id, streams.payload(fields)))
+        if sub.queue.qsize() >= self.hub.high_water:
+            sub.paused = True
 
     def _fail_all(self, error: HubError) -> None:
-        for sub in self.subs.values():
+        for sub in (sub for inboxes in self.subs.values() for sub in inboxes):
             if not sub.failed:
                 sub.failed = True
                 sub.queue.put_nowait(error)
@@ -145,7 +156,7 @@ class ReplyHub:
 
     @property
     def subscriptions(self) -> int:
-        return sum(len(s.subs) for s in self.shards)
+        return sum(len(inboxes) for s in self.shards for inboxes in s.subs.values())
 
     def new_uid(self) -> str:
         """The uid of a request this process submits: in the slot of the shard that will read its replies."""
@@ -162,7 +173,7 @@ class ReplyHub:
         else:
             shard = self._own_shard()
         inbox.shard, inbox.resume_at = shard, self.high_water // 2
-        shard.subs[inbox.key] = inbox
+        shard.subs.setdefault(inbox.key, []).append(inbox)
         if wake_in is not None:
             shard.wake_in(wake_in)
         return inbox
@@ -223,7 +234,11 @@ class ReplyHub:
 
     def unsubscribe(self, sub: Inbox) -> None:
         shard = sub.shard
-        shard.subs.pop(sub.key, None)
+        inboxes = shard.subs.get(sub.key, [])
+        if sub in inboxes:
+            inboxes.remove(sub)
+        if not inboxes:
+            shard.subs.pop(sub.key, None)
         sub.queue.put_nowait(HubError("unsubscribed"))  # whoever still waits on it ends, not hangs
         if shard.guest and not shard.subs and shard in self.shards:
             self.shards.remove(shard)

@@ -45,7 +45,7 @@ from shared import queued, streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
 from shared.reply_order import OrderedReplies
-from shared.request_states import LEFT_RUNNING, STAGE_ENDED, TERMINAL, EndReason, Status
+from shared.request_states import LEFT_RUNNING, STAGE_ENDED, TERMINAL, EndReason
 from shared.request_store import RequestStore
 from shared.settings import ApiSettings
 from shared.tracing import NO_SPAN, Span, Tracer
@@ -344,9 +344,9 @@ class SingleRequest:
             # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
             # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
             async with ctx.redis.pipeline(transaction=True) as pipe:
-                ctx.store.set_status(pipe, job.uid, Status.QUEUED, model=job.model, pod=ctx.pod,
-                                     created_at=f"{job.created_at:.3f}", deadline=f"{job.deadline:.3f}",
-                                     background=int(job.background), attached=1, **record)
+                ctx.store.create(pipe, job.uid, job.deadline, model=job.model, pod=ctx.pod,
+                                 created_at=f"{job.created_at:.3f}", background=int(job.background), attached=1,
+                                 **record)
                 if writes is not None:
                     writes(pipe)
                 barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)

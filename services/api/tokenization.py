@@ -26,7 +26,7 @@ from services.api.schemas import BadRequest, Message, Tool, check_continuation, 
 from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode
 from shared.redis_conn import barrier
-from shared.request_states import EndReason, Status
+from shared.request_states import EndReason
 
 if TYPE_CHECKING:
     from services.api.service import ApiService
@@ -131,8 +131,8 @@ class TokenizerCall:
         svc, q = self.svc, self.query
         try:
             async with svc.redis.pipeline(transaction=True) as pipe:
-                svc.store.set_status(pipe, q.uid, Status.QUEUED, model=q.model, pod=svc.pod, kind=q.op,
-                                     created_at=f"{q.created_at:.3f}", deadline=f"{q.deadline:.3f}", **self.record)
+                svc.store.create(pipe, q.uid, q.deadline, model=q.model, pod=svc.pod, kind=q.op,
+                                 created_at=f"{q.created_at:.3f}", **self.record)
                 barrier(pipe)  # the record exists before a tokenizer can read the query (on a cluster too)
                 streams.add(pipe, svc.keys.tokenize(q.model), q)
                 self.sub = svc.hub.register(Inbox(q.uid, svc.keys.reply(q.uid)), wake_in=pipe)

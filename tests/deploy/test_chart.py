@@ -928,6 +928,7 @@ def test_notes_print_the_redis_recipes_for_this_release(helm_bin, tmp_path):
     docs = helmbin.render([CI / "two-pools-values.yaml"], sets=["redisNamespace=llm-prod"], chart=chart)
     notes = kube.by_kind(docs, "ConfigMap")["notes"]["data"]["notes"]
     assert "--scan --pattern 'llm-prod:req:*'" in notes
+    assert "ZRANGE llm-prod:inflight -inf +inf BYSCORE" in notes  # the index of requests in flight
     assert "HGETALL llm-prod:req:{<uid>}" in notes
     assert "XRANGE llm-prod:reply:{<uid>} - +" in notes
     assert "SET llm-prod:abort:{<uid>} admin EX 300" in notes

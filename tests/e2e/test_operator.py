@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from tests.support.helpers import wait_for
 from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(90)
@@ -57,6 +58,8 @@ def test_operator_can_find_read_and_cancel_a_request(stack):
     k = stack.keys
     run = LongStream(stack)
     uid = run.uid
+    # redis-cli ZRANGE rsinfer:inflight -inf +inf BYSCORE (the index of requests in flight; no SCAN)
+    assert uid in r.zrange(k.inflight(), "-inf", "+inf", byscore=True)
     # redis-cli --scan --pattern 'rsinfer:req:*'
     found = [key for key in r.scan_iter(match=k.request_pattern(), count=1000)]
     assert k.request(uid) in found
@@ -82,6 +85,38 @@ def test_operator_can_find_read_and_cancel_a_request(stack):
     assert run.finish == "abort"
     assert took < 5
     assert r.hgetall(k.request(uid))["status"] == "aborted"
+
+
+def inspect_lines(stack, *flags: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", stack.redis_url,
+                          "--namespace", stack.namespace, *flags], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def scans(r) -> int:
+    return int(r.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+
+def test_inspect_lists_requests_in_flight_oldest_first_in_120_columns_from_their_index(stack):
+    r, k = stack.redis(), stack.keys
+    older = LongStream(stack)
+    newer = LongStream(stack)
+    before = scans(r)
+    lines = inspect_lines(stack)
+    assert scans(r) == before  # read from the index, not by SCAN of every record
+    assert all(len(line) <= 120 for line in lines), max(lines, key=len)
+    listed = [line.split()[0] for line in lines if line.split() and line.split()[0] in (older.uid, newer.uid)]
+    assert listed == [older.uid, newer.uid]
+    for run in (older, newer):
+        r.set(k.abort(run.uid), "admin", ex=300)
+    for run in (older, newer):
+        run.wait()
+    # each left the index with the write that ended its record
+    wait_for(lambda: not {older.uid, newer.uid} & set(r.zrange(k.inflight(), 0, -1)), timeout=10)
+    shown = "\n".join(inspect_lines(stack))
+    assert older.uid not in shown and newer.uid not in shown
+    assert older.uid in "\n".join(inspect_lines(stack, "--all"))  # every record still kept, finished too
 
 
 def test_delete_endpoint_aborts_a_request(stack):

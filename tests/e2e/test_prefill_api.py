@@ -215,7 +215,7 @@ def test_inspect_shows_embeddings_and_scores(stack):
 
     stack.client().embeddings.create(model=MODEL, input="shown")
     post(stack, "/v1/score", {"query": "q", "items": ["shown"], "label_token_ids": [1]})
-    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--redis-url", stack.redis_url,
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--all", "--redis-url", stack.redis_url,
                           "--namespace", stack.namespace], capture_output=True, text=True, timeout=30)
     rows = [line.split() for line in out.stdout.splitlines()]
     assert any(row[1:3] == ["finished", "embedding"] for row in rows if len(row) > 3), out.stdout

@@ -151,6 +151,28 @@ def test_background_runs_without_a_client_and_cancel_is_idempotent(stack, second
         second_api.responses.retrieve(long.id)
 
 
+def inflight(stack) -> float:
+    """The API process's `rsinfer_inflight_requests` for the model."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    line = next((ln for ln in text.splitlines() if ln.startswith(f'rsinfer_inflight_requests{{model="{MODEL}"}}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_cancelling_running_background_responses_leaks_no_inflight_count(stack):
+    """Cancelled on the process that follows them (its reply stream read again to build the final object), each
+    request it submitted still closes once: the in-flight gauge returns to where it was."""
+    client, before = stack.client(), inflight(stack)
+    ids = [client.responses.create(model=MODEL, input=f"Write a long essay {k}", max_output_tokens=3000,
+                                   temperature=0, background=True).id for k in range(3)]
+    for rid in ids:
+        wait_for(lambda rid=rid: client.responses.retrieve(rid).status == "in_progress", timeout=30)
+        assert client.responses.cancel(rid).status == "cancelled"
+    wait_for(lambda: inflight(stack) == before, timeout=15)
+    for rid in ids:
+        client.responses.delete(rid)
+
+
 def test_function_call_round_trip_through_previous_response_id(stack, second_api):
     client = stack.client()
     first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[TOOL], tool_choice="required",

@@ -151,8 +151,8 @@ def test_inspect_shows_queries(no_scheduler):
     s = no_scheduler
     tokens(s, prompt="inspect me")
     env = {**os.environ, "RSINFER_REDIS_URL": s.redis_url, "RSINFER_NAMESPACE": s.namespace}
-    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-m", "rsinfer.cli", "inspect", "--all"], env=env, capture_output=True,
+                         text=True, timeout=60)  # --all: finished ones too (the overview lists those in flight)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()]
     assert any(row[1:3] == ["finished", "tokenize"] for row in rows if len(row) > 3), out.stdout

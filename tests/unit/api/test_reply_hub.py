@@ -83,6 +83,26 @@ async def test_a_reader_that_drains_a_full_queue_is_resumed(hub_env):
     assert got == list(range(100))
 
 
+async def test_two_readers_of_one_stream_in_one_process_each_get_every_entry(hub_env):
+    """A request's own inbox and a second reader of its stream (a reattach, or the read that rebuilds a response's
+    final object) read side by side; either leaving does not stop the other."""
+    hub, redis, keys = hub_env
+    own = await subscribe(hub, "twice")
+    for i in range(3):
+        await streams.add(redis, keys.reply("twice"), event(i))
+    assert [decode((await asyncio.wait_for(own.get(), 5))[1], ReplyEvent).start for _ in range(3)] == [0, 1, 2]
+    again = await subscribe(hub, "twice")  # from the stream's start
+    assert hub.subscriptions == 2
+    await streams.add(redis, keys.reply("twice"), event(3))
+    got = [decode((await asyncio.wait_for(again.get(), 5))[1], ReplyEvent).start for _ in range(4)]
+    assert got == [0, 1, 2, 3]
+    assert decode((await asyncio.wait_for(own.get(), 5))[1], ReplyEvent).start == 3
+    hub.unsubscribe(again)
+    await streams.add(redis, keys.reply("twice"), event(4))
+    assert decode((await asyncio.wait_for(own.get(), 5))[1], ReplyEvent).start == 4
+    assert own.queue.empty() and hub.subscriptions == 1
+
+
 @pytest.fixture
 async def cluster_hub(redis_cluster):
     redis = connect(redis_cluster.url)

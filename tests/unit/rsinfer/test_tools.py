@@ -31,16 +31,31 @@ def test_load_is_shown_as_columns():
     api, scheduler = lines.index("API"), lines.index("SCHEDULER")
     assert lines[api + 1].split() == ["WORKER", "MODEL", "INFLIGHT", "DRAINING"]
     assert lines[api + 2].split() == ["api@1", "-", "2", "no"]
-    assert lines[scheduler + 1].split() == ["WORKER", "MODEL", "RUNNING", "LORA_ADAPTERS", "WAITING",
-                                            "LAST_STEP_AT", "KV_CACHE_USAGE"]
-    assert lines[scheduler + 2].split() == ["s1@1", "m", "12", "a,b", "-", "-", "-"]
-    assert lines[scheduler + 3].split() == ["s2@1", "m", "3", "-", "0", "1.5s", "ago", "0.25"]
+    # the common figures first, then the others as reported; long names abbreviated
+    assert lines[scheduler + 1].split() == ["WORKER", "MODEL", "RUNNING", "WAITING", "LAST_STEP", "LORA_ADAPTERS",
+                                            "KV_USAGE"]
+    assert lines[scheduler + 2].split() == ["s1@1", "m", "12", "-", "-", "a,b", "-"]
+    assert lines[scheduler + 3].split() == ["s2@1", "m", "3", "0", "1.5s", "ago", "-", "0.25"]
     header, row = lines[scheduler + 1], lines[scheduler + 3]
-    assert row.index("0.25") == header.index("KV_CACHE_USAGE")  # aligned under its column
+    assert row.index("0.25") == header.index("KV_USAGE")  # aligned under its column
+
+
+def test_a_wide_load_fits_120_columns_and_names_what_it_leaves_out():
+    now = 1000.0
+    load = {f"figure_number_{k}": 123456789 for k in range(30)}
+    load["running"], load["lora_adapters"] = 7, [f"adapter-{k}" for k in range(40)]
+    workers = [WorkerInfo("scheduler", "a-very-long-pod-name-of-a-deployment-7f9c8d6b5-x2x9z@123.abcd", "org/" + "m" *
+                          60, now, load)]
+    lines = worker_tables(workers, now)
+    assert all(len(line) <= 120 for line in lines), max(lines, key=len)
+    assert lines[1].split()[:3] == ["WORKER", "MODEL", "RUNNING"]  # the common figures are kept
+    assert lines[2].split()[2] == "7" and "…" in lines[2]
+    note = " ".join(lines[lines.index(next(ln for ln in lines if ln.startswith("(also in its heartbeat: "))):])
+    assert "figure_number_29," in note and note.strip().endswith("lora_adapters)")
 
 
 def args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"uid": None, "watch": None, **kw})
+    return argparse.Namespace(**{"uid": None, "watch": None, "all": False, **kw})
 
 
 def test_an_unreachable_redis_is_one_line(capsys):

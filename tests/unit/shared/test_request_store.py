@@ -3,12 +3,14 @@ the ends, the abort flags and notifications, and what each write queues on the c
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shared import streams
 from shared.messages import Reply, ReplyError, ReplyEvent, ReplyFence, decode
 from shared.request_states import TERMINAL, EndReason, Finish, Status, status_after
-from shared.request_store import RequestStore, deadline_error
+from shared.request_store import PRUNE_AFTER_S, RequestStore, deadline_error, prune_inflight
 
 pytestmark = pytest.mark.timeout(30)
 TTL, MAXLEN = 120, 64
@@ -140,8 +142,8 @@ async def test_every_write_is_queued_on_the_callers_pipeline_in_order(store):
         store.abort(pipe, "o", EndReason.API, "m")
         store.stop_choice(pipe, "o", 0, "m")
         assert commands(pipe) == ["HSET", "EXPIRE", "XADD", "EXPIRE", "EVAL", "HINCRBY", "XADD", "EXPIRE", "HSET",
-                                  "EXPIRE", "EXPIRE", "XADD", "EXPIRE", "HSET", "EXPIRE", "SET", "XADD", "SET",
-                                  "XADD"]
+                                  "EXPIRE", "ZREM", "EXPIRE", "XADD", "EXPIRE", "HSET", "EXPIRE", "ZREM", "SET",
+                                  "XADD", "SET", "XADD"]
         await pipe.execute()
     await store.abort_now("o3", EndReason.API, None)
     assert await store.abort_reasons(["o", "o3"]) == {"o": "api", "o3": "api"}
@@ -162,3 +164,24 @@ def test_the_vocabulary_is_the_strings_on_the_wire():
     every = [*Status.__members__.values(), *Finish.__members__.values(), *EndReason.__members__.values()]
     assert len({m.value for m in EndReason.__members__.values()}) == len(EndReason.__members__)  # no aliases
     assert all(isinstance(m, str) for m in every)
+
+
+async def test_the_index_of_requests_in_flight_follows_their_records(store):
+    """A record enters the index with one ZADD on the pipeline that writes it and leaves it with the write that
+    ends it (whichever stage's); one whose end was lost is pruned past its deadline."""
+    now = time.time()
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for k, uid in enumerate(("old", "mid", "new", "lost")):
+            store.create(pipe, uid, now + 10 + k if uid != "lost" else now - PRUNE_AFTER_S - 1, model="m")
+        assert commands(pipe)[:3] == ["HSET", "EXPIRE", "ZADD"]
+        await pipe.execute()
+    assert (await store.record("old"))["status"] == "queued"
+    assert await store.inflight(2) == (4, ["lost", "old"])  # by deadline
+    async with store.redis.pipeline(transaction=False) as pipe:
+        store.set_status(pipe, "mid", Status.RUNNING)
+        store.end_failed(pipe, "old", deadline_error())
+        store.set_status(pipe, "new", Status.FINISHED)
+        await pipe.execute()
+    assert await store.inflight(10) == (2, ["lost", "mid"])
+    assert await prune_inflight(store.redis, store.keys) == 1
+    assert await store.inflight(10) == (1, ["mid"])

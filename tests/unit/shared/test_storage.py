@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
-from shared.settings import ApiSettings, SchedulerSettings, UpSettings, flag_parser, settings_from_args
+from shared.flags import flag_parser, settings_from_args
+from shared.settings import ApiSettings, SchedulerSettings, UpSettings
 from shared.storage import (
     TMP_DIR,
     InvalidKey,
