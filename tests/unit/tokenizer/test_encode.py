@@ -70,6 +70,19 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+def test_an_omitted_max_tokens_becomes_the_model_s_default(demo_model_dir):
+    """As vLLM takes generation_config.json's max_new_tokens: for a request without max_tokens, while the context
+    leaves room for it (else up to the context, as before: the engine bounds it by its KV cache)."""
+    enc = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64, default_max_tokens=20)
+    short, given, at_least, long_prompt = enc.encode([
+        job(prompt="hi"), job(prompt="hi", params=SamplingParams(max_tokens=5)),
+        job(prompt="hi", params=SamplingParams(min_tokens=30)), job(input_ids=list(range(3, 50)))])
+    assert (short.params.max_tokens, given.params.max_tokens, at_least.params.max_tokens) == (20, 5, 30)
+    assert long_prompt.params.max_tokens is None  # 47 + 20 does not fit 64: what is left, as without a default
+    [unset] = PromptEncoder(enc.tokenizer, max_context=64).encode([job(prompt="hi")])
+    assert unset.params.max_tokens is None
+
+
 def test_formats_are_detected_from_the_chat_template(encoder):
     assert encoder.parsers == {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
 
