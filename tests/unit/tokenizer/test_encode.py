@@ -113,8 +113,13 @@ def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(demo_mo
                                   job(messages=msgs, chat_template_kwargs={"enable_thinking": True},
                                       params=SamplingParams(guided=Guided("regex", "a", param="regex")))])
     ids = enc.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    assert (thinking.params.guided.think, thinking.params.guided.after) == (ids[0], [ids[1]])
+    assert (thinking.params.guided.think, thinking.params.guided.after) == (-1, [ids[1]])  # the prompt opened it
     assert regex.params.guided.after == []  # an extension's regex covers the whole answer
+    hybrid = AutoTokenizer.from_pretrained(demo_model_dir)  # Qwen3's own: the model decides whether it thinks
+    hybrid.chat_template = hybrid.chat_template.replace("{{ '<think>\\n' }}", "")
+    [decides] = PromptEncoder(hybrid, max_context=4096).encode([
+        job(messages=msgs, params=fmt, chat_template_kwargs={"enable_thinking": True})])
+    assert (decides.params.guided.think, decides.params.guided.after) == (ids[0], [ids[1]])
     [named] = enc.encode([job(messages=msgs, tools=[WEATHER], tool_choice=ToolChoice("function", "nope"))])
     assert isinstance(named, ReplyError) and named.param == "tool_choice"
 
@@ -123,7 +128,7 @@ def test_chat_template_kwargs_reach_the_template(encoder):
     msgs = [ChatMessage("user", "hi")]
     on, bad = encoder.encode([job(messages=msgs, chat_template_kwargs={"enable_thinking": True}),
                               job(messages=msgs, chat_template_kwargs={"tokenize": True})])
-    assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n")
+    assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n<think>\n")
     assert isinstance(bad, ReplyError) and bad.param == "chat_template_kwargs"
 
 
