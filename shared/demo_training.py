@@ -4,9 +4,11 @@ Random weights never choose to stop: a free answer runs to `max_tokens`, and a s
 runs on until the budget cuts it. So `make_model` trains the tiny checkpoint briefly (a fixed number of steps,
 seeded, one CPU thread: the same weights on every run of a machine) on a synthetic corpus of chat turns in the
 template's format: short answers that end with `<|im_end|>`, JSON objects with short strings, `<tool_call>`
-answers when tools are listed, `<think>...</think>` first when thinking is enabled, and raw `Label: {json}`
-lines. The loss counts only the answers, and the corpus is too small to teach the model language: what it
-learns is where answers, strings, calls and thoughts end; its words stay as random as before.
+answers when tools are listed, a short thought and `</think>` first when the template opened `<think>`. The
+loss counts only the answers (not the first token of a JSON object or a call: the model learns to finish what
+a grammar starts, not to start it unasked). Beside them, the untrained model's own greedy runs (from random
+ids and from plain words) keep their text: outside the chat format the model stays as varied as random weights
+(tests compare long greedy texts, and stop strings must not be found in a loop of one token).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 STEPS = 160
 BATCH = 12
 LEARNING_RATE = 5e-3
+RAW = 0.08  # of the examples: a completion without template, `Label: {json}`
 THINKING = 0.35  # of the chat turns: thinking first (after the template's <think>)
 PROMPT_TAIL = 16  # prompt tokens kept before an answer: its end is what tells the answer's kind
 TOOLS_END = "</tool_call><|im_end|>"  # the end of the system turn that lists tools
@@ -132,7 +135,8 @@ class Corpus:
                 {"role": "tool", "content": self.rng.choice(["sunny", "42", "ok", self.json_object()])}]
 
     def raw(self) -> tuple[str, list[tuple[str, bool]]]:
-        """A completion without a template: a label, then a JSON object."""
+        """A completion without a template: a label, then a JSON object (regex and json constraints on
+        /v1/completions meet strings in such text)."""
         label = self.rng.choice([self.word().capitalize(), self.ask()]) + ":"
         return label, [(" {\"", False), (self.json_object()[2:], True)]
 
@@ -143,7 +147,7 @@ def examples(tokenizer, rng: random.Random, count: int) -> list[tuple[list[int],
     corpus, end = Corpus(tokenizer, rng), tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for _ in range(count):
-        prompt, answer = corpus.raw() if rng.random() < 0.08 else corpus.turn()
+        prompt, answer = corpus.raw() if rng.random() < RAW else corpus.turn()
         # the tools' system turn is long: only its last line is kept, so that the model still sees tools listed
         prompt = prompt[prompt.rfind(TOOLS_END):] if TOOLS_END in prompt else prompt
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -170,7 +174,7 @@ def train(model, tokenizer, seed: int, steps: int = STEPS) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same sums in the same order on any machine's CPU count
     try:
-        noise = _trajectories(model, len(tokenizer), seed, steps)
+        noise = _trajectories(model, tokenizer, Corpus(tokenizer, rng), seed, steps)
         teacher = copy.deepcopy(model).eval()
         opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
         model.train()
@@ -193,13 +197,24 @@ def train(model, tokenizer, seed: int, steps: int = STEPS) -> None:
         torch.set_num_threads(threads)
 
 
-def _trajectories(model, vocab: int, seed: int, steps: int):
-    """Per step, NOISE random prompts continued by the untrained model's own greedy tokens (NOISE_LEN in all):
-    where a greedy run of random weights goes, which the trained model is taught to keep going."""
+def _trajectories(model, tokenizer, corpus: Corpus, seed: int, steps: int):
+    """Per step, NOISE prompts continued by the untrained model's own greedy tokens (NOISE_LEN in all): where a
+    greedy run of random weights goes, which the trained model is taught to keep going. The prompts are random
+    token ids, plain words (a completion's prompt, no template) and chat answers that ended, so that text outside
+    the chat format, and what follows an ignored end of an answer, stays as varied as it was."""
     import torch
 
     prompt = NOISE_LEN // 3
-    starts = torch.randint(3, vocab, (steps * NOISE, prompt), generator=torch.Generator().manual_seed(seed))
+    starts = torch.randint(3, len(tokenizer), (steps * NOISE, prompt), generator=torch.Generator().manual_seed(seed))
+    for row in range(steps * NOISE):
+        if row % 3 == 1:  # plain words, a completion's prompt
+            text = " ".join(corpus.word() for _ in range(prompt))
+        elif row % 3 == 2:  # a chat answer that ended: what follows an ignored end (ignore_eos)
+            chat, answer = corpus.turn()
+            text = chat + "".join(piece for piece, _ in answer) + "<|im_end|>"
+        else:
+            continue
+        starts[row] = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][-prompt:])
     with torch.no_grad():
         out = model.eval().generate(starts, attention_mask=torch.ones_like(starts), max_new_tokens=NOISE_LEN - prompt,
                                     min_new_tokens=NOISE_LEN - prompt, do_sample=False, eos_token_id=None,
