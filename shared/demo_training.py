@@ -23,7 +23,6 @@ from typing import Any
 STEPS = 160
 BATCH = 12
 LEARNING_RATE = 5e-3
-RAW = 0.08  # of the examples: a completion without template, `Label: {json}`
 THINKING = 0.35  # of the chat turns: thinking first (after the template's <think>)
 PROMPT_TAIL = 16  # prompt tokens kept before an answer: its end is what tells the answer's kind
 TOOLS_END = "</tool_call><|im_end|>"  # the end of the system turn that lists tools
@@ -134,12 +133,6 @@ class Corpus:
         return [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
                 {"role": "tool", "content": self.rng.choice(["sunny", "42", "ok", self.json_object()])}]
 
-    def raw(self) -> tuple[str, list[tuple[str, bool]]]:
-        """A completion without a template: a label, then a JSON object (regex and json constraints on
-        /v1/completions meet strings in such text)."""
-        label = self.rng.choice([self.word().capitalize(), self.ask()]) + ":"
-        return label, [(" {\"", False), (self.json_object()[2:], True)]
-
 
 def examples(tokenizer, rng: random.Random, count: int) -> list[tuple[list[int], list[int]]]:
     """`count` (input ids, labels) pairs: a prompt's last tokens, then an answer and the end token, labelled
@@ -147,7 +140,7 @@ def examples(tokenizer, rng: random.Random, count: int) -> list[tuple[list[int],
     corpus, end = Corpus(tokenizer, rng), tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for _ in range(count):
-        prompt, answer = corpus.raw() if rng.random() < RAW else corpus.turn()
+        prompt, answer = corpus.turn()
         # the tools' system turn is long: only its last line is kept, so that the model still sees tools listed
         prompt = prompt[prompt.rfind(TOOLS_END):] if TOOLS_END in prompt else prompt
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -183,9 +176,10 @@ def train(model, tokenizer, seed: int, steps: int = STEPS) -> None:
                 group["lr"] = LEARNING_RATE * min(1.0, (step + 1) / 5) * (1 - step / steps)
             # padding is on the right, where causal attention never looks back from a real token
             loss = model(input_ids=ids, labels=labels).loss
+            kept = slice(NOISE_LEN // 3 - 1, None)  # where the greedy run goes on, not its prompt (an answer there)
             with torch.no_grad():
-                target = torch.log_softmax(teacher(input_ids=noise[step]).logits, -1).flatten(0, 1)
-            guess = torch.log_softmax(model(input_ids=noise[step]).logits, -1).flatten(0, 1)
+                target = torch.log_softmax(teacher(input_ids=noise[step]).logits[:, kept], -1).flatten(0, 1)
+            guess = torch.log_softmax(model(input_ids=noise[step]).logits[:, kept], -1).flatten(0, 1)
             loss = loss + NOISE_WEIGHT * torch.nn.functional.kl_div(guess, target, log_target=True,
                                                                     reduction="batchmean")
             loss.backward()
