@@ -407,7 +407,7 @@ def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
         lora.kill("api-keyed")
 
 
-def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path, demo_model_dir):
+def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path, random_model_dir):
     """An adapter is allowed by its own name in the key's `models`: neither `model: <adapter>` nor `model: <base>,
     lora_path: <adapter>` reaches it with a key that lists only the base (a name outside the policy is a 403
     whether or not it exists); a key that lists the adapter runs it, and with it alone not the base."""
@@ -446,7 +446,7 @@ def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path
         resp = post("/generate", sql_key, {"model": MODEL, "lora_path": "sql", **gen})
         assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", resp.text
         assert post("/tokenize", sql_key, {"model": "sql", "prompt": "hi"}).status_code == 200
-        _models_show_paths_to_admins_only(base, {base_key: [MODEL], sql_key: ["sql"]}, admin_key, demo_model_dir)
+        _models_show_paths_to_admins_only(base, {base_key: [MODEL], sql_key: ["sql"]}, admin_key, random_model_dir)
     finally:
         lora.kill("api-tenants")
 

@@ -119,6 +119,14 @@ def test_native_generate(stack):
     assert f'rsinfer_inflight_requests{{model="{MODEL}"}} 0.0' in metrics
 
 
+def test_the_demo_model_ends_its_answers(stack):
+    """The demo model, trained at creation, ends a free answer by itself (8 choices, at least 6 within 32 tokens;
+    before, random weights ran every one to max_tokens)."""
+    r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=32, n=8)
+    assert sum(c.finish_reason == "stop" for c in r.choices) >= 6, [c.message.content for c in r.choices]
+
+
 def test_a_request_without_max_tokens_gets_the_model_s_default_budget(stack):
     """The demo checkpoint's generation_config.json max_new_tokens (256) is what chat, completions' `null` and
     the Responses API generate at most without a budget, recorded as the request's max_tokens (before: up to the
