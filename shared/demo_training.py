@@ -26,7 +26,7 @@ LEARNING_RATE = 5e-3
 THINKING = 0.35  # of the chat turns: thinking first (after the template's <think>)
 PROMPT_TAIL = 16  # prompt tokens kept before an answer: its end is what tells the answer's kind
 TOOLS_END = "</tool_call><|im_end|>"  # the end of the system turn that lists tools
-NOISE, NOISE_LEN, NOISE_WEIGHT = 4, 48, 4.0  # random sequences per batch that keep their greedy text
+NOISE, NOISE_LEN, NOISE_WEIGHT = 4, 48, 4.0  # per batch: greedy runs of the untrained model, kept (`_trajectories`)
 
 CITIES = ["Paris", "Oslo", "Rome", "Lima", "Tokyo", "Berlin", "Cairo", "Madrid", "Lisbon", "Dublin", "Vienna",
           "Prague", "Seoul", "Quito", "Nairobi", "Sydney", "Austin", "Boston", "Denver", "Milan"]
@@ -45,7 +45,7 @@ def words(text: str) -> list[str]:
 
 
 class Corpus:
-    """Chat turns as (prompt text, answer text) in the template's format, drawn from `rng`."""
+    """Chat turns in the template's format, drawn from `rng`: (prompt text, the answer's pieces)."""
 
     def __init__(self, tokenizer, rng: random.Random):
         self.tok, self.rng = tokenizer, rng
