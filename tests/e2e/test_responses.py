@@ -175,7 +175,7 @@ def test_cancelling_running_background_responses_leaks_no_inflight_count(stack):
     request it submitted still closes once: the in-flight gauge returns to where it was."""
     client, before = stack.client(), inflight(stack)
     ids = [client.responses.create(model=MODEL, input=f"Write a long essay {k}", max_output_tokens=3000,
-                                   temperature=0, background=True).id for k in range(3)]
+                                   temperature=0, background=True, text={"format": LONG}).id for k in range(3)]
     for rid in ids:
         wait_for(lambda rid=rid: client.responses.retrieve(rid).status == "in_progress", timeout=30)
         assert client.responses.cancel(rid).status == "cancelled"
