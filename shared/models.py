@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from shared.settings import DEMO_MODEL_NAME, StageSettings
@@ -17,6 +18,19 @@ def resolve_model(settings: StageSettings) -> tuple[str, str]:
     # A hub id keeps its full name, as other servers do.
     name = os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
     return path, settings.served_model_name or name
+
+
+def default_max_tokens(path: str, setting: int | None) -> int | None:
+    """The completion tokens of a request that sets none: the setting (0: none), else the checkpoint's
+    generation_config.json `max_new_tokens` (as vLLM takes it for its default), else None (up to the context)."""
+    if setting is not None:
+        return setting or None
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            value = json.load(f).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

@@ -204,6 +204,10 @@ class TokenizerSettings(StageSettings):
         "auto", description="format of the model's tool calls; auto = the one its chat template writes")
     reasoning_parser: Literal["auto", "qwen3", "none"] = Field(
         "auto", description="how the model marks its thinking; auto = qwen3 when the template has <think>")
+    default_max_tokens: int | None = Field(None, ge=0, description="completion tokens of a request that sets no "
+                                           "max_tokens (chat, Responses, completions' null); unset: the "
+                                           "checkpoint's generation_config.json max_new_tokens if it has one (the "
+                                           "demo model's: 256), else up to the context; 0 = up to the context")
     # An entry is handled within milliseconds, and a dead one's entries stall every stream behind them.
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
     prefix_routing: bool = Field(False, description="send each job to the scheduler whose prefix cache holds the "

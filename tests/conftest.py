@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.demo_model import ensure_demo_model
+from shared.demo_model import ensure_demo_model, make_model
 from shared.redis_server import RedisServer
 from tests.support.redis_cluster import LocalCluster
 
@@ -14,6 +14,15 @@ from tests.support.redis_cluster import LocalCluster
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("models") / "rsinfer-demo")
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """The demo checkpoint as made before its training (the same tokenizer, template and shape, random weights):
+    for tests that compare the engine with transformers token by token on random token ids. Trained weights settle
+    into the few patterns they learnt there (a loop of one token, an adapter that changes nothing); random ones
+    keep every such comparison sensitive."""
+    return make_model(tmp_path_factory.mktemp("random") / "rsinfer-demo", train=False)
 
 
 @pytest.fixture(scope="session")

@@ -118,10 +118,12 @@ class Admission:
 
     def reserve(self, jobs: list[TokenizeJob]) -> int:
         """The most tokens the jobs may generate, which their tenant's tokens_per_minute reserves at admission
-        (services/api/quotas.py): each choice's max_tokens, or the model's context where it is omitted."""
-        context = self.stages.snapshot.model_info(jobs[0].model).get("max_model_len") or 0
-        return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else int(context))
-                   for j in jobs)
+        (services/api/quotas.py): each choice's max_tokens, or where it is omitted what its tokenizer gives such a
+        request (the model's default_max_tokens, services/tokenizer/encode.py), else the model's context."""
+        info = self.stages.snapshot.model_info(jobs[0].model)
+        default, context = int(info.get("default_max_tokens") or 0), int(info.get("max_model_len") or 0)
+        omitted = min(default, context) if default and context else default or context
+        return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else omitted) for j in jobs)
 
     def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
               ) -> Stamp:
@@ -150,7 +152,8 @@ class Admission:
             raise redis_down()
         if model not in snap.models:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        self.limits.fan_out(budget, snap.model_info(model).get("max_model_len"))
+        info = snap.model_info(model)
+        self.limits.fan_out(budget, info.get("max_model_len"), info.get("default_max_tokens"))
         jobs, most = budget.prompts, self.settings.max_queued
         if jobs > most:
             raise ApiError(400, f"{jobs} prompts are more than this server queues for a model: at most {most} "

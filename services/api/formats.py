@@ -73,6 +73,7 @@ class Choice:
     started: bool = False
     prompt: str = ""  # echo: the prompt's text, and its tokens' logprobs when asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    thinking: bool = False  # its prompt opened the thinking: the answer is reasoning until </think>
 
 
 def group_by_choice(events: list[ReplyEvent]) -> dict[int, tuple[str, list[TokenLogprob], str | None]]:
@@ -127,6 +128,12 @@ class Format:
             if ev.prompt_text is not None:
                 c = self.choices[ev.index]
                 c.prompt, c.prompt_logprobs = ev.prompt_text, list(ev.prompt_logprobs or [])
+            if ev.thinking:
+                self.choices[ev.index].thinking = True
+                self.thinking_opened(ev.index)
+
+    def thinking_opened(self, index: int) -> None:
+        """Choice `index`'s prompt opened the thinking (said before its first text)."""
 
     def batch_chunks(self, batch: list[tuple[str, ReplyEvent]], counts: Counts, replay_until: str | None = None
                      ) -> tuple[list[dict], str | None]:
@@ -213,8 +220,12 @@ class ChatFormat(Format):
         self.parsers = [self._parser() for _ in range(head.n)] if self.parse else None
         self.calls = [0] * head.n
 
-    def _parser(self) -> AnswerParser:
-        return AnswerParser(bool(self.parse.get("reasoning")), self.parse.get("tools"))
+    def _parser(self, opened: bool = False) -> AnswerParser:
+        return AnswerParser(bool(self.parse.get("reasoning")), self.parse.get("tools"), opened)
+
+    def thinking_opened(self, index: int) -> None:
+        if self.parsers is not None:
+            self.parsers[index].open_thinking()
 
     def chunk_choice(self, index, c, text, lps, finish):
         parsed = Parsed(content=text)
@@ -241,7 +252,7 @@ class ChatFormat(Format):
         text, finish = "".join(c.text), c.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if self.parse:
-            parsed = self._parser().parse_all(text)
+            parsed = self._parser(c.thinking).parse_all(text)
             calls = parsed.tool_calls
             message["content"] = None if calls and not parsed.content.strip() else parsed.content
             if self.parse.get("reasoning"):

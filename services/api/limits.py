@@ -182,7 +182,8 @@ class Limits:
                                 f"at most {s.max_template_kwargs_bytes} (--max-template-kwargs-bytes)")
 
     # -- fan-out ----------------------------------------------------------------------------------------
-    def fan_out(self, b: Budget, context: int | None) -> None:
+    def fan_out(self, b: Budget, context: int | None, default: int | None = None) -> None:
+        """`default`: the model's budget for a request without max_tokens (its tokenizer's default_max_tokens)."""
         s = self.s
         sequences = b.prompts * b.choices
         if sequences > s.max_request_sequences:
@@ -191,6 +192,9 @@ class Limits:
                             f"choices); at most {s.max_request_sequences} (--max-request-sequences)")
         if b.max_tokens is not None:
             per, why = (min(b.max_tokens, context) if context else b.max_tokens), ""
+        elif default:
+            per, why = (min(default, context) if context else default), (f", the model's default as "
+                                                                        f"`{b.tokens_param}` is not given")
         elif context:
             per, why = context, f", the model's context, as `{b.tokens_param}` is not given"
         else:

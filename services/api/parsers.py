@@ -51,11 +51,17 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
 
 class ReasoningParser:
     """`<think>` at the start of the answer opens the reasoning, `</think>` ends it; anything else is
-    content from the first character."""
+    content from the first character. A prompt that opened `<think>` itself (a template that makes the model
+    think, Qwen3-Thinking's or DeepSeek-R1's) makes the answer reasoning from its first character: `opened`."""
 
-    def __init__(self) -> None:
-        self.state = "start"  # start -> thinking -> after -> content, or start -> content
+    def __init__(self, opened: bool = False) -> None:
+        self.state = "thinking" if opened else "start"  # start -> thinking -> after -> content, or -> content
         self.buf = ""
+
+    def open(self) -> None:
+        """The prompt opened the thinking (said with the answer's first text, before it is fed)."""
+        if self.state == "start" and not self.buf:
+            self.state = "thinking"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) releasable after `text`; `final`: the answer ends with it, nothing is held."""
@@ -139,8 +145,10 @@ class HermesToolParser:
                 self.after_call = True
 
     def finish(self) -> Parsed:
-        rest, self.buf, self.inside = self.buf, "", False
-        return Parsed(content=rest)
+        """What is held: a partial `<tool_call>` marker is content; a call that never closed (the answer was
+        cut by max_tokens, its finish reason says so) is dropped, never shown as content."""
+        rest, inside, self.buf, self.inside = self.buf, self.inside, "", False
+        return Parsed(content="" if inside else rest)
 
 
 def _hermes_call(block: str) -> dict[str, Any] | None:
@@ -207,8 +215,9 @@ class AnswerParser:
     """One choice's answer: reasoning first (if the model reasons), then tool calls in its content (if
     the request has tools)."""
 
-    def __init__(self, reasoning: bool, tool_parser: str | None):
-        self.reasoning = ReasoningParser() if reasoning else None
+    def __init__(self, reasoning: bool, tool_parser: str | None, opened: bool = False):
+        """`opened`: the prompt opened the thinking (services/detokenizer/incremental.py `first_range`)."""
+        self.reasoning = ReasoningParser(opened) if reasoning else None
         cls = TOOL_PARSERS.get(tool_parser or "")
         self.tools = cls() if cls else None
         self.calls = 0  # tool calls so far
@@ -219,6 +228,11 @@ class AnswerParser:
 
     def finish(self) -> Parsed:
         return self.feed("", final=True)
+
+    def open_thinking(self) -> None:
+        """The prompt opened the thinking: the answer is reasoning until `</think>`."""
+        if self.reasoning is not None:
+            self.reasoning.open()
 
     def _split(self, reasoning: str, content: str, final: bool) -> Parsed:
         if self.tools is None:

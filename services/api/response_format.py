@@ -83,6 +83,9 @@ class ResponseFormat(Format):
             self.pending.append({"type": kind, "sequence_number": self.seq, **fields})
         self.seq += 1
 
+    def thinking_opened(self, index: int) -> None:
+        self.parser.open_thinking()
+
     def batch_chunks(self, batch, counts, replay_until=None):
         return self.chunks([ev for _, ev in batch], counts), None
 
@@ -91,6 +94,7 @@ class ResponseFormat(Format):
             self.opened = True
             self._emit("response.created", response=self.obj("in_progress"))
             self._emit("response.in_progress", response=self.obj("in_progress"))
+        self.note_prompts(events)
         for ev in events:
             self._feed(ev)
         out, self.pending = self.pending, []

@@ -22,9 +22,12 @@ from services.api.schemas import (
     Budget,
     Stamp,
     Submission,
+    check_effort,
+    check_schema_name,
     refuse_unless,
     response_format_constraint,
     submission,
+    template_kwargs,
 )
 from shared.messages import ChatMessage, SamplingParams, ToolChoice
 
@@ -71,13 +74,20 @@ class TextFormat(BaseModel):
     description: str | None = None
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _complete(self) -> TextFormat:
+        """A json_schema format has its `name` and `schema`, as OpenAI requires (the response echoes them)."""
+        if self.type == "json_schema":
+            check_schema_name(self.name, "text.format.name")
+            if self.schema_ is None:
+                raise BadRequest("`text.format.schema` is required with type json_schema", "text.format.schema")
+        return self
+
     def response_format(self) -> dict[str, Any]:
         """The chat request's `response_format` it stands for."""
         if self.type != "json_schema":
             return {"type": self.type}
-        if self.schema_ is None:
-            raise BadRequest("text.format json_schema needs `schema`", "text.format")
-        return {"type": "json_schema", "json_schema": {"name": self.name or "response", "schema": self.schema_}}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_}}
 
     def shown(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True)
@@ -97,8 +107,13 @@ class TextOptions(BaseModel):
 class Reasoning(BaseModel):
     model_config = FORBID
     effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> Reasoning:
+        check_effort(self.effort, "reasoning.effort")
+        return self
 
 
 class ResponseRequest(BaseModel):
@@ -201,7 +216,8 @@ class ResponseRequest(BaseModel):
     def submission(self, params: SamplingParams, stamp: Stamp, messages: list[ChatMessage],
                    fmt: ResponseFormat) -> Submission:
         job = stamp.job(None, self.background, params=params, messages=messages, tools=self.tool_dicts(),
-                        tool_choice=self.tool_choice_struct())
+                        tool_choice=self.tool_choice_struct(),
+                        chat_template_kwargs=template_kwargs(None, self.reasoning.effort if self.reasoning else None))
         fmt.start(job.uid, int(job.created_at))
         return submission([job], fmt, "response", self.stream, annotations={"user": self.user} if self.user else {})
 

@@ -15,6 +15,7 @@ field we cannot honour is refused when set to anything but its no-op value.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request
 MAX_STOP = 16
 FORBID = ConfigDict(extra="forbid")
+# OpenAI's ReasoningEffort and json_schema `name` (a-z, A-Z, 0-9, underscores and dashes, at most 64): both are
+# echoed (the Responses object shows them), so a value OpenAI's schema refuses is refused here too.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 # Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
 UNSUPPORTED_EXTENSIONS = {
@@ -97,6 +102,25 @@ def schema_text(value: dict[str, Any] | str, param: str) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+def check_effort(effort: str | None, param: str) -> None:
+    """A reasoning effort is one of OpenAI's values."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise BadRequest(f"`{param}` must be one of {', '.join(REASONING_EFFORTS)}; got {str(effort)[:40]!r}", param)
+
+
+def check_schema_name(name: Any, param: str) -> None:
+    """A json_schema's `name` is required, as OpenAI requires it."""
+    if not isinstance(name, str) or not SCHEMA_NAME.match(name):
+        raise BadRequest(f"`{param}` is required: the schema's name, 1 to 64 letters, digits, underscores or "
+                         "dashes", param)
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """The chat template's variables: a reasoning effort reaches it as `reasoning_effort` (as vLLM passes it; the
+    templates that read it, gpt-oss's, honour it), unless chat_template_kwargs set that variable themselves."""
+    return {"reasoning_effort": effort, **(kwargs or {})} if effort is not None else dict(kwargs or {})
+
+
 def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
     """OpenAI's response_format: text (nothing), json_object, or json_schema {name, schema, strict}."""
     kind = (fmt or {}).get("type", "text")
@@ -109,6 +133,7 @@ def response_format_constraint(fmt: dict[str, Any] | None) -> Guided | None:
         if not isinstance(spec, dict):
             raise BadRequest("response_format.json_schema must be an object with `name` and `schema`",
                              "response_format")
+        check_schema_name(spec.get("name"), "response_format.json_schema.name")
         if spec.get("schema") is None:
             return Guided("json_object", param="response_format")
         return Guided("json_schema", schema_text(spec["schema"], "response_format"), param="response_format")
@@ -433,8 +458,9 @@ class ChatCompletionRequest(SamplingFields):
                       "cached prefixes live in the KV cache's memory only")
         refuse_unless(self.prompt_cache_options, (None, {}), "prompt_cache_options",
                       "cached prefixes live in the KV cache's memory only")
-        for name in ("reasoning_effort", "verbosity", "audio", "prediction", "web_search_options", "functions",
-                     "function_call", "moderation"):
+        check_effort(self.reasoning_effort, "reasoning_effort")
+        for name in ("verbosity", "audio", "prediction", "web_search_options", "functions", "function_call",
+                     "moderation"):
             refuse_unless(getattr(self, name), (None,), name, "this server does not offer it")
         check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         return self
@@ -452,7 +478,8 @@ class ChatCompletionRequest(SamplingFields):
                         add_generation_prompt=generation_prompt(self.add_generation_prompt,
                                                                 self.continue_final_message),
                         continue_final_message=self.continue_final_message, tools=self.tool_dicts,
-                        tool_choice=self.tool_choice_struct(), chat_template_kwargs=self.chat_template_kwargs or {},
+                        tool_choice=self.tool_choice_struct(),
+                        chat_template_kwargs=template_kwargs(self.chat_template_kwargs, self.reasoning_effort),
                         priority=self.priority)
         parse = self.answer_parsing(stamp.model_info)
         fmt = ChatFormat(Head(f"chatcmpl-{job.uid}", self.model, int(job.created_at), params.n, params.logprobs,
@@ -467,6 +494,9 @@ class ChatCompletionRequest(SamplingFields):
         out: dict = {}
         if model_info.get("reasoning_parser", "none") != "none":
             out["reasoning"] = model_info["reasoning_parser"]
+        elif self.reasoning_effort not in (None, "none"):
+            raise BadRequest(f"`reasoning_effort` is not supported by model `{self.model}` (its template does not "
+                             "reason)", "reasoning_effort")
         if self.parses_tool_calls and model_info.get("tool_call_parser", "none") != "none":
             out["tools"] = model_info["tool_call_parser"]
         return out

@@ -20,6 +20,7 @@ from services.detokenizer.token_bytes import TokenBytes
 from shared.messages import TokenDelta, TokenLogprob, TopLogprob
 
 REPLACEMENT = "\ufffd"
+THINK_OPEN = "<think>"  # what a reasoning template ends its prompt with when it makes the model think
 # An unfinished UTF-8 character is at most 3 bytes, shown as one U+FFFD (byte-level BPE) or one per byte
 # (byte-fallback); any replacement character before those is final and may be shown.
 HELD_REPLACEMENTS = 3
@@ -134,6 +135,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.token_bytes = TokenBytes(tokenizer)  # logprobs' `bytes`: each token's own
+        self.thinks = THINK_OPEN in tokenizer.get_vocab()  # a reasoning vocabulary (Qwen3's, DeepSeek-R1's)
 
     def render(self, items: list[TokenDelta]) -> list[Rendered]:
         """Render many deltas with one batched decode per skip_special_tokens setting: each window before
@@ -178,10 +180,14 @@ class Detokenizer:
                                           for i, v in top])
 
     def first_range(self, it: TokenDelta) -> dict:
-        """A choice's first range: the prompt's text (echo), its tokens' logprobs, the cached tokens."""
+        """A choice's first range: the prompt's text (echo), its tokens' logprobs, the cached tokens, and whether
+        the prompt opened the thinking (its last tokens, the delta's context, end with `<think>`): the API's
+        reasoning parser then reads the answer as reasoning until `</think>`."""
         if it.start != 0:
             return {}
         out: dict = {"cached_tokens": it.cached_tokens}
+        if self.thinks and it.context and self.decode_batch([it.context], False)[0].rstrip().endswith(THINK_OPEN):
+            out["thinking"] = True
         if it.prompt_ids is not None:
             out["prompt_text"] = self.tokenizer.decode(it.prompt_ids, skip_special_tokens=it.skip_special_tokens)
             if it.prompt_logprobs is not None:

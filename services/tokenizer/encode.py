@@ -11,7 +11,7 @@ import msgspec
 from services.tokenizer import tools
 from shared.context_limits import LengthError, completion_limit
 from shared.grammars import check
-from shared.messages import Pooling, ReplyError, ScheduleJob, TokenizeJob
+from shared.messages import Pooling, ReplyError, SamplingParams, ScheduleJob, TokenizeJob
 
 # Fill-in-the-middle markers: Qwen2.5-Coder's, then StarCoder's.
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
@@ -26,9 +26,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, max_context: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
+    def __init__(self, tokenizer, max_context: int, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+                 default_max_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.default_max_tokens = default_max_tokens  # a request without max_tokens: None = up to the context
         self.vocab_size = len(tokenizer)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.tool_parser = tools.tool_parser_for(template, tool_call_parser)
@@ -181,6 +183,13 @@ class PromptEncoder:
                            pooling.param if pooling is not None and pooling.param else "prompt")
         return self.fit(job, ids)
 
+    def with_default_budget(self, p: SamplingParams, prompt: int) -> SamplingParams:
+        most = self.default_max_tokens
+        if p.max_tokens is not None or not most or p.pooling is not None:
+            return p
+        budget = max(most, p.min_tokens)
+        return msgspec.structs.replace(p, max_tokens=budget) if prompt + budget < self.max_context else p
+
     def _pooled_too_long(self, p: Pooling, tokens: int) -> ReplyError | None:
         """A prefill-only prompt (an embedding's input, a score's item) past its own limit or the context."""
         most = self.max_context - 1
@@ -194,9 +203,10 @@ class PromptEncoder:
                        "context_length_exceeded")
 
     def fit(self, job: TokenizeJob, ids: list[int]) -> ScheduleJob | ReplyError:
-        """Refuse a request that cannot fit the context. An omitted max_tokens stays None: it means up to
-        the context, and only the engine knows how much of that its KV cache can hold."""
-        p = job.params
+        """Refuse a request that cannot fit the context. An omitted max_tokens becomes the model's default
+        (`default_max_tokens`) where that leaves room in the context; otherwise it stays None: up to the context,
+        and only the engine knows how much of that its KV cache can hold."""
+        p = self.with_default_budget(job.params, len(ids))
         if not ids:
             return invalid("the prompt is empty after tokenization", "prompt")
         if p.pooling is not None and (too_long := self._pooled_too_long(p.pooling, len(ids))) is not None:

@@ -36,7 +36,7 @@ from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
-from shared.models import context_length, load_tokenizer
+from shared.models import context_length, default_max_tokens, load_tokenizer
 from shared.redis_conn import barrier
 from shared.request_states import NOT_SCHEDULED, TERMINAL, Status
 from shared.request_store import RequestStore
@@ -64,12 +64,15 @@ class TokenizerWorker(PushWorker[Entry]):
         super().__init__(settings, model_name)
         self.encoder = PromptEncoder(load_tokenizer(model_path, settings.trust_remote_code),
                                      context_length(model_path, settings.trust_remote_code),
-                                     settings.tool_call_parser, settings.reasoning_parser)
+                                     settings.tool_call_parser, settings.reasoning_parser,
+                                     default_max_tokens(model_path, settings.default_max_tokens))
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         # max_token_bytes: the most bytes of text one token stands for, so the API bounds a prompt by the context
         # before it stores anything of it (services/api/responses.py)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers,
                            "max_token_bytes": self.encoder.max_prompt_bytes // self.encoder.max_context}
+        if self.encoder.default_max_tokens:  # what the API reserves for a request without max_tokens
+            self.model_info["default_max_tokens"] = self.encoder.default_max_tokens
         self.router = Router(self.redis, self.keys, model_name, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                              load_tokens=settings.prefix_routing_load_tokens,
                              tokenizer_id=self.id) if settings.prefix_routing else None

@@ -42,10 +42,11 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def cluster_stack(cluster, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
+def cluster_stack(cluster, random_model_dir, tmp_path_factory) -> Iterator[Stack]:
     """A tokenizer, scheduler, detokenizer and API, each its own process, on the cluster (they find out by
-    themselves that it is one)."""
-    s = Stack(cluster.url, demo_model_dir, "clu", tmp_path_factory.mktemp("logs-cluster"), cluster=True)
+    themselves that it is one), serving the demo checkpoint's random twin (tests/conftest.py), as the imported
+    tests of long greedy streams that differ by prompt want."""
+    s = Stack(cluster.url, random_model_dir, "clu", tmp_path_factory.mktemp("logs-cluster"), cluster=True)
     try:
         yield start_pipeline(s, **CLUSTER_ENV)
     finally:

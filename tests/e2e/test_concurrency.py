@@ -6,9 +6,22 @@ import asyncio
 
 import pytest
 
-from tests.support.stack import MODEL
+from tests.support.stack import MODEL, new_stack
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, random_model_dir, tmp_path_factory):
+    """`rsinfer up` on the demo checkpoint's random twin (tests/conftest.py): random weights give prompts that
+    differ only by a number texts of their own; the trained demo model answers them all alike, in a few tokens."""
+    s = new_stack(redis_server, random_model_dir, tmp_path_factory, "conc")
+    try:
+        s.start("up", "up")
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
 
 
 async def _stream(client, i: int) -> tuple[str, list[str], int]:

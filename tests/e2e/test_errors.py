@@ -118,7 +118,7 @@ def test_malformed_stream_entry_goes_to_dead_letter(stack):
      "only assistant"),
     ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages", "messages.0.colour"),
     ({"store": True}, "store", "not supported"),
-    ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "must be one of"),  # OpenAI's values are taken
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
      "add_generation_prompt true"),

@@ -15,8 +15,9 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def small_kv(redis_server, demo_model_dir, tmp_path_factory):
+    # no default output budget (the demo checkpoint's is 256): a request without max_tokens runs to the KV bound
     with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "smallkv",
-                          RSINFER_MAX_KV_TOKENS=str(KV_TOKENS)) as s:
+                          RSINFER_MAX_KV_TOKENS=str(KV_TOKENS), RSINFER_DEFAULT_MAX_TOKENS="0") as s:
         yield s
 
 

@@ -48,12 +48,14 @@ PROMPTS = [[(k * 131 + i * 17) % 900 + 40 for i in range(length)] for k, length 
 
 
 @pytest.fixture(scope="module")
-def demo_model(demo_model_dir):
+def demo_model(random_model_dir):
+    """The demo checkpoint's random-weight twin (tests/conftest.py), which the stack serves too: random weights
+    keep each adapter's effect on the greedy tokens visible."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(str(demo_model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(random_model_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +81,10 @@ def reference(demo_model, made):
 
 
 @pytest.fixture(scope="module")
-def lora(redis_server, demo_model_dir, tmp_path_factory, made):
+def lora(redis_server, random_model_dir, tmp_path_factory, made):
     """The stack, once for the module: "sql" registered by the scheduler's --lora-modules, "chat", "mlp" and
     "kv" loaded through the API (each through another process of the two)."""
-    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "lora")
+    s = new_stack(redis_server, random_model_dir, tmp_path_factory, "lora")
     store = tmp_path_factory.mktemp("store")
     s.store = store
     s.lora_env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": str(SLOTS), "RSINFER_MAX_LORA_RANK": "16",
@@ -168,7 +170,7 @@ def scheduler_load(s: Stack) -> dict:
 
 
 # -- what the adapters give ----------------------------------------------------------------------------------
-def test_models_list_each_adapter_with_its_base_as_parent(lora, demo_model_dir):
+def test_models_list_each_adapter_with_its_base_as_parent(lora):
     data = {m["id"]: m for m in httpx.get(f"{lora.base_url}/v1/models", timeout=10).json()["data"]}
     assert set(data) == {MODEL, "sql", "chat", "mlp", "kv"}
     for name in SPECS:
@@ -405,7 +407,7 @@ def test_the_adapter_routes_need_the_api_key_when_one_is_set(lora, made):
         lora.kill("api-keyed")
 
 
-def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path, demo_model_dir):
+def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path, random_model_dir):
     """An adapter is allowed by its own name in the key's `models`: neither `model: <adapter>` nor `model: <base>,
     lora_path: <adapter>` reaches it with a key that lists only the base (a name outside the policy is a 403
     whether or not it exists); a key that lists the adapter runs it, and with it alone not the base."""
@@ -444,7 +446,7 @@ def test_a_key_allowed_the_base_model_does_not_reach_its_adapters(lora, tmp_path
         resp = post("/generate", sql_key, {"model": MODEL, "lora_path": "sql", **gen})
         assert resp.status_code == 403 and resp.json()["error"]["param"] == "model", resp.text
         assert post("/tokenize", sql_key, {"model": "sql", "prompt": "hi"}).status_code == 200
-        _models_show_paths_to_admins_only(base, {base_key: [MODEL], sql_key: ["sql"]}, admin_key, demo_model_dir)
+        _models_show_paths_to_admins_only(base, {base_key: [MODEL], sql_key: ["sql"]}, admin_key, random_model_dir)
     finally:
         lora.kill("api-tenants")
 

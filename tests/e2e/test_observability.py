@@ -77,7 +77,8 @@ SERVICES = {"rsinfer-api", "rsinfer-tokenizer", "rsinfer-scheduler", "rsinfer-de
 @pytest.mark.parametrize("stream", [True, False])
 def test_one_request_is_one_trace_across_the_four_processes(traced, collector, stream):
     client = traced.client()
-    args = dict(model=MODEL, messages=[{"role": "user", "content": "trace me"}], max_tokens=12, temperature=0)
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "trace me"}], max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})  # 12 steps: the demo model would end its answer sooner
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **args))  # read to the end
         rid = chunks[0].id

@@ -35,7 +35,8 @@ def test_retrieve_model(stack, demo_model_dir):
 
 
 def test_chat_non_stream_has_usage_and_length_finish(stack):
-    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9, temperature=0)
+    r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=9, temperature=0,
+                                               extra_body={"ignore_eos": True})  # the demo model ends its answers
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
@@ -47,9 +48,11 @@ def test_chat_non_stream_has_usage_and_length_finish(stack):
 
 def test_chat_stream_matches_non_stream(stack):
     client = stack.client()
-    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0)
+    full = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
     chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -61,7 +64,7 @@ def test_chat_stream_matches_non_stream(stack):
 
 def test_sse_wire_format(stack):
     """Raw SSE: event ids, null finish_reason until the last chunk, [DONE] at the end."""
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "stream": True}
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -92,7 +95,7 @@ def test_completion_from_token_ids(stack):
 
 def test_n_choices_each_complete(stack):
     r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, n=3, temperature=1.0,
-                                               seed=7)
+                                               seed=7, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.usage.completion_tokens == 15
@@ -100,7 +103,7 @@ def test_n_choices_each_complete(stack):
 
 def test_logprobs_of_chosen_tokens(stack):
     r = stack.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0,
-                                               logprobs=True, top_logprobs=2)
+                                               logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
@@ -114,6 +117,30 @@ def test_native_generate(stack):
     assert len(r["output_ids"]) == 5 and r["meta_info"]["finish_reason"] == {"type": "length"}
     metrics = httpx.get(f"{stack.base_url}/metrics").text  # /generate is counted in and out like the rest
     assert f'rsinfer_inflight_requests{{model="{MODEL}"}} 0.0' in metrics
+
+
+def test_the_demo_model_ends_its_answers(stack):
+    """The demo model, trained at creation, ends a free answer by itself (8 choices, at least 6 within 32 tokens;
+    before, random weights ran every one to max_tokens)."""
+    r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=32, n=8)
+    assert sum(c.finish_reason == "stop" for c in r.choices) >= 6, [c.message.content for c in r.choices]
+
+
+def test_a_request_without_max_tokens_gets_the_model_s_default_budget(stack):
+    """The demo checkpoint's generation_config.json max_new_tokens (256) is what chat, completions' `null` and
+    the Responses API generate at most without a budget, recorded as the request's max_tokens (before: up to the
+    4,096-token context; the README's previous_response_id example ran 20 s)."""
+    client = stack.client()
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 256)
+    c = httpx.post(f"{stack.base_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True}).json()
+    assert (c["choices"][0]["finish_reason"], c["usage"]["completion_tokens"]) == ("length", 256)
+    resp = client.responses.create(model=MODEL, input="Hi", temperature=0)
+    uid = resp.id.removeprefix("resp_")
+    assert stack.redis().hget(stack.keys.request(uid), "max_tokens") == "256"
+    assert resp.usage.output_tokens <= 256
 
 
 def test_health_and_ready(stack):

@@ -26,6 +26,10 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 SHORT = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}}, "required": ["answer"],
          "additionalProperties": False}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}
+# The demo model ends its answers within a few tokens, and the Responses API has no ignore_eos: a string of at least
+# 4,000 characters keeps an answer going until max_output_tokens cuts it.
+LONG = {"type": "json_schema", "name": "long", "schema": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 4000}}, "required": ["text"]}}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +47,12 @@ def strict(obj: dict) -> Response:
     return Response.model_validate(obj)
 
 
-def chat_text(stack, messages, max_tokens: int) -> str:
-    r = stack.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+def chat_text(stack, messages, max_tokens: int, fmt: dict | None = None) -> str:
+    """The chat answer to `messages`, with the response_format a Responses `text.format` stands for."""
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"]}}
+             } if fmt else {}
+    r = stack.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                               **extra)
     return r.choices[0].message.content
 
 
@@ -66,10 +74,11 @@ def raw_events(url: str, body: dict, cut_after: int | None = None) -> list[dict]
 
 def test_create_answers_like_chat(stack):
     client = stack.client()
-    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, temperature=0)
+    r = client.responses.create(model=MODEL, input="Hello there", max_output_tokens=12, temperature=0,
+                                text={"format": LONG})
     assert r.id.startswith("resp_") and r.object == "response"
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.output_text == chat_text(stack, [{"role": "user", "content": "Hello there"}], 12)
+    assert r.output_text == chat_text(stack, [{"role": "user", "content": "Hello there"}], 12, LONG)
     assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
     assert r.max_output_tokens == 12 and r.store is True and r.background is False
     assert 'rsinfer_responses_total{status="incomplete"}' in httpx.get(f"{stack.base_url}/metrics", timeout=10).text
@@ -103,20 +112,21 @@ def test_stream_events_and_final_response(stack, second_api):
 
 
 def test_stream_cut_by_max_output_tokens_ends_incomplete(stack):
-    body = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 20, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 20, "temperature": 0, "stream": True,
+            "text": {"format": LONG}}
     events = raw_events(stack.base_url, body)
     for ev in events:
         EVENTS.validate_python(ev)
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    assert deltas == chat_text(stack, [{"role": "user", "content": "Tell me a story"}], 20)
+    assert deltas == chat_text(stack, [{"role": "user", "content": "Tell me a story"}], 20, LONG)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
 def test_background_stream_resumes_on_another_process(stack, second_api):
     body = {"model": MODEL, "input": "Count to fifty", "max_output_tokens": 120, "temperature": 0,
-            "background": True, "stream": True}
+            "background": True, "stream": True, "text": {"format": LONG}}
     whole = raw_events(stack.base_url, body)
     for ev in whole:
         EVENTS.validate_python(ev)
@@ -134,13 +144,14 @@ def test_background_stream_resumes_on_another_process(stack, second_api):
 
 def test_background_runs_without_a_client_and_cancel_is_idempotent(stack, second_api):
     client = stack.client()
-    quick = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0, background=True)
+    quick = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0, background=True,
+                                    text={"format": LONG})
     assert quick.status in ("queued", "in_progress")
     wait_for(lambda: second_api.responses.retrieve(quick.id).status == "incomplete", timeout=30)
     assert second_api.responses.retrieve(quick.id).output_text == chat_text(stack, [{"role": "user",
-                                                                                      "content": "Hi"}], 8)
+                                                                                      "content": "Hi"}], 8, LONG)
     long = client.responses.create(model=MODEL, input="Write a long essay", max_output_tokens=3000, temperature=0,
-                                   background=True)
+                                   background=True, text={"format": LONG})
     time.sleep(0.5)
     cancelled = second_api.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
@@ -164,7 +175,7 @@ def test_cancelling_running_background_responses_leaks_no_inflight_count(stack):
     request it submitted still closes once: the in-flight gauge returns to where it was."""
     client, before = stack.client(), inflight(stack)
     ids = [client.responses.create(model=MODEL, input=f"Write a long essay {k}", max_output_tokens=3000,
-                                   temperature=0, background=True).id for k in range(3)]
+                                   temperature=0, background=True, text={"format": LONG}).id for k in range(3)]
     for rid in ids:
         wait_for(lambda rid=rid: client.responses.retrieve(rid).status == "in_progress", timeout=30)
         assert client.responses.cancel(rid).status == "cancelled"

@@ -119,7 +119,8 @@ def test_request_waits_for_workers_started_later(lone_api, fair):
     fair: the tokenizer with --fair-queueing, so the job is held and released to the schedule stream."""
     s = lone_api
     env = {**LIFECYCLE_ENV, **({"RSINFER_FAIR_QUEUEING": "true"} if fair else {})}
-    params = {"model": MODEL, "messages": HELLO, "max_tokens": 16, "temperature": 0}
+    params = {"model": MODEL, "messages": HELLO, "max_tokens": 16, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}  # its 16 tokens: the demo model would end its answer sooner
     got: dict = {"text": "", "finish": None, "first_at": None, "error": None}
 
     def stream() -> None:

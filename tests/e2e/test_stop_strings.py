@@ -18,9 +18,18 @@ import pytest
 from shared.messages import ReplyEvent, SamplingParams, TokenizeJob, decode, encode
 from shared.streams import FIELD
 from tests.support.helpers import live_names, wait_for
-from tests.support.stack import LIFECYCLE_ENV, MODEL
+from tests.support.stack import LIFECYCLE_ENV, MODEL, running_pipeline
 
 pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def pipeline(redis_server, random_model_dir, tmp_path_factory):
+    """The stages on the demo checkpoint's random twin (tests/conftest.py): stop strings are cut out of long greedy
+    texts, which random weights keep varied (the trained demo model's may settle into a loop, where a stop string
+    taken from late in the text is found early)."""
+    with running_pipeline(redis_server, random_model_dir, tmp_path_factory, "stops") as s:
+        yield s
 
 
 def submit(stack, prompt: str, params: SamplingParams) -> str:

@@ -11,7 +11,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tests.support.stack import MODEL
 
@@ -144,6 +144,41 @@ def test_openai_parse_helper_returns_a_parsed_object(stack):
             assert isinstance(parsed, City) and isinstance(parsed.population, int)
             return
     pytest.fail("no answer of five finished within max_tokens")
+
+
+class ReadmeCity(BaseModel):  # README.md "Structured outputs", as written
+    name: str = Field(max_length=20)
+    population: int
+
+
+README_REGEX = '\\{"name": "[A-Za-z]{1,20}", "population": [0-9]{1,9}\\}'
+
+
+def test_the_readme_examples_end_within_their_budgets(stack):
+    """README.md's structured-output examples as written, unseeded at the default temperature, a few times: each
+    answer ends within its max_tokens and parses (before: the demo model's strings ran past the budget, the
+    parse helper raised LengthFinishReasonError 8/8 and the regex curl ended `length` with cut JSON 3/3)."""
+    client = stack.client()
+    for _ in range(4):
+        r = client.chat.completions.parse(model="rsinfer-demo", messages=[{"role": "user", "content": "A city"}],
+                                          response_format=ReadmeCity, max_tokens=100)
+        assert isinstance(r.choices[0].message.parsed, ReadmeCity)
+        resp = httpx.post(f"{stack.base_url}/v1/completions", timeout=60, json={
+            "model": "rsinfer-demo", "prompt": "Capital of France:", "max_tokens": 64, "regex": README_REGEX})
+        choice = resp.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and re.fullmatch(README_REGEX, choice["text"]), choice
+
+
+def test_the_demo_model_closes_its_strings(stack):
+    """Without bounds, whether a string ends is the model's choice: the demo model, trained at creation, closes
+    most within the budget (8 choices, at least 5; before, random weights closed none: the README's unbounded
+    City raised LengthFinishReasonError 8/8)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+    r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city"}],
+                                               response_format=fmt, max_tokens=100, n=8)
+    ended = [json.loads(c.message.content) for c in r.choices if c.finish_reason == "stop"]
+    assert len(ended) >= 5, [c.message.content for c in r.choices]
+    assert all(isinstance(doc["name"], str) and isinstance(doc["population"], int) for doc in ended)
 
 
 @pytest.mark.parametrize(("extra", "param", "says"), [

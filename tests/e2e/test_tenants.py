@@ -454,6 +454,23 @@ def test_tokens_per_minute_reserves_max_tokens_at_admission(tenants):
     assert e.value.response.headers["x-should-retry"] == "false"
 
 
+def test_a_request_without_max_tokens_reserves_the_model_s_default_budget(tenants):
+    """What an omitted max_tokens reserves of tokens_per_minute is what the tokenizer gives such a request, the
+    model's default budget (the demo checkpoint's 256), not its context (4,096, more than team-d's 2,000 a minute:
+    every such request was a 429)."""
+    _, (api1, _), _ = tenants
+
+    def served() -> bool:
+        try:
+            return bool(client(api1, D_KEY).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}]).choices)
+        except openai.RateLimitError as e:  # the bucket refills from the test before: only a shortfall waits
+            assert int(e.response.headers["x-ratelimit-remaining-tokens"]) < 256, e.message
+            return False
+
+    wait_for(served, timeout=20, every=0.5)
+
+
 def test_a_refused_tenant_stores_nothing(tenants):
     """Responses refused by the tenant's quota (no concurrency at all; no requests this minute) write nothing:
     no stored response, no count, Redis's memory as it was."""

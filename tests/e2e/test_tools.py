@@ -96,15 +96,16 @@ def test_auto_parses_the_model_s_tool_call_text_and_none_does_not(stack):
 
 
 def test_reasoning_is_separated_streamed_and_not(stack):
-    """chat_template_kwargs reach the template (enable_thinking opens the thinking); <think>...</think>
-    becomes reasoning_content, in whole answers and in stream deltas."""
-    lark = 'start: <think> /[a-z]{2,8}( [a-z]{2,8}){0,3}/ </think> "\\n\\n" ("yes" | "no")'
+    """chat_template_kwargs reach the template (enable_thinking opens <think> in the demo template's prompt);
+    what the answer says before </think> becomes reasoning_content, in whole answers and in stream deltas (before,
+    the API read it as content: `</think>` and all)."""
+    lark = 'start: /[a-z]{2,8}( [a-z]{2,8}){0,3}/ </think> "\\n\\n" ("yes" | "no")'
     body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "ebnf": lark, "seed": 2,
             "chat_template_kwargs": {"enable_thinking": True}}
     whole = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60).json()
     msg = whole["choices"][0]["message"]
     assert msg["content"] in ("yes", "no") and msg["reasoning_content"]
-    assert "<think>" not in msg["reasoning_content"] and whole["choices"][0]["finish_reason"] == "stop"
+    assert "think>" not in msg["reasoning_content"] + msg["content"] and whole["choices"][0]["finish_reason"] == "stop"
     resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
     deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in resp.text.splitlines()
               if x.startswith("data: {") and json.loads(x[6:])["choices"]]
@@ -115,6 +116,57 @@ def test_reasoning_is_separated_streamed_and_not(stack):
     on = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": ASK, "max_tokens": 3, "chat_template_kwargs": {"enable_thinking": True}}).json()
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]  # the closed <think></think> block
+
+
+README_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                 "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                 "additionalProperties": False}}}]
+
+
+def test_the_readme_tools_and_reasoning_examples_work_as_written(stack):
+    """README.md's "Tools and reasoning" calls as written, with the official client, unseeded at the default
+    temperature, a few times: the required call ends within max_tokens=100 with valid arguments (before: its
+    string ran past the budget and `tool_calls[0]` raised TypeError 8/9), the history with its result renders and
+    is answered, and with enable_thinking the reasoning is visible, never a literal `</think>` in the content."""
+    client = stack.client()
+    for _ in range(3):
+        tools = README_TOOLS
+        r = client.chat.completions.create(model="rsinfer-demo", messages=[{"role": "user", "content": "Paris?"}],
+                                           tools=tools, tool_choice="required", max_tokens=100)
+        call = r.choices[0].message.tool_calls[0]            # finish_reason "tool_calls"
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+        r = client.chat.completions.create(model="rsinfer-demo", max_tokens=100, tools=tools, messages=[
+            {"role": "user", "content": "Paris?"}, r.choices[0].message,
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+        assert r.choices[0].finish_reason in ("stop", "tool_calls", "length")
+        r = client.chat.completions.create(model="rsinfer-demo", messages=[{"role": "user", "content": "Paris?"}],
+                                           max_tokens=100,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        message = r.choices[0].message
+        assert message.reasoning_content and message.reasoning_content.strip(), message
+        assert "think>" not in (message.content or "") + message.reasoning_content
+
+
+def test_a_tool_call_cut_by_max_tokens_is_not_content(stack):
+    """A call the budget cut before its `</tool_call>` is dropped, streamed or not: the content is the text
+    before it, no `<tool_call>` markup, and the finish reason says `length` (before: the markup and the half
+    call came back as content)."""
+    lark = ('start: "Let me check.\\n" <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+            '{\\"tz\\": \\"" ("UTC" | "CET") "\\"}}\\n" </tool_call>')
+    for stream in (False, True):  # 20 tokens: past the opening marker, well before the call's end
+        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 20, "ebnf": lark, "stream": stream}
+        resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        if stream:
+            chunks = [json.loads(x[6:]) for x in resp.text.splitlines() if x.startswith("data: {")]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
+            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        else:
+            msg = resp.json()["choices"][0]["message"]
+            content, calls, finish = msg["content"], msg.get("tool_calls"), resp.json()["choices"][0]["finish_reason"]
+        assert (content, calls or [], finish) == ("Let me check.\n", [], "length"), (stream, content)
 
 
 @pytest.mark.parametrize(("extra", "param"), [

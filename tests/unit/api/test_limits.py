@@ -79,6 +79,14 @@ def test_an_omitted_max_tokens_counts_as_the_context():
     assert "not known" in refusal(lim.fan_out, Budget(1, 2, None), None).message  # ...several need max_tokens
 
 
+def test_an_omitted_max_tokens_counts_as_the_model_s_default_where_it_has_one():
+    lim = limits(max_request_tokens=1024)
+    lim.fan_out(Budget(1, 4, None), 4096, 256)  # 4 x the default of 256 (the tokenizer gives each that much)
+    err = refusal(lim.fan_out, Budget(1, 5, None), 4096, 256)
+    assert "1280 tokens" in err.message and "default" in err.message
+    lim.fan_out(Budget(1, 1, None), None, 256)  # context unknown: the default bounds it
+
+
 def test_sequences_tokens_and_logprobs_are_budgeted():
     lim = limits(max_request_sequences=8, max_request_tokens=1000, max_request_logprobs=2000)
     assert refusal(lim.fan_out, Budget(3, 3, 1, choices_param="best_of"), 4096).param == "best_of"

@@ -23,6 +23,7 @@ HERMES_BROKEN = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}\n</too
 LLAMA3 = "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; " \
          "{\"name\": \"get_time\", \"parameters\": {}}"
 LLAMA3_TEXT = "I can answer that without tools: {it is sunny}."
+HERMES_CUT = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"c"  # max_tokens cut it
 
 CASES = [
     (QWEN3_THINK_AND_CALLS, True, "hermes", (
@@ -37,6 +38,9 @@ CASES = [
     (LLAMA3, False, "llama3_json", ("", "", [("get_weather", {"city": "Paris"}), ("get_time", {})])),
     (LLAMA3_TEXT, False, "llama3_json", ("", LLAMA3_TEXT, [])),
     ("<think>cut off by max_tok", True, None, ("cut off by max_tok", "", [])),
+    (HERMES_CUT, True, "hermes", ("", "Let me check.\n", [])),  # an unfinished call is not content
+    (HERMES_CALL + "\n<tool_call>\n{\"na", False, "hermes", ("", "I'll look that up.\n",
+                                                         [("get_stock_fundamentals", {"symbol": "TSLA"})])),
 ]
 
 
@@ -90,3 +94,28 @@ def streamed_final(text: str, cuts: tuple[int, ...], reasoning: bool, tools: str
 def test_a_final_piece_releases_what_finish_would(text, reasoning, tools, expected):
     for cuts in splits(len(text)):
         assert summary(streamed_final(text, cuts, reasoning, tools)) == expected, cuts
+
+
+# A template that opens `<think>` in the prompt (Qwen3-Thinking, DeepSeek-R1): the answer starts inside the thinking.
+OPENED = [
+    ("The user says hi.\n</think>\n\nHello!", "hermes", ("The user says hi.\n", "Hello!", [])),
+    ("Weather first.\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "hermes",
+     ("Weather first.\n", "", [("f", {})])),
+    ("still thinking when max_tokens ended it", None, ("still thinking when max_tokens ended it", "", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "tools", "expected"), OPENED, ids=range(len(OPENED)))
+def test_a_prompt_that_opened_the_thinking_makes_its_text_reasoning_until_it_closes(text, tools, expected):
+    """The text before `</think>` is reasoning, never content (no literal `</think>` in content), whether the
+    parser is made knowing it or told before the first piece (as a stream's format learns it, with the first
+    reply event)."""
+    assert summary(AnswerParser(True, tools, opened=True).parse_all(text)) == expected
+    for cuts in splits(len(text)):
+        parser, out = AnswerParser(True, tools), Parsed()
+        parser.open_thinking()
+        pieces = list(itertools.pairwise((0, *cuts, len(text))))
+        for k, (a, b) in enumerate(pieces):
+            out += parser.feed(text[a:b], final=k == len(pieces) - 1)
+        assert summary(out) == expected, cuts
+    assert summary(AnswerParser(False, tools, opened=True).parse_all("a</think>b"))[1] == "a</think>b"  # no reasoning

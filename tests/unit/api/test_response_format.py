@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest
@@ -117,3 +117,41 @@ def test_reasoning_is_its_own_output_item_before_the_message():
     assert message.type == "message" and final.output_text == "It is 4."
     kinds = [e["type"] for e in out]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+
+
+def test_a_prompt_that_opened_the_thinking_makes_the_first_text_reasoning():
+    """The first reply event says the prompt opened `<think>` (services/detokenizer): no literal `</think>` in the
+    message, whose text is what follows it."""
+    evs = events(["let me ", "see</think>\n\n", "It is 4."])
+    evs[0] = ReplyEvent(start=0, end=1, text="let me ", prompt_tokens=7, thinking=True)
+    final = Response.model_validate(run(fmt({"reasoning": "qwen3"}), evs, [1, 2])[-1]["response"])
+    reasoning, _ = final.output
+    assert reasoning.content[0].text == "let me see" and final.output_text == "It is 4."
+
+
+def test_a_tool_call_cut_by_max_output_tokens_is_not_text():
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    out = run(fmt({"tools": "hermes"}, tools=tools), events(["Let me check.\n<tool_", 'call>\n{"name": "get_w'],
+                                                           "length"), [1, 1])
+    final = Response.model_validate(out[-1]["response"])
+    assert final.status == "incomplete" and final.output_text == "Let me check.\n"
+    assert "<tool_call>" not in str(out)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "has space", "schema": {}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x" * 65, "schema": {}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+])
+def test_what_the_response_echoes_is_validated_first(body, param):
+    """Fields the Response object echoes hold what OpenAI's schema allows (else the SDK cannot read it back)."""
+    with pytest.raises(ValidationError) as e:
+        ResponseRequest.model_validate({"model": "m", "input": "hi", **body})
+    assert e.value.errors()[0]["ctx"]["error"].param == param
+    with pytest.raises(ValidationError):
+        ResponseRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"summary": "verbose"}})
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        shown = fmt(reasoning={"effort": effort, "summary": "auto"}).shown
+        Response.model_validate({**fmt().obj("completed"), "reasoning": shown["reasoning"]})

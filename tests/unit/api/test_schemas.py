@@ -102,3 +102,30 @@ def test_a_timeout_is_capped_and_each_prompt_is_a_job():
     assert all(j.deadline == pytest.approx(j.created_at + 60) for j in sub.jobs)
     assert (sub.fmt.rid, len(sub.fmt.choices), sub.label) == ("cmpl-u1", 4, "full")
     assert sub.record["echo"] == "1" and sub.record["n"] == 2 and sub.record["kind"] == "completion"
+
+
+@pytest.mark.parametrize(("fmt", "effort", "param"), [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, None, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, None, "response_format.json_schema.name"),
+    (None, "extreme", "reasoning_effort"),
+])
+def test_chat_validates_as_the_responses_api_does(fmt, effort, param):
+    """A json_schema needs its `name` and an effort is one of OpenAI's, on chat as on the Responses API."""
+    with pytest.raises((BadRequest, ValidationError)) as e:
+        ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, response_format=fmt,
+                                                  reasoning_effort=effort)).params()
+    err = e.value if isinstance(e.value, BadRequest) else e.value.errors()[0]["ctx"]["error"]
+    assert err.param == param
+
+
+def test_a_reasoning_effort_reaches_the_template_of_a_model_that_reasons():
+    body = ChatCompletionRequest.model_validate(dict(model="m", messages=MSG, reasoning_effort="low"))
+    stamp = Stamp("m", "pod", 60.0, lambda: "u1", {"reasoning_parser": "qwen3"})
+    assert body.submission(body.params(), stamp).jobs[0].chat_template_kwargs == {"reasoning_effort": "low"}
+    with pytest.raises(BadRequest) as e:  # a model whose template does not reason
+        body.submission(body.params(), Stamp("m", "pod", 60.0, lambda: "u1", {}))
+    assert e.value.param == "reasoning_effort"
+    kwargs = dict(model="m", messages=MSG, reasoning_effort="none", chat_template_kwargs={"reasoning_effort": "x"})
+    body = ChatCompletionRequest.model_validate(kwargs)  # "none" asks for nothing; the kwargs' own value wins
+    assert body.submission(body.params(), Stamp("m", "pod", 60.0, lambda: "u1", {})).jobs[0].chat_template_kwargs == \
+        {"reasoning_effort": "x"}

@@ -177,3 +177,17 @@ def test_character_the_prompt_left_unfinished(demo_tok, in_prompt, garbage):
     assert expected.startswith("🌍")
     for steps in splits(len(completion), random.Random(len(completion))):
         assert "".join(stream(demo_tok, prompt, completion, steps)[0]) == expected, steps
+
+
+def test_a_choice_s_first_range_says_whether_its_prompt_opened_the_thinking(demo_tok):
+    """The API reads an answer as reasoning until `</think>` when the prompt opened `<think>` (the demo
+    template's with enable_thinking, Qwen3-Thinking's, DeepSeek-R1's): the first range says so, from the prompt's
+    last tokens in its context; later ranges and a prompt that closed the thinking say nothing."""
+    detok = Detokenizer(demo_tok)
+    chat = [{"role": "user", "content": "Paris?"}]
+    for thinking in (True, False):
+        prompt = demo_tok.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=thinking)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        first = peer_delta(prompt, [], [5, 6], False)
+        assert detok.first_range(first).get("thinking", False) is thinking
+        assert "thinking" not in detok.first_range(peer_delta(prompt, [5, 6], [7], False))

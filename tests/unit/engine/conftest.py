@@ -14,11 +14,12 @@ def _one_thread():
 
 
 @pytest.fixture(scope="session")
-def demo_model(demo_model_dir):
-    """The demo checkpoint (Qwen3, ~1M parameters, vocab 1024), fp32."""
+def demo_model(random_model_dir):
+    """The demo checkpoint's random-weight twin (Qwen3, ~1M parameters, the demo's vocabulary), fp32: engine tests
+    compare greedy tokens with transformers' on random token ids, which only random weights keep varied."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama", "qwen2"])

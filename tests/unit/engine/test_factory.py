@@ -21,8 +21,8 @@ def _settings(**kw) -> SchedulerSettings:
     return SchedulerSettings(threads=1, max_kv_tokens=2048, page_size=8, **kw)
 
 
-def test_paged_is_the_default_and_matches_the_reference(demo_model_dir, demo_model):
-    eng = build_engine(_settings(), str(demo_model_dir))
+def test_paged_is_the_default_and_matches_the_reference(random_model_dir, demo_model):
+    eng = build_engine(_settings(), str(random_model_dir))
     assert isinstance(eng, PagedEngine) and torch.get_num_threads() == 1
     stats = eng.stats()
     assert stats["kv_total_tokens"] == 2048 and stats["total_pages"] == 256
@@ -31,8 +31,8 @@ def test_paged_is_the_default_and_matches_the_reference(demo_model_dir, demo_mod
     assert tokens(out[("a", 0)]) == hf_greedy(demo_model, p, 12)
 
 
-def test_simple_engine_still_works(demo_model_dir, demo_model):
-    eng = build_engine(_settings(engine="simple"), str(demo_model_dir))
+def test_simple_engine_still_works(random_model_dir, demo_model):
+    eng = build_engine(_settings(engine="simple"), str(random_model_dir))
     assert isinstance(eng, SimpleEngine)
     p = prompts([7], demo_model.config.vocab_size, seed=9)[0]
     eng.add(EngineRequest("a", p, greedy(8)))
@@ -42,8 +42,8 @@ def test_simple_engine_still_works(demo_model_dir, demo_model):
     assert ids == hf_greedy(demo_model, p, 8)
 
 
-def test_simple_engine_omitted_max_tokens_means_the_context(demo_model_dir):
-    eng = build_engine(_settings(engine="simple"), str(demo_model_dir))
+def test_simple_engine_omitted_max_tokens_means_the_context(random_model_dir):
+    eng = build_engine(_settings(engine="simple"), str(random_model_dir))
     assert eng.add(EngineRequest("a", [5, 6, 7], SamplingParams(temperature=0.0, ignore_eos=True))) == \
         eng.max_context - 3
     for _ in range(3):
@@ -105,11 +105,11 @@ def test_native_bf16_from_cpu_flags(tmp_path, flags, native):
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
 
 
-def test_heartbeat_says_which_dtype_auto_chose(demo_model_dir, tmp_path, monkeypatch):
+def test_heartbeat_says_which_dtype_auto_chose(random_model_dir, tmp_path, monkeypatch):
     import shutil
 
     bf16 = tmp_path / "bf16-model"
-    shutil.copytree(demo_model_dir, bf16)
+    shutil.copytree(random_model_dir, bf16)
     config = json.loads((bf16 / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (bf16 / "config.json").write_text(json.dumps(config))
@@ -120,12 +120,12 @@ def test_heartbeat_says_which_dtype_auto_chose(demo_model_dir, tmp_path, monkeyp
     assert build_engine(_settings(engine="simple", dtype="float32"), str(bf16)).stats()["dtype"] == "float32"
 
 
-def test_lora_settings_reach_the_engine_and_its_adapters_load(demo_model_dir, demo_model, tmp_path):
+def test_lora_settings_reach_the_engine_and_its_adapters_load(random_model_dir, demo_model, tmp_path):
     from services.scheduler.engine.lora import AdapterFolders
     from tests.unit.engine.util import make_adapter
 
     merged = make_adapter(demo_model, tmp_path / "a", seed=3, r=8, lora_alpha=16, target_modules=["q_proj", "up_proj"])
-    eng = build_engine(_settings(max_loras=3, max_lora_rank=8), str(demo_model_dir),
+    eng = build_engine(_settings(max_loras=3, max_lora_rank=8), str(random_model_dir),
                        adapters=AdapterFolders({"a": tmp_path / "a"}))
     assert eng.lora.max_loras == 3 and eng.lora.max_rank == 8 and eng.stats()["lora_slots"] == 3
     p = prompts([9], demo_model.config.vocab_size, seed=4)[0]

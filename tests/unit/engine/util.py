@@ -45,7 +45,8 @@ def prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # eos_token_id=[]: no stop token (None would fall back to the checkpoint's, and the demo model ends answers)
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          generation_config=cfg)
     return out[0, len(prompt):].tolist()

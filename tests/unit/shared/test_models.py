@@ -1,4 +1,5 @@
-"""What shared/models.py reads of a checkpoint folder: its sentence-transformers pooling (as vLLM reads it)."""
+"""What shared/models.py reads of a checkpoint folder: its sentence-transformers pooling (as vLLM reads it), and the
+default output budget of its generation_config.json."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from shared.models import sentence_transformers_pooling
+from shared.models import default_max_tokens, sentence_transformers_pooling
 
 
 def folder(tmp_path, pooling: dict | None, normalize: bool = True):
@@ -34,3 +35,13 @@ def test_a_folder_without_modules_says_nothing(tmp_path):
     assert sentence_transformers_pooling(str(tmp_path)) == {}
     (tmp_path / "modules.json").write_text("not json")
     assert sentence_transformers_pooling(str(tmp_path)) == {}
+
+
+def test_the_default_output_budget_is_the_setting_else_the_checkpoint_s_max_new_tokens(tmp_path, demo_model_dir):
+    assert default_max_tokens(str(demo_model_dir), None) == 256  # the demo checkpoint's generation_config.json
+    assert default_max_tokens(str(demo_model_dir), 40) == 40  # --default-max-tokens overrides it
+    assert default_max_tokens(str(demo_model_dir), 0) is None  # 0: up to the context
+    assert default_max_tokens(str(tmp_path), None) is None  # no generation_config.json
+    for config in ({"max_length": 20}, {"max_new_tokens": 0}, "not json"):
+        (tmp_path / "generation_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        assert default_max_tokens(str(tmp_path), None) is None  # max_length counts the prompt too: not a budget

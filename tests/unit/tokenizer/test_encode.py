@@ -70,6 +70,19 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+def test_an_omitted_max_tokens_becomes_the_model_s_default(demo_model_dir):
+    """As vLLM takes generation_config.json's max_new_tokens: for a request without max_tokens, while the context
+    leaves room for it (else up to the context, as before: the engine bounds it by its KV cache)."""
+    enc = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64, default_max_tokens=20)
+    short, given, at_least, long_prompt = enc.encode([
+        job(prompt="hi"), job(prompt="hi", params=SamplingParams(max_tokens=5)),
+        job(prompt="hi", params=SamplingParams(min_tokens=30)), job(input_ids=list(range(3, 50)))])
+    assert (short.params.max_tokens, given.params.max_tokens, at_least.params.max_tokens) == (20, 5, 30)
+    assert long_prompt.params.max_tokens is None  # 47 + 20 does not fit 64: what is left, as without a default
+    [unset] = PromptEncoder(enc.tokenizer, max_context=64).encode([job(prompt="hi")])
+    assert unset.params.max_tokens is None
+
+
 def test_formats_are_detected_from_the_chat_template(encoder):
     assert encoder.parsers == {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
 
@@ -100,8 +113,13 @@ def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(demo_mo
                                   job(messages=msgs, chat_template_kwargs={"enable_thinking": True},
                                       params=SamplingParams(guided=Guided("regex", "a", param="regex")))])
     ids = enc.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    assert (thinking.params.guided.think, thinking.params.guided.after) == (ids[0], [ids[1]])
+    assert (thinking.params.guided.think, thinking.params.guided.after) == (-1, [ids[1]])  # the prompt opened it
     assert regex.params.guided.after == []  # an extension's regex covers the whole answer
+    hybrid = AutoTokenizer.from_pretrained(demo_model_dir)  # Qwen3's own: the model decides whether it thinks
+    hybrid.chat_template = hybrid.chat_template.replace("{{ '<think>\\n' }}", "")
+    [decides] = PromptEncoder(hybrid, max_context=4096).encode([
+        job(messages=msgs, params=fmt, chat_template_kwargs={"enable_thinking": True})])
+    assert (decides.params.guided.think, decides.params.guided.after) == (ids[0], [ids[1]])
     [named] = enc.encode([job(messages=msgs, tools=[WEATHER], tool_choice=ToolChoice("function", "nope"))])
     assert isinstance(named, ReplyError) and named.param == "tool_choice"
 
@@ -110,7 +128,7 @@ def test_chat_template_kwargs_reach_the_template(encoder):
     msgs = [ChatMessage("user", "hi")]
     on, bad = encoder.encode([job(messages=msgs, chat_template_kwargs={"enable_thinking": True}),
                               job(messages=msgs, chat_template_kwargs={"tokenize": True})])
-    assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n")
+    assert encoder.tokenizer.decode(on.input_ids).endswith("<|im_start|>assistant\n<think>\n")
     assert isinstance(bad, ReplyError) and bad.param == "chat_template_kwargs"
 
 
