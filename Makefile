@@ -4,7 +4,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 ARGS    ?=
-PYTEST  := $(BIN)/python -m pytest -q
+# Two workers (pytest-xdist): the unit tests spread one by one, the process tiers by module (tests/conftest.py says
+# which recovery modules share one worker); the 25 slowest tests and the total end every run's output.
+PYTEST  := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 # Each set of extras installed into the venv leaves a stamp: pip runs again only when pyproject.toml is newer (or
 # the venv new). `make run` needs the runtime and the README examples' client (the `examples` extra); the test
 # targets add the `test` extra (pytest, ruff, the deploy checkers, a local S3), `make bench` the `bench` one.

@@ -1,7 +1,11 @@
-"""Fixtures every test layer shares: the demo checkpoint, made once per session."""
+"""Fixtures every test layer shares: the demo checkpoint, made once per run (shared by xdist's workers); and how
+the run is split between two workers (`make test` runs `-n 2 --dist loadgroup`)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,10 +14,44 @@ from shared.demo_model import ensure_demo_model, make_model
 from shared.redis_server import RedisServer
 from tests.support.redis_cluster import LocalCluster
 
+# The end-to-end modules that stop, freeze or kill processes or Redis and then wait for recovery within claim and
+# heartbeat timings: they run one after the other on one worker (the other worker runs everything else), so that
+# two of them never slow each other's recovery. Every other module is a group of its own: its module-scoped
+# stack is started once, on the worker that runs it.
+SERIAL = frozenset({
+    "test_chaos", "test_crash", "test_liveness", "test_poison", "test_redis_aof", "test_redis_oom",
+    "test_redis_outage", "test_shutdown", "test_abuse", "test_cluster",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group the process tiers by module for `--dist loadgroup` (before xdist reads the marks); unit tests stay
+    ungrouped, so they spread over both workers one by one."""
+    for item in items:
+        if "unit" in item.path.parts:
+            continue
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("serial" if module in SERIAL else module))
+
+
+@contextlib.contextmanager
+def run_wide(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A folder shared by every xdist worker of this run (the run's own tmp dir without xdist), held under an
+    exclusive lock: what one worker makes there, the others find made."""
+    root = tmp_path_factory.getbasetemp()
+    if root.name.startswith("popen-gw"):
+        root = root.parent
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root / name
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("models") / "rsinfer-demo")
+    """The trained demo checkpoint, trained once per run (about 17 s of CPU) whichever worker asks first."""
+    with run_wide(tmp_path_factory, "models") as folder:
+        return ensure_demo_model(folder / "rsinfer-demo")
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +60,11 @@ def random_model_dir(tmp_path_factory) -> Path:
     for tests that compare the engine with transformers token by token on random token ids. Trained weights settle
     into the few patterns they learnt there (a loop of one token, an adapter that changes nothing); random ones
     keep every such comparison sensitive."""
-    return make_model(tmp_path_factory.mktemp("random") / "rsinfer-demo", train=False)
+    with run_wide(tmp_path_factory, "random") as folder:
+        target = folder / "rsinfer-demo"
+        if not target.exists():  # made whole in a folder beside it, then renamed: never found half-written
+            make_model(folder / "partial", train=False).rename(target)
+        return target
 
 
 @pytest.fixture(scope="session")

@@ -20,11 +20,11 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # `make test-fast` le
 
 ROLES = ("tokenizer", "scheduler", "detokenizer")
 MAX_STALL_S = 4.0
-OUTAGE_S = 15.0  # well past --max-stall-s and the heartbeat TTL
+OUTAGE_S = 2 * MAX_STALL_S  # well past --max-stall-s and the heartbeat TTL (3 s, tests/support/stack.py)
 
 
-def probe(s: Stack, role: str, ready: bool = False) -> int:
-    cmd = [sys.executable, "-m", "rsinfer.cli", "healthcheck", "--role", role, "--max-stall-s", str(MAX_STALL_S)]
+def probe(s: Stack, role: str, ready: bool = False, max_stall_s: float = MAX_STALL_S) -> int:
+    cmd = [sys.executable, "-m", "rsinfer.cli", "healthcheck", "--role", role, "--max-stall-s", str(max_stall_s)]
     proc = subprocess.run(cmd + (["--ready"] if ready else []), env=s.env(RSINFER_WORKER_ID=f"{role}1"),
                           capture_output=True, text=True, timeout=60)
     return proc.returncode
@@ -57,9 +57,9 @@ def test_liveness_survives_a_redis_outage_and_a_stuck_loop_fails_it(demo_model_d
             proc = s.procs[f"{role}1"]
             proc.send_signal(signal.SIGSTOP)
             try:
-                t0 = time.monotonic()
                 wait_for(lambda r=role: probe(s, r) == 1, timeout=MAX_STALL_S + 20, every=0.2)
-                assert time.monotonic() - t0 >= MAX_STALL_S - 1.5, "failed before --max-stall-s"
+                # the stall is what fails it (not the probe or Redis): a bound it has not reached yet still passes
+                assert probe(s, role, max_stall_s=600) == 0
             finally:
                 proc.send_signal(signal.SIGCONT)
             wait_for(lambda r=role: probe(s, r) == 0, timeout=30, every=0.2)

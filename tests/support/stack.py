@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import redis
 
-from rsinfer.launcher import Launcher, api_ready, serving
+from rsinfer.launcher import Launcher, ProcessDied, api_ready, serving
 from shared.keys import Keys
 from shared.redis_server import RedisServer, free_port
 
@@ -61,6 +61,23 @@ class Stack(Launcher):
         proc = super().start(name, role, module, **extra)
         STARTED.append(proc)
         return proc
+
+    def wait_until(self, check, timeout: float, what: str = "the stack") -> None:
+        """rsinfer/launcher.py's, with the last lines of every process's log in the error: a fixture that fails to
+        start says why in the one report pytest prints for it."""
+        try:
+            super().wait_until(check, timeout, what)
+        except (ProcessDied, TimeoutError) as err:
+            raise type(err)(f"{err}\n{self.log_tails()}") from None
+
+    def log_tails(self, lines: int = 12) -> str:
+        """The last `lines` lines of each process's log, under its name."""
+        parts = []
+        for name in self.procs:
+            path = self.log_dir / f"{name}.log"
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no log)"]
+            parts.append(f"--- {name} ---\n" + "\n".join(text))
+        return "\n".join(parts)
 
     def wait_ready(self, timeout: float = 120.0, model: str | None = MODEL, api_key: str | None = None) -> None:
         """Until the API takes requests and `model` has a live worker in every stage. `/ready` alone says
