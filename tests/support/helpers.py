@@ -18,7 +18,7 @@ def wait_for(check: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout}s")
+            raise TimeoutError(f"condition not met in {timeout}s (last value {value!r})")
         time.sleep(every)
 
 
