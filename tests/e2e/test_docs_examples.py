@@ -22,6 +22,7 @@ them, against `rsinfer up` on the demo model: an example that stops working fail
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +41,9 @@ DOCS = doc_examples.doc_files(ROOT)
 BLOCK_TIMEOUT_S = 60.0
 ADDRESSES = ("localhost:8000", "127.0.0.1:8000")
 ADAPTERS = "/tmp/adapters"
+UP = f"rsinfer up --max-loras 4 --lora-roots {ADAPTERS} --lora-modules sql={ADAPTERS}/sql"  # the README's LoRA `up`
 # What a block shows it prints (a comment, or the prose before it), said by its output: (a text of the block's
-# code that finds it, texts its output has); each must still find one (test_each_output_check_finds_its_example).
+# code that finds it, texts its output has); each must still find one (test_the_checks_find_their_examples).
 OUTPUTS = [
     ('"stream": true}', ["data: [DONE]"]),
     ("/tokenize -d", ['"count"', '"tokens"']),
@@ -68,6 +70,7 @@ def adapters(tmp_path_factory, demo_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(redis_server, demo_model_dir, tmp_path_factory, adapters) -> Iterator[Stack]:
+    """UP, on this folder of adapters (test_the_checks_find_their_examples: the README still says UP)."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "docs")
     try:
         s.start("up", "up", RSINFER_MAX_LORAS="4", RSINFER_LORA_ROOTS=str(adapters),
@@ -82,6 +85,8 @@ def server(redis_server, demo_model_dir, tmp_path_factory, adapters) -> Iterator
 def user_env(tmp_path_factory, demo_model_dir) -> dict[str, str]:
     """A user's shell: the venv's `rsinfer` and `python` first on PATH, this tree's code, no RSINFER_* or
     OPENAI_* of the test run, and a cache whose demo model is the session's."""
+    missing = [tool for tool in ("bash", "curl") if shutil.which(tool) is None]
+    assert not missing, f"the examples need {' and '.join(missing)}: install them (apt-get install curl)"
     cache = tmp_path_factory.mktemp("cache")
     (cache / f"demo-model-v{DEMO_VERSION}").symlink_to(demo_model_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RSINFER_", "OPENAI_"))}
@@ -108,8 +113,11 @@ def failures(results: list[Result]) -> list[str]:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
-def test_every_example_runs_as_pasted(doc, server, adapters, user_env, tmp_path):
+def test_every_example_runs_as_pasted(doc, request, tmp_path):
     runnable = [b for b in doc_examples.blocks(doc, ROOT) if b.kind and b.not_run is None]
+    if not runnable:
+        return  # a file of prose, tables and templates needs no stack
+    server, adapters, user_env = (request.getfixturevalue(name) for name in ("server", "adapters", "user_env"))
     replacements = replaced(server, adapters)
     with doc_examples.Runner(tmp_path, user_env, BLOCK_TIMEOUT_S) as runner:
         results = [runner.run(b, doc_examples.localize(b.code, replacements)) for b in runnable]
@@ -119,6 +127,9 @@ def test_every_example_runs_as_pasted(doc, server, adapters, user_env, tmp_path)
     assert not bad, f"{len(bad)} of {len(results)} examples of {doc.name} fail:\n" + "\n".join(bad)
 
 
-def test_each_output_check_finds_its_example():
-    code = [b.code for doc in DOCS for b in doc_examples.blocks(doc, ROOT) if b.kind and b.not_run is None]
+def test_the_checks_find_their_examples():
+    """Each OUTPUTS check still finds the example it checks, and the docs still start the server as UP."""
+    found = [b for doc in DOCS for b in doc_examples.blocks(doc, ROOT) if b.kind]
+    code = [b.code for b in found if b.not_run is None]
     assert not [needle for needle, _ in OUTPUTS if not any(needle in c for c in code)]
+    assert any(b.not_run and UP in b.code for b in found), f"no example starts `{UP}` any more"
