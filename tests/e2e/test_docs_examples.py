@@ -34,7 +34,7 @@ from tests.support import doc_examples
 from tests.support.doc_examples import Result
 from tests.support.stack import Stack, new_stack
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the session's demo model and a stack may start here, on a loaded machine
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = doc_examples.doc_files(ROOT)
