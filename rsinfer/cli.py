@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
+    adapter = sub.add_parser("demo-adapter", allow_abbrev=False,
+                             help="write a random PEFT LoRA adapter of the demo model (or --model) to each DIR")
+    adapter.add_argument("dir", nargs="+", help="one folder per adapter, each of its own weights (seed, seed+1...)")
+    adapter.add_argument("--model", default=None, help="the base checkpoint's folder (default: the demo model)")
+    adapter.add_argument("--rank", type=int, default=8, help="the adapter's rank (r); lora_alpha is twice it")
+    adapter.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"], metavar="PROJ",
+                         help="the projections it adapts, in every layer")
+    adapter.add_argument("--seed", type=int, default=0)
+
     insp = sub.add_parser("inspect", help="in-flight requests and stage backlogs, read from Redis",
                           allow_abbrev=False, usage="%(prog)s [uid] [--watch [SECONDS]] [--all] [--port PORT] [flags]")
     insp.add_argument("uid", nargs="?", help="show this request's record instead")
@@ -149,6 +158,18 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_adapter(args: argparse.Namespace) -> int:
+    from shared.demo_adapter import make_adapter
+
+    try:
+        for k, out in enumerate(args.dir):
+            print(make_adapter(out, args.model, rank=args.rank, targets=args.targets, seed=args.seed + k))
+    except (ValueError, OSError) as e:
+        print(f"rsinfer demo-adapter: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rsinfer.bench import run_bench
 
@@ -247,8 +268,8 @@ def _next_to_up(cls: type, args: argparse.Namespace) -> tuple[Any, dict | None]:
 
 
 TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo-model": _demo_model, "bench": _bench, "asyncapi": _asyncapi, "drain": _drain, "hash-key": _hash_key,
-    "healthcheck": _healthcheck, "inspect": _inspect,
+    "demo-model": _demo_model, "demo-adapter": _demo_adapter, "bench": _bench, "asyncapi": _asyncapi,
+    "drain": _drain, "hash-key": _hash_key, "healthcheck": _healthcheck, "inspect": _inspect,
 }
 
 

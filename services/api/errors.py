@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest
+from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return str(ctx_error), ctx_error.param
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     where = ".".join(loc)
+    if isinstance(ctx_error, ShapeError):  # a union field: one sentence, not an error per member of the union
+        return f"`{where}` must be {ctx_error.shapes}", (loc[0] if loc else None)
     return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
 

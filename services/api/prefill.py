@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from services.api.errors import ApiError
 from services.api.formats import Counts, Format, Head
-from services.api.schemas import FORBID, BadRequest, Budget, Stamp, Submission, submission
+from services.api.schemas import FORBID, TOKEN_PROMPTS, BadRequest, Budget, Stamp, Submission, one_of, submission
 from shared.messages import Pooling, ReplyEvent, SamplingParams
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class PrefillBody(BaseModel):
 
 class EmbeddingRequest(PrefillBody):
     model: str = Field(min_length=1)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], one_of(TOKEN_PROMPTS)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
@@ -151,8 +151,9 @@ class ScoreRequest(PrefillBody):
     each item (text joined as text, token ids as ids; the item first with `item_first`)."""
 
     model: str | None = None
-    query: str | list[int] | None = None
-    items: str | list[str] | list[list[int]] | None = None
+    query: Annotated[str | list[int] | None, one_of("a string or a list of token ids")] = None
+    items: Annotated[str | list[str] | list[list[int]] | None, one_of(
+        "a string, a list of strings or a list of lists of token ids")] = None
     label_token_ids: list[int] | None = None
     apply_softmax: bool = False
     item_first: bool = False

@@ -24,6 +24,7 @@ from services.api.schemas import (
     Submission,
     check_effort,
     check_schema_name,
+    one_of,
     refuse_unless,
     response_format_constraint,
     submission,
@@ -121,13 +122,14 @@ class ResponseRequest(BaseModel):
 
     model_config = FORBID
     model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], one_of("a string or a list of input items (objects)")]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedFunction | None, one_of(
+        '"none", "auto", "required" or {"type": "function", "name": ...}')] = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     reasoning: Reasoning | None = None

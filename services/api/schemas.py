@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_validator
 
 from services.api.formats import ChatFormat, CompletionFormat, Format, GenerateFormat, Head
 from shared.messages import ChatMessage, Guided, SamplingParams, TokenizeJob, ToolChoice
@@ -88,6 +88,39 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ShapeError(ValueError):
+    """A union field given a value of none of its shapes: the refusal is one sentence naming the field and what it
+    takes (services/api/errors.py adds the field's place in the body)."""
+
+    def __init__(self, shapes: str):
+        super().__init__(f"must be {shapes}")
+        self.shapes = shapes
+
+
+def one_of(shapes: str) -> WrapValidator:
+    """The validator of a union field (`Annotated[A | B, one_of("a string or ...")]`): a value of none of its
+    types is refused with one sentence, "`prompt` must be a string, a list of strings, ...", instead of pydantic's
+    error per member ("prompt.str: Input should be a valid string"). A member's own check (a BadRequest) still
+    speaks for itself. tests/unit/api/test_union_fields.py checks that every union field of a body has one."""
+
+    def validate(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            for error in e.errors():
+                if isinstance(own := (error.get("ctx") or {}).get("error"), BadRequest):
+                    raise own from None
+            raise ShapeError(shapes) from None
+
+    validate.shapes = shapes  # type: ignore[attr-defined]
+    return WrapValidator(validate)
+
+
+TOKEN_PROMPTS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+SCHEMA_SHAPES = "a JSON schema: an object, or its JSON text"
+STRINGS = "a string or a list of strings"
 
 
 def schema_text(value: dict[str, Any] | str, param: str) -> str:
@@ -230,7 +263,7 @@ class TextPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = FORBID
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: Annotated[str | dict[str, Any], one_of("a string of JSON or an object")] = "{}"
 
 
 class ToolCall(BaseModel):
@@ -270,7 +303,8 @@ class NamedToolChoice(BaseModel):
 class Message(BaseModel):
     model_config = FORBID
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, one_of(
+        'a string or a list of content parts ({"type": "text", "text": ...})')] = None
     name: str | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
@@ -310,7 +344,7 @@ class SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None  # 0 is greedy
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, one_of(STRINGS)] = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -329,9 +363,9 @@ class SamplingFields(BaseModel):
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower first (vLLM's order)
     # Structured outputs (SGLang: regex, json, ebnf; vLLM: guided_*): the answer follows the constraint.
     regex: str | None = None
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: Annotated[dict[str, Any] | str | None, one_of(SCHEMA_SHAPES)] = Field(None, alias="json")
     ebnf: str | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: Annotated[dict[str, Any] | str | None, one_of(SCHEMA_SHAPES)] = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
@@ -418,7 +452,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, one_of(
+        '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')] = None
     parallel_tool_calls: bool | None = None  # no effect without tools, as with OpenAI
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -546,7 +581,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # null or omitted: OpenAI's default prompt, `<|endoftext|>` (the tokenizer's bos or eos text without it)
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]] | None, one_of(TOKEN_PROMPTS)] = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
