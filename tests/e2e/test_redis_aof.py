@@ -48,38 +48,42 @@ async def through_a_restart(s: Stack, server: RedisServer, jobs: list[Job], outa
     began = time.monotonic()
     await asyncio.to_thread(server.stop)
     in_flight = sum(not o.done for o in clients.outcomes)
-    await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))
+    await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - began)))  # the outage itself is the scenario
     server.start(timeout=30)  # from this thread (RedisServer.start says why)
     outage = time.monotonic() - began
     return list(await asyncio.gather(*tasks)), in_flight, lengths, outage
 
 
-@pytest.mark.parametrize("outage_s", [1.0, 4.0])
-def test_in_flight_requests_survive_a_redis_restart_with_its_data(aof_redis, demo_model_dir, tmp_path_factory,
-                                                                  outage_s):
+def test_in_flight_requests_survive_redis_restarts_with_their_data(aof_redis, demo_model_dir, tmp_path_factory):
+    """A short restart, then a long one (past the heartbeat TTL, tests/support/stack.py), on the same stack."""
     s = new_stack(aof_redis, demo_model_dir, tmp_path_factory, "aof")
     try:
         start_pipeline(s)
         jobs = [Job(key=900 + i, kind="greedy", n=1, max_tokens=m, api=0, background=False, timeout=120)
                 for i, m in enumerate((150, 300, 600, 900, 1200, 1400))]
         expected = asyncio.run(reference_texts(s.base_url, jobs))
-        outcomes, in_flight, lengths, outage = asyncio.run(through_a_restart(s, aof_redis, jobs, outage_s))
-        assert in_flight >= 3, "the requests ended before Redis went away: nothing was tested"
-
-        r = s.redis()
-        assert all(r.xlen(s.keys.reply(uid)) >= n for uid, n in lengths.items()), "the reply streams were lost"
-        assert [(o.errors, o.finish) for o in outcomes] == [([], ["length"])] * len(jobs), f"{outage:.1f}s outage"
-        assert [o.texts for o in outcomes] == [expected[j.key] for j in jobs]
-        records = [r.hgetall(s.keys.request(o.uid)) for o in outcomes]
-        assert all(rec["status"] == "finished" for rec in records), records
-        wait_for(lambda: engines_idle(s), timeout=15)
-
-        def pending() -> dict[str, int]:
-            return {role: r.xpending(s.keys.stage_stream(role, MODEL), role)["pending"] for role in STAGES}
-
-        with contextlib.suppress(TimeoutError):  # an entry whose delivery the restart cut waits for a claim
-            wait_for(lambda: not any(pending().values()), timeout=10)
-        assert not any(pending().values()), (pending(), {role: r.xpending_range(
-            s.keys.stage_stream(role, MODEL), role, "-", "+", 10) for role in STAGES})
+        for outage_s in (1.0, 4.0):
+            check_a_restart(s, aof_redis, jobs, expected, outage_s)
     finally:
         s.stop()
+
+
+def check_a_restart(s: Stack, server: RedisServer, jobs: list[Job], expected: dict, outage_s: float) -> None:
+    outcomes, in_flight, lengths, outage = asyncio.run(through_a_restart(s, server, jobs, outage_s))
+    assert in_flight >= 3, "the requests ended before Redis went away: nothing was tested"
+
+    r = s.redis()
+    assert all(r.xlen(s.keys.reply(uid)) >= n for uid, n in lengths.items()), "the reply streams were lost"
+    assert [(o.errors, o.finish) for o in outcomes] == [([], ["length"])] * len(jobs), f"{outage:.1f}s outage"
+    assert [o.texts for o in outcomes] == [expected[j.key] for j in jobs]
+    records = [r.hgetall(s.keys.request(o.uid)) for o in outcomes]
+    assert all(rec["status"] == "finished" for rec in records), records
+    wait_for(lambda: engines_idle(s), timeout=15)
+
+    def pending() -> dict[str, int]:
+        return {role: r.xpending(s.keys.stage_stream(role, MODEL), role)["pending"] for role in STAGES}
+
+    with contextlib.suppress(TimeoutError):  # an entry whose delivery the restart cut waits for a claim
+        wait_for(lambda: not any(pending().values()), timeout=10)
+    assert not any(pending().values()), (pending(), {role: r.xpending_range(
+        s.keys.stage_stream(role, MODEL), role, "-", "+", 10) for role in STAGES})
