@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from rsinfer.launcher import serving
-from tests.support.helpers import wait_for, workers
+from tests.support.helpers import wait_for
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
 
 pytestmark = pytest.mark.timeout(180)
@@ -115,8 +115,8 @@ def test_backlog_limit_applies_with_no_worker(lone_api):
 
 @pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
 def test_request_waits_for_workers_started_later(lone_api, fair):
-    """A streaming request for a model at zero; its three stages start 5 s later: it completes with the text
-    of an undisturbed run, its first token about when the last stage came up (TTFT = the start-up time).
+    """A streaming request for a model at zero waits in the model's stream; its three stages start once it is
+    queued there: it completes with the text of an undisturbed run, its first token after they came up.
     fair: the tokenizer with --fair-queueing, so the job is held and released to the schedule stream."""
     s = lone_api
     env = {**LIFECYCLE_ENV, **({"RSINFER_FAIR_QUEUEING": "true"} if fair else {})}
@@ -135,21 +135,17 @@ def test_request_waits_for_workers_started_later(lone_api, fair):
         except Exception as e:  # reported by the assertions below
             got["error"] = e
 
-    t0 = time.monotonic()
     client = threading.Thread(target=stream)
     client.start()
-    time.sleep(START_DELAY_S)
+    wait_for(lambda: lag(s, "tokenizer") == 1, timeout=30, every=0.1)  # taken, and waiting for a tokenizer
     assert client.is_alive() and got["first_at"] is None, got
+    started_at = time.monotonic()
     for role in STAGES:
         s.start(f"{role}1", role, **env)
-    up_at = wait_for(lambda: all(workers(s, role) for role in STAGES) and time.monotonic(), timeout=120,
-                     every=0.05)
-    client.join(60)
+    client.join(120)
     assert not client.is_alive() and got["error"] is None, got
     assert got["finish"] == "length" and got["text"]
-    ttft, startup = got["first_at"] - t0, up_at - t0
-    assert ttft >= START_DELAY_S
-    assert ttft - startup < 3.0, f"first token {ttft:.1f}s after the request, stages up at {startup:.1f}s"
+    assert got["first_at"] > started_at  # nothing came before a worker did
 
     wait_for(lambda: serving(s.base_url, MODEL), timeout=10)
     undisturbed = s.client().chat.completions.create(**params)
