@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 
 import httpx
 import pytest
@@ -51,19 +50,22 @@ def test_a_killed_schedulers_requests_are_resumed_long_before_its_claim_idle(red
     with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "gone", **env) as s:
         s.start("scheduler2", "scheduler", **{**LIFECYCLE_ENV, **env})
         wait_for(lambda: len(live_names(s, "scheduler")) == 2, timeout=60)
-        bodies = [body(i, 800) for i in range(70, 76)]
+        bodies = [body(i, 400) for i in range(70, 76)]
         expected = reference(s, bodies)
         runs = [Streamer(s.base_url, b) for b in bodies]
         wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=30)
         owner = s.redis().hget(s.keys.request(runs[0].uid), "scheduler").partition("@")[0]
         victims = [r for r in runs if s.redis().hget(s.keys.request(r.uid), "scheduler").startswith(f"{owner}@")]
-        killed_at = time.monotonic()
         s.kill(owner)
+
+        def taken_over() -> bool:  # by the peer: each victim's record names it (the claim rewrites the field)
+            return all(not s.redis().hget(s.keys.request(r.uid), "scheduler").startswith(f"{owner}@")
+                       for r in victims)
+
+        wait_for(taken_over, timeout=20)  # well inside the 30 s claim idle, whatever the machine's load
         assert [r.result() for r in runs] == expected
-        assert time.monotonic() - killed_at < 20
         records = [s.redis().hgetall(s.keys.request(r.uid)) for r in victims]
-        assert all(not rec["scheduler"].startswith(f"{owner}@") and rec["status"] == "finished" for rec in records), \
-            records
+        assert all(rec["status"] == "finished" for rec in records), records
 
 
 def test_a_constrained_request_resumed_by_a_peer_keeps_its_grammar_state(pipeline):
