@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 # Two workers (pytest-xdist): the unit tests spread one by one, the process tiers by module (tests/conftest.py says
 # which recovery modules share one worker); the 25 slowest tests and the total end every run's output.
-PYTEST  := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+PYTEST  := $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 # Each set of extras installed into the venv leaves a stamp: pip runs again only when pyproject.toml is newer (or
 # the venv new). `make run` needs the runtime and the README examples' client (the `examples` extra); the test
 # targets add the `test` extra (pytest, ruff, the deploy checkers, a local S3), `make bench` the `bench` one.
@@ -14,7 +14,7 @@ STAMP       := $(VENV)/.installed
 TEST_STAMP  := $(VENV)/.installed-test
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install install-test redis run test test-fast test-unit test-e2e test-deploy lint bench clean
+.PHONY: install install-test redis run test test-fast test-unit test-e2e test-deploy coverage lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,11 @@ test-e2e: install-test
 
 test-deploy: install-test
 	$(PYTEST) tests/deploy $(ARGS)
+
+# The suite's line coverage of services/, shared/ and rsinfer/ (worker processes included): a table at the end.
+coverage: install-test
+	rm -f .coverage .coverage.*
+	$(PYTEST) --cov --cov-report=term:skip-covered --cov-report=json:coverage.json $(ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .
