@@ -106,8 +106,9 @@ def _name(requirement: str) -> str:
 def test_make_test_is_ruff_then_the_whole_suite(project: Path):
     calls = make(project, "test")
     runs = [c for c in calls if c.startswith(("ruff", "python -m pytest"))]
-    assert runs == ["ruff check .", "python -m pytest -q"]
-    assert [c for c in make(project, "test-fast") if "pytest" in c] == ["python -m pytest -q -m not slow"]
+    pytest = "python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25"
+    assert runs == ["ruff check .", pytest]
+    assert [c for c in make(project, "test-fast") if "pytest" in c] == [f"{pytest} -m not slow"]
 
 
 def test_the_tiers_cover_every_folder_of_tests():
