@@ -14,8 +14,8 @@ TEXT = "你好，世界 🌍 KV Cache 是什么？ Hello world 🚀🤖 ok."
 
 
 @pytest.fixture(scope="module")
-def demo_tok(demo_model_dir):
-    return AutoTokenizer.from_pretrained(demo_model_dir)
+def demo_tok(random_model_dir):
+    return AutoTokenizer.from_pretrained(random_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -21,21 +21,21 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def make(redis_server, demo_model_dir):
+async def make(redis_server, random_model_dir):
     namespace = f"rec{uuid.uuid4().hex[:6]}"
     workers = []
 
     async def make(name: str, **kw):
         settings = SchedulerSettings(redis_url=redis_server.url, namespace=namespace, worker_id=name,
                                      engine="synthetic", step_ms=0, claim_idle_ms=200, **kw)
-        w = await build_worker(settings, str(demo_model_dir), "demo")
+        w = await build_worker(settings, str(random_model_dir), "demo")
         await w.source.ensure_group()
         workers.append(w)
         return w
 
     def detokenizer(**kw) -> DetokenizerWorker:
         settings = DetokenizerSettings(redis_url=redis_server.url, namespace=namespace, worker_id="detok", **kw)
-        w = DetokenizerWorker(settings, str(demo_model_dir), "demo")
+        w = DetokenizerWorker(settings, str(random_model_dir), "demo")
         workers.append(w)
         return w
 

@@ -19,8 +19,8 @@ BASE = dict(uid="u", model="m", pod="p", created_at=0.0, deadline=1e12)
 
 
 @pytest.fixture(scope="module")
-def demo(demo_model_dir) -> PromptEncoder:
-    return PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64)
+def demo(random_model_dir) -> PromptEncoder:
+    return PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=64)
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def worker(redis_server, demo_model_dir):
+async def worker(redis_server, random_model_dir):
     settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
                                  claim_idle_ms=1000)
-    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    w = TokenizerWorker(settings, str(random_model_dir), "demo")
     await w.source.ensure_group()
     yield w
     await w.close()
@@ -139,10 +139,10 @@ async def test_a_claimed_query_already_answered_is_not_answered_again(worker):
 
 
 @pytest.fixture
-async def fair_worker(redis_server, demo_model_dir):
+async def fair_worker(redis_server, random_model_dir):
     settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
                                  claim_idle_ms=1000, fair_queueing=True, fair_watermark=2)
-    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    w = TokenizerWorker(settings, str(random_model_dir), "demo")
     await w.source.ensure_group()
     await w.redis.xgroup_create(w.keys.schedule("demo"), "scheduler", id="0", mkstream=True)
     yield w
