@@ -18,13 +18,6 @@ def demo_tok(random_model_dir):
     return AutoTokenizer.from_pretrained(random_model_dir)
 
 
-@pytest.fixture(scope="module")
-def qwen_tok():
-    from shared.demo_model import _qwen_tokenizer
-
-    return _qwen_tokenizer()
-
-
 def stream_text(tok, ids, step_sizes, stops=(), window=8):
     """Feed ids in steps, each rendered only from a window before it, like separate replicas would."""
     detok, out, i, chunks = Detokenizer(tok), "", 0, []
