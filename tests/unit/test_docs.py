@@ -4,6 +4,7 @@ docstring cites exists in the repository, and every Redis key builder and messag
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import re
@@ -30,16 +31,24 @@ NOT_KEY_BUILDERS = {"uid_of_request_key", "stage_stream", "routing_tag", "fair_t
 PLACEHOLDER = {"worker_id": "id"}
 
 
-def prose(path: Path) -> list[str]:
-    """The comments and docstrings of one Python file."""
+@functools.cache
+def parsed(path: Path) -> tuple[str, ast.Module]:
+    """One Python file's text and tree, read once for all the checks here."""
     source = path.read_text()
+    return source, ast.parse(source)
+
+
+@functools.cache
+def prose(path: Path) -> tuple[str, ...]:
+    """The comments and docstrings of one Python file."""
+    source, tree = parsed(path)
     out = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             doc = ast.get_docstring(node, clean=False)
             if doc:
                 out.append(doc)
-    return out
+    return tuple(out)
 
 
 def citations() -> list[tuple[str, str]]:
@@ -127,7 +136,7 @@ def record_fields_written() -> set[str]:
     fields = {"status", "updated_at"}
     for top in ("services", "shared"):
         for path in (ROOT / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parsed(path)[1]):
                 name = getattr(node, "func", None)
                 if isinstance(node, ast.Call) and getattr(name, "attr", getattr(name, "id", "")) == "set_status":
                     fields |= {k.arg for k in node.keywords if k.arg is not None}

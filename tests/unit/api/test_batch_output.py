@@ -7,6 +7,7 @@ import asyncio
 
 from services.api.batch_output import READ_AHEAD, delete_results, ordered_rows, result_key, stored_results
 from shared.storage import LocalStore
+from tests.support.helpers import async_wait_for
 
 
 class CountingStore(LocalStore):
@@ -15,6 +16,7 @@ class CountingStore(LocalStore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reading = self.most = self.reads = 0
+        self.held: set[str] = set()  # keys whose reads never end unless cancelled
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         self.reading += 1
@@ -22,6 +24,8 @@ class CountingStore(LocalStore):
         self.most = max(self.most, self.reading)
         try:
             await asyncio.sleep(0)
+            if key in self.held:
+                await asyncio.Event().wait()
             return await super().get(key, max_bytes=max_bytes)
         finally:
             self.reading -= 1
@@ -62,9 +66,10 @@ async def test_a_writer_that_stops_early_cancels_what_it_read_ahead(tmp_path):
     store = CountingStore(tmp_path / "store", max_bytes=1 << 30, cache_dir=tmp_path / "cache")
     for k in range(40):
         await store.put(result_key("b2", k, True), b"x" * 100 + b"\n")
+    store.held = {result_key("b2", k, True) for k in range(1, 40)}
     rows = ordered_rows(store, [result_key("b2", k, True) for k in range(40)])
     assert len(await anext(rows)) == 101
+    assert store.reading > 0  # reads ahead, held
     await rows.aclose()
-    await asyncio.sleep(0.05)
-    assert store.reading == 0
+    await async_wait_for(lambda: store.reading == 0, 5, 0.01)  # they end only when cancelled
     await store.close()

@@ -3,7 +3,6 @@ the 429's headers, a lease that lives as long as its request, the slots of a cra
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from types import SimpleNamespace
@@ -168,16 +167,27 @@ async def test_a_just_admitted_slot_is_not_reaped_before_its_record_is_written(q
     await admit(quotas, t)  # a minute without a record: its request is gone
 
 
+async def elapse(quotas: Quotas, t: Tenant, seconds: float) -> None:
+    """`seconds` pass for the tenant's slots: each slot's expiry (its score, compared with Redis's clock) moves
+    back by as much, so that no test waits out a lease."""
+    slots = quotas.keys.quota_slots(t.name)
+    for member, expiry in await quotas.redis.zrange(slots, 0, -1, withscores=True):
+        await quotas.redis.zadd(slots, {member: expiry - seconds}, xx=True)
+
+
 async def test_a_handlers_slot_expires_unless_its_process_refreshes_it(quotas):
     t = tenant(max_concurrent=1)
     await quotas.admit(t)  # a handler's lease of a process that crashed
     quotas.leases.clear()
     with pytest.raises(ApiError):
         await quotas.admit(t)
-    await asyncio.sleep(3.2)  # --quota-lease-s 3
+    await elapse(quotas, t, 2.5)
+    with pytest.raises(ApiError):
+        await quotas.admit(t)  # within its lease (--quota-lease-s 3)
+    await elapse(quotas, t, 0.7)
     live = await quotas.admit(t)
     for _ in range(5):  # past the lease, refreshed meanwhile
-        await asyncio.sleep(0.8)
+        await elapse(quotas, t, 0.8)
         await quotas.watch()
     with pytest.raises(ApiError):
         await quotas.admit(t)

@@ -13,6 +13,7 @@ from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode
 from shared.redis_conn import connect
+from tests.support.helpers import async_wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,8 +64,8 @@ async def test_slow_reader_is_paused_not_buffered(hub_env):
     sub = await subscribe(hub, "slow")
     for i in range(100):
         await streams.add(redis, keys.reply("slow"), event(i))
-    await asyncio.sleep(0.5)
-    assert sub.paused and sub.queue.qsize() < 2 * 16  # the rest waits in Redis, not in this process
+    await async_wait_for(lambda: sub.paused)  # from then on nothing more is delivered to it
+    assert sub.queue.qsize() < 2 * 16  # the rest waits in Redis, not in this process
     got = [decode((await asyncio.wait_for(sub.get(), 5))[1], ReplyEvent).start for _ in range(100)]
     assert got == list(range(100))
 

@@ -64,7 +64,7 @@ async def test_a_failing_stream_is_one_log_line_with_the_uid(caplog):
         sent.append(message)
 
     async def receive():
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # a client that stays connected (the stream's end cancels this)
         return {"type": "http.disconnect"}
 
     caplog.set_level(logging.DEBUG)

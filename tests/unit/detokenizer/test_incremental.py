@@ -14,15 +14,8 @@ TEXT = "你好，世界 🌍 KV Cache 是什么？ Hello world 🚀🤖 ok."
 
 
 @pytest.fixture(scope="module")
-def demo_tok(demo_model_dir):
-    return AutoTokenizer.from_pretrained(demo_model_dir)
-
-
-@pytest.fixture(scope="module")
-def qwen_tok():
-    from shared.demo_model import _qwen_tokenizer
-
-    return _qwen_tokenizer()
+def demo_tok(random_model_dir):
+    return AutoTokenizer.from_pretrained(random_model_dir)
 
 
 def stream_text(tok, ids, step_sizes, stops=(), window=8):

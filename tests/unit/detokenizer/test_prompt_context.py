@@ -129,8 +129,8 @@ def test_scheduler_context_is_bounded_and_starts_with_the_prompt_tail():
 
 
 @pytest.fixture(scope="module")
-def demo_tok(demo_model_dir):
-    return AutoTokenizer.from_pretrained(demo_model_dir)
+def demo_tok(random_model_dir):
+    return AutoTokenizer.from_pretrained(random_model_dir)
 
 
 @pytest.mark.parametrize("seed", range(20))

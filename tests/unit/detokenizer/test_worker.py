@@ -16,9 +16,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-async def worker(redis_server, demo_model_dir):
+async def worker(redis_server, random_model_dir):
     settings = DetokenizerSettings(redis_url=redis_server.url, namespace=f"d{uuid.uuid4().hex[:8]}", worker_id="d1")
-    w = DetokenizerWorker(settings, str(demo_model_dir), "demo")
+    w = DetokenizerWorker(settings, str(random_model_dir), "demo")
     yield w
     await w.close()
 
@@ -57,13 +57,14 @@ async def test_a_successors_steps_after_a_taken_over_schedulers_end_still_render
     assert [(e.start, e.epoch) for e in (decode(f[FIELD], ReplyEvent) for _, f in entries)] == [(2, 1)]
 
 
-async def test_a_replica_that_never_saw_the_first_delta_reads_the_stop_strings_from_the_record(worker, demo_model_dir):
+async def test_a_replica_that_never_saw_the_first_delta_reads_the_stop_strings_from_the_record(worker,
+                                                                                              random_model_dir):
     """Stop strings travel on a choice's first delta only; a replica that gets a later one (a peer rendered the
     first, it restarted, or a successor resumed the request) reads them from the record the scheduler wrote,
     with one round trip per read, then keeps them: it cuts the text where any replica would."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
     ids = tok.encode("hello world, and more", add_special_tokens=False)
     cut = len(tok.encode("hello", add_special_tokens=False))
     await worker.redis.hset(worker.keys.request("u"), mapping={"stop": '["world"]', "status": "running"})

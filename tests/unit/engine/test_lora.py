@@ -419,7 +419,7 @@ def test_adapter_source_folders(tmp_path):
         src.fetch("y")
 
 
-def test_a_constrained_request_waits_for_both_its_grammar_and_its_adapter(demo_model, demo_model_dir, adapters):
+def test_a_constrained_request_waits_for_both_its_grammar_and_its_adapter(demo_model, random_model_dir, adapters):
     """Structured output with an adapter: it runs once both are ready, and its text matches the regex."""
     import re
 
@@ -428,10 +428,10 @@ def test_a_constrained_request_waits_for_both_its_grammar_and_its_adapter(demo_m
 
     source = GatedSource({"chat": adapters["chat"][0]})
     eng = _engine(demo_model, source)
-    eng.grammars = GrammarCache(str(demo_model_dir), demo_model.config.vocab_size, set())
+    eng.grammars = GrammarCache(str(random_model_dir), demo_model.config.vocab_size, set())
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
     params = SamplingParams(max_tokens=12, temperature=0.0, guided=Guided("regex", "[a-z]{3} [0-9]{2}"))
     eng.add(EngineRequest("g", tok("Hi")["input_ids"], params, adapter="chat"))
     eng.add(EngineRequest("g-base", tok("Hi")["input_ids"], params))

@@ -67,14 +67,14 @@ def test_flashinfer_split_matches_torch_parts():
     assert dec.mask[1, 0, 0].tolist() == [True] * 4 + [False] * 2
 
 
-def test_cpu_engine_never_imports_flashinfer(demo_model_dir):
+def test_cpu_engine_never_imports_flashinfer(random_model_dir):
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
         "from services.scheduler.engine.paged import EngineConfig, PagedEngine\n"
         "from services.scheduler.engine.base import EngineRequest\n"
         "from shared.messages import SamplingParams\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(demo_model_dir)!r})\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(random_model_dir)!r})\n"
         "e = PagedEngine(m, set(), EngineConfig(num_pages=32))\n"
         "e.add(EngineRequest('a', [1, 2, 3], SamplingParams(max_tokens=2)))\n"
         "while e.has_work(): e.step()\n"

@@ -128,14 +128,14 @@ def test_preemption_withdraws_tokens_in_flight(model):
     assert runs[0] == runs[1]
 
 
-def test_grammar_rows_wait_for_their_token(demo_model, demo_model_dir):
+def test_grammar_rows_wait_for_their_token(demo_model, random_model_dir):
     """A constrained row's mask needs the tokens so far on the host: its steps do not overlap, and the text
     is what synchronous steps produce."""
     from transformers import AutoTokenizer
 
     from services.scheduler.engine.grammar import GrammarCache
 
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     schema = {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}}, "required": ["c"],
               "additionalProperties": False}
@@ -143,7 +143,7 @@ def test_grammar_rows_wait_for_their_token(demo_model, demo_model_dir):
     runs = []
     for overlap in (False, True):
         eng = engine(clone_model(demo_model), eos=eos, overlap=overlap, num_pages=128)
-        eng.grammars = GrammarCache(str(demo_model_dir), demo_model.config.vocab_size, eos)
+        eng.grammars = GrammarCache(str(random_model_dir), demo_model.config.vocab_size, eos)
         ids = tok("Hi")["input_ids"]
         arrivals = {0: [EngineRequest("j", ids, SamplingParams(max_tokens=40, temperature=1.0, seed=2, guided=guided)),
                         EngineRequest("free", ids, SamplingParams(max_tokens=30, temperature=1.0, seed=4))]}

@@ -208,16 +208,16 @@ def test_refusals(kw, param, code):
     assert not eng.has_work()
 
 
-def test_factory_builds_it_from_config_and_tokenizer_without_weights(demo_model_dir, monkeypatch):
+def test_factory_builds_it_from_config_and_tokenizer_without_weights(random_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def no_weights(*a, **k):
         raise AssertionError("the synthetic engine must not load weights")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
-    eng = build_engine(SchedulerSettings(engine="synthetic", step_ms=0, max_running=7), str(demo_model_dir))
+    eng = build_engine(SchedulerSettings(engine="synthetic", step_ms=0, max_running=7), str(random_model_dir))
     assert isinstance(eng, SyntheticEngine) and eng.max_running == 7 and eng.step_s == 0
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
     special = set(tok.all_special_ids)
     assert special and not special & set(eng.vocab) and len(eng.vocab) > 900
     assert eng.stats()["engine"] == "synthetic"

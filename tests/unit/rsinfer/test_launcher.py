@@ -15,6 +15,7 @@ from typing import ClassVar
 import pytest
 
 from rsinfer.launcher import Launcher, ProcessDied, serving
+from tests.support.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,9 +62,7 @@ def test_stop_terminates_newest_first_and_kills_what_does_not_stop(tmp_path: Pat
     try:
         first = stack.start("first", "0", module="http.server")
         second = stack.start("second", "x", module="stubborn")
-        deadline = time.monotonic() + 20
-        while "up" not in (tmp_path / "second.log").read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: "up" in (tmp_path / "second.log").read_text(), 20, 0.05)
         began = time.monotonic()
         stack.stop(grace=1.0)
         assert time.monotonic() - began < 10
@@ -123,15 +122,11 @@ def test_with_groups_of_their_own_a_kill_reaches_the_grandchildren(tmp_path: Pat
                       "print(child.pid, flush=True)\ntime.sleep(60)\n")
     stack = Launcher(log_dir=tmp_path, own_groups=True, die_with_parent=False, cwd=tmp_path)
     stack.start("parent", "x", module="parent")
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "parent.log").read_text().strip() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: (tmp_path / "parent.log").read_text().strip(), 20, 0.05)
     grandchild = int((tmp_path / "parent.log").read_text().split()[0])
     stack.kill("parent")
-    deadline = time.monotonic() + 10
-    while _alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(grandchild) and stack.procs == {}
+    wait_for(lambda: not _alive(grandchild), 10, 0.05)
+    assert stack.procs == {}
 
 
 def _alive(pid: int) -> bool:

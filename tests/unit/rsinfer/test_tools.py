@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from rsinfer import tools
 from rsinfer.cli import build_parser
 from rsinfer.tools import inspect, redacted, worker_tables
 from shared.redis_server import free_port
@@ -74,13 +75,27 @@ def test_the_cli_says_one_line_too():
     assert out.returncode == 1 and out.stderr == "" and len(out.stdout.splitlines()) == 1, out
 
 
-def test_watch_redraws_until_stopped(redis_server, capsys):
+def test_watch_redraws_until_stopped(redis_server, capsys, monkeypatch):
     settings = CommonSettings(redis_url=redis_server.url, namespace="watch-test")
+    drawn, third, real = [], asyncio.Event(), tools.overview
+
+    async def counted(*a, **kw) -> list[str]:
+        lines = await real(*a, **kw)
+        drawn.append(1)
+        if len(drawn) == 3:
+            third.set()  # wakes the test once the watch, going on with no await, sleeps before its next redraw
+        return lines
 
     async def watched() -> None:
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(inspect(settings, args(watch=0.05)), 0.6)
+        task = asyncio.create_task(inspect(settings, args(watch=0.05)))
+        await asyncio.wait_for(third.wait(), 30)
+        # Stopped as it waits between redraws: a cancel that lands in a Redis call can be lost (Python 3.11's
+        # asyncio.wait_for, which redis-py sends commands in), and the watch would go on.
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
+    monkeypatch.setattr(tools, "overview", counted)
     asyncio.run(watched())
     screens = capsys.readouterr().out.split("\033[H\033[2J")
     assert len(screens) >= 3 and all("UID" in s for s in screens[1:])

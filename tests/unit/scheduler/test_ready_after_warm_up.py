@@ -13,7 +13,7 @@ from services.scheduler.main import build_worker
 from shared.settings import SchedulerSettings
 
 
-async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis_server, demo_model_dir,
+async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis_server, random_model_dir,
                                                                           monkeypatch):
     settings = SchedulerSettings(redis_url=redis_server.url, namespace=f"warm{uuid.uuid4().hex[:6]}",
                                  worker_id="scheduler-warm", threads=1, max_kv_tokens=1024, page_size=8)
@@ -27,7 +27,7 @@ async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis
         return forward(self, *args, **kw)
 
     monkeypatch.setattr(ModelRunner, "forward", probing_forward)
-    worker = await build_worker(settings, str(demo_model_dir), "rsinfer-demo")
+    worker = await build_worker(settings, str(random_model_dir), "rsinfer-demo")
     monkeypatch.undo()
     try:
         assert during_warm_up, "no forward ran while the worker was built: the first request would warm it up"

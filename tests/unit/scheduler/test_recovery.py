@@ -4,7 +4,6 @@ checkpoint, and a stop string ends one choice of an n > 1 request in the engine.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
@@ -16,26 +15,28 @@ from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
 from shared.reply_order import OrderedReplies, ProducedTokens
 from shared.settings import DetokenizerSettings, SchedulerSettings
+from tests.support.helpers import async_wait_for
+from tests.unit.shared.schedule_entries import held_idle
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def make(redis_server, demo_model_dir):
+async def make(redis_server, random_model_dir):
     namespace = f"rec{uuid.uuid4().hex[:6]}"
     workers = []
 
     async def make(name: str, **kw):
         settings = SchedulerSettings(redis_url=redis_server.url, namespace=namespace, worker_id=name,
                                      engine="synthetic", step_ms=0, claim_idle_ms=200, **kw)
-        w = await build_worker(settings, str(demo_model_dir), "demo")
+        w = await build_worker(settings, str(random_model_dir), "demo")
         await w.source.ensure_group()
         workers.append(w)
         return w
 
     def detokenizer(**kw) -> DetokenizerWorker:
         settings = DetokenizerSettings(redis_url=redis_server.url, namespace=namespace, worker_id="detok", **kw)
-        w = DetokenizerWorker(settings, str(demo_model_dir), "demo")
+        w = DetokenizerWorker(settings, str(random_model_dir), "demo")
         workers.append(w)
         return w
 
@@ -48,6 +49,11 @@ async def make(redis_server, demo_model_dir):
 def job(uid: str, max_tokens: int, **params) -> ScheduleJob:
     return ScheduleJob(uid=uid, model="demo", pod="api-x", created_at=0.0, deadline=1e12, background=True,
                        params=SamplingParams(max_tokens=max_tokens, **params), input_ids=[5, 6, 7])
+
+
+async def claimable(w) -> None:
+    """Wait until the schedule stream's pending entries are idle past the claims' min-idle below (200 ms)."""
+    await async_wait_for(lambda: held_idle(w.redis, w.source.key, None, 200))
 
 
 async def run_until_idle(w, steps: int = 1000) -> None:
@@ -108,7 +114,7 @@ async def test_a_takeover_fences_the_old_owner_and_resumes_past_the_cap(make):
     info = await owner.redis.xinfo_stream(owner.keys.reply("u2"))
     assert streams.was_trimmed(info) and info["length"] <= 40  # the head is gone
     written = list(owner.book.running["u2"].outputs[0])
-    await asyncio.sleep(0.3)  # the owner stalls (no keep-alive): the peer claims its entry
+    await claimable(owner)  # the owner stalls (no keep-alive): the peer claims its entry
     [claimed] = await peer.source.claim(200, 1)
     assert claimed.entry_id == entry
     await peer.admit([claimed], claimed=True)
@@ -141,7 +147,7 @@ async def test_a_successor_resumes_where_the_client_stands_not_at_a_checkpoint_a
             break  # this step's checkpoint is in the reply stream; its ranges are not
         await detokenize(detok)
     made = [list(o) for o in owner.book.running["u4"].outputs]
-    await asyncio.sleep(0.3)
+    await claimable(owner)
     [claimed] = await peer.source.claim(200, 1)
     await peer.admit([claimed], claimed=True)
     client = delivered(await replies(peer, "u4"), n=2)
@@ -208,7 +214,7 @@ async def test_an_owner_that_claims_back_its_own_entry_resumes_it_under_a_new_ep
     owner, detok = await make("owner"), make.detokenizer()
     await running_for(owner, detok, "u5", steps=10)
     await a_peer_took_over_and_died(owner, "u5")
-    await asyncio.sleep(0.3)
+    await claimable(owner)
     [claimed] = await owner.source.claim(200, 1)
     await owner.admit([claimed], claimed=True)
     assert owner.book.running["u5"].epoch == 2
@@ -226,7 +232,7 @@ async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(m
     owner._last.pop("sweep", None)  # the once-a-second sweep is due
     await owner.work()
     assert "u6" not in owner.book.running
-    await asyncio.sleep(0.3)
+    await claimable(owner)
     [claimed] = await owner.source.claim(200, 1)
     await owner.admit([claimed], claimed=True)
     await pump(owner, detok)

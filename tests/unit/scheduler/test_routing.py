@@ -25,7 +25,7 @@ UNTIL_S = 20.0
 
 
 @pytest.fixture
-async def make(redis_server, demo_model_dir):
+async def make(redis_server, random_model_dir):
     namespace = f"route{uuid.uuid4().hex[:6]}"
     workers = []
 
@@ -33,7 +33,7 @@ async def make(redis_server, demo_model_dir):
         base = dict(engine="synthetic", step_ms=0) if kw.pop("synthetic", True) else dict(threads=1)
         settings = SchedulerSettings(redis_url=redis_server.url, namespace=namespace, worker_id=name,
                                      claim_idle_ms=200, heartbeat_ttl_s=2, **{**base, **kw})
-        w = await build_worker(settings, str(demo_model_dir), MODEL)
+        w = await build_worker(settings, str(random_model_dir), MODEL)
         workers.append(w)
         return w
 

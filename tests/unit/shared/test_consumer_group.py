@@ -3,12 +3,11 @@ claims, touch, hand-back, trimming, departed consumers."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from shared import streams
-from tests.unit.shared.schedule_entries import consumer, job
+from tests.support.helpers import async_wait_for
+from tests.unit.shared.schedule_entries import consumer, held_idle, job
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -47,7 +46,7 @@ async def test_claim_takes_a_dead_consumers_entries(env):
     await streams.add(redis, keys.schedule("m"), job("x"))
     assert len(await dead.read(10, None)) == 1
     assert await peer.claim(min_idle_ms=60_000, count=10) == []
-    await asyncio.sleep(0.15)
+    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "dead", 100))
     claimed = await peer.claim(min_idle_ms=100, count=10)
     assert [d.msg.uid for d in claimed] == ["x"]
     assert await peer.pending_ids() == [claimed[0].entry_id]
@@ -87,7 +86,7 @@ async def test_claims_reach_a_dead_consumers_entries_behind_many_live_ones(env):
     await live.ensure_group()
     held = [d.entry_id for d in await live.read(200, None)]
     await dead.read(50, None)
-    await asyncio.sleep(0.3)
+    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "dead", 200))
     claimed: list[str] = []
     for _ in range(6):
         await live.touch(held)  # the live peer keeps its entries fresh between our claims
@@ -104,7 +103,7 @@ async def test_touch_keeps_only_our_entries_and_reports_the_ones_a_peer_took(env
     owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
     await owner.ensure_group()
     ids = [d.entry_id for d in await owner.read(2, None)]
-    await asyncio.sleep(0.3)
+    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "owner", 200))
     taken = await peer.claim(min_idle_ms=200, count=1)
     assert [d.entry_id for d in taken] == ids[:1]
     assert await owner.touch(ids) == ids[:1]  # lost to the peer

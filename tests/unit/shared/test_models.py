@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from shared import demo_training
+from shared.demo_model import make_model
 from shared.models import default_max_tokens, sentence_transformers_pooling
 
 
@@ -37,10 +39,13 @@ def test_a_folder_without_modules_says_nothing(tmp_path):
     assert sentence_transformers_pooling(str(tmp_path)) == {}
 
 
-def test_the_default_output_budget_is_the_setting_else_the_checkpoint_s_max_new_tokens(tmp_path, demo_model_dir):
-    assert default_max_tokens(str(demo_model_dir), None) == 256  # the demo checkpoint's generation_config.json
-    assert default_max_tokens(str(demo_model_dir), 40) == 40  # --default-max-tokens overrides it
-    assert default_max_tokens(str(demo_model_dir), 0) is None  # 0: up to the context
+def test_the_default_output_budget_is_the_setting_else_the_checkpoint_s_max_new_tokens(tmp_path, monkeypatch):
+    # The demo checkpoint as make_model writes it, less the seconds of training (its weights don't matter here).
+    monkeypatch.setattr(demo_training, "train", lambda model, tokenizer, seed: None)
+    demo = str(make_model(tmp_path / "demo"))
+    assert default_max_tokens(demo, None) == 256  # the demo checkpoint's generation_config.json
+    assert default_max_tokens(demo, 40) == 40  # --default-max-tokens overrides it
+    assert default_max_tokens(demo, 0) is None  # 0: up to the context
     assert default_max_tokens(str(tmp_path), None) is None  # no generation_config.json
     for config in ({"max_length": 20}, {"max_new_tokens": 0}, "not json"):
         (tmp_path / "generation_config.json").write_text(config if isinstance(config, str) else json.dumps(config))

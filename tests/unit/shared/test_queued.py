@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from redis.asyncio import Redis
@@ -80,11 +81,12 @@ async def test_everything_leaves_the_count_and_its_keys(q):
     assert not await r.exists(keys.queued(MODEL), keys.queued_owners(MODEL), keys.queued_weights(MODEL))
 
 
-async def test_a_job_whose_process_died_leaves_at_its_deadline(q):
+async def test_a_job_whose_process_died_leaves_at_its_deadline(q, monkeypatch):
     r, keys = q
     assert (await queued.enter(r, keys, jobs("a", n=3, timeout=0.2), 3)).admitted
     assert not (await queued.enter(r, keys, jobs("a"), 3)).admitted
-    await asyncio.sleep(0.3)
+    # the clock enter() reads (and hands its script) moves past the first jobs' deadline
+    monkeypatch.setattr(queued, "time", SimpleNamespace(time=lambda: time.time() + 0.3))
     got = await queued.enter(r, keys, jobs("a"), 3)
     assert got.admitted and got.total == 1 and await queued.figures(r, keys, MODEL) == {"a": 1}
     assert 60 < await r.ttl(keys.queued(MODEL)) <= 121

@@ -28,9 +28,12 @@ from shared.routing import (
 )
 from shared.slots import key_slot
 from shared.streams import Member
+from tests.support.helpers import async_wait_for
+from tests.unit.shared.schedule_entries import held_idle
 
 pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
+IDLE_MS = 300  # a claim's min-idle: wide enough that no pause between a touch and the next claim reaches it
 
 
 def job(uid: str, ids: list[int] | None = None, adapter: str | None = None) -> ScheduleJob:
@@ -42,6 +45,11 @@ def consumer(redis, keys: Keys, name: str) -> GroupConsumer:
     c = GroupConsumer(redis, keys.schedule(MODEL), Member("scheduler", name), ScheduleJob, keys.dead())
     c.lane_key = lambda lane: keys.scheduler_stream(MODEL, lane)
     return c
+
+
+async def blocked_reads(redis) -> int:
+    """Clients of the redis-server blocked in an XREADGROUP now."""
+    return sum(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in await redis.client_list())
 
 
 # ---- keys and digests
@@ -287,8 +295,13 @@ async def test_lanes_are_read_first_and_never_past_the_count(env):
     assert await c.read(10, 100) == []  # blocks over every stream, then gives up
     assert time.monotonic() - began >= 0.09
 
-    async def later() -> None:
-        await asyncio.sleep(0.1)
+    blocked_before = await blocked_reads(redis)
+
+    async def blocked() -> bool:
+        return await blocked_reads(redis) > blocked_before
+
+    async def later() -> None:  # once the read below blocks
+        await async_wait_for(blocked)
         await streams.add(redis, keys.scheduler_stream(MODEL, "s1"), job("own3"))
 
     task = asyncio.create_task(later())
@@ -309,11 +322,16 @@ async def test_entries_of_a_lane_are_claimed_kept_alive_and_handed_back_like_the
     held = await dead.read(10, None)
     assert len(held) == 2
     assert await peer.add_lane("dead", create=False)
-    await asyncio.sleep(0.15)
+    both = (keys.schedule(MODEL), keys.scheduler_stream(MODEL, "dead"))
+
+    async def idle(ms: int) -> bool:
+        return all([await held_idle(redis, key, "dead", ms) for key in both])
+
+    await async_wait_for(lambda: idle(IDLE_MS))
     assert await dead.touch([d.entry_id for d in held]) == []  # still its own: reset, not lost
-    assert await peer.claim(min_idle_ms=100, count=10) == []
-    await asyncio.sleep(0.15)
-    claimed = await peer.claim(min_idle_ms=100, count=10)
+    assert await peer.claim(min_idle_ms=IDLE_MS, count=10) == []
+    await async_wait_for(lambda: idle(IDLE_MS))
+    claimed = await peer.claim(min_idle_ms=IDLE_MS, count=10)
     assert sorted(d.msg.uid for d in claimed) == ["x", "y"]
     assert sorted(await peer.pending_ids()) == sorted(d.entry_id for d in claimed)
     assert sorted(await dead.touch([d.entry_id for d in held])) == sorted(d.entry_id for d in held)  # lost

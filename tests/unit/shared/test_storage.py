@@ -181,7 +181,7 @@ async def test_failed_or_cancelled_upload_leaves_nothing(store):
         async for c in chunks(6 * MiB):
             yield c
         started.set()
-        await asyncio.sleep(60)
+        await asyncio.Event().wait()  # stalls until cancelled
         yield b"never"
 
     task = asyncio.ensure_future(store.put_stream("files/stalled", stalls()))
@@ -274,15 +274,22 @@ async def test_fetch_folder_keeps_subfolders(store):
 
 async def test_concurrent_fetches_of_one_folder_share_one_download(store):
     await put_folder(store, "adapters/hot", peft_folder())
-    opened = []
-    real = store.get_stream
+    opened, listed, all_listed = [], [], asyncio.Event()
+    real_get, real_listing = store.get_stream, store._folder_listing
+
+    async def listing(*args):
+        objects = await real_listing(*args)
+        listed.append(1)  # from here a fetch goes on, with no await, to the download it starts or joins
+        if len(listed) == 8:
+            all_listed.set()
+        return objects
 
     async def counting(key, **kw):
         opened.append(key)
-        await asyncio.sleep(0.05)  # keep the download in flight while the others arrive
-        return await real(key, **kw)
+        await asyncio.wait_for(all_listed.wait(), 20)  # keep the download in flight until all have arrived
+        return await real_get(key, **kw)
 
-    store.get_stream = counting
+    store._folder_listing, store.get_stream = listing, counting
     paths = await asyncio.gather(*(store.fetch_folder("adapters/hot") for _ in range(8)))
     assert len(set(paths)) == 1 and sorted(opened) == ["adapters/hot/adapter_config.json",
                                                        "adapters/hot/adapter_model.safetensors"]
@@ -394,8 +401,7 @@ async def test_local_upload_is_invisible_until_complete(tmp_path):
         yield b"n"
 
     task = asyncio.ensure_future(store.put_stream("files/x", slow()))
-    await halfway.wait()
-    await asyncio.sleep(0.05)
+    await halfway.wait()  # the first chunk is written to the temp file: the next is asked for only then
     assert await store.get("files/x") == b"old" and await keys(store) == ["files/x"]
     assert len(in_progress(store)) == 1
     go_on.set()

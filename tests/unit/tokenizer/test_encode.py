@@ -10,8 +10,8 @@ from shared.messages import ChatMessage, ReplyError, SamplingParams, ScheduleJob
 
 
 @pytest.fixture(scope="module")
-def encoder(demo_model_dir):
-    return PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64)
+def encoder(random_model_dir):
+    return PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=64)
 
 
 def job(**kw) -> TokenizeJob:
@@ -70,10 +70,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def test_an_omitted_max_tokens_becomes_the_model_s_default(demo_model_dir):
+def test_an_omitted_max_tokens_becomes_the_model_s_default(random_model_dir):
     """As vLLM takes generation_config.json's max_new_tokens: for a request without max_tokens, while the context
     leaves room for it (else up to the context, as before: the engine bounds it by its KV cache)."""
-    enc = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64, default_max_tokens=20)
+    enc = PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=64, default_max_tokens=20)
     short, given, at_least, long_prompt = enc.encode([
         job(prompt="hi"), job(prompt="hi", params=SamplingParams(max_tokens=5)),
         job(prompt="hi", params=SamplingParams(min_tokens=30)), job(input_ids=list(range(3, 50)))])
@@ -87,8 +87,8 @@ def test_formats_are_detected_from_the_chat_template(encoder):
     assert encoder.parsers == {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
 
 
-def test_tools_and_tool_calls_in_the_history_are_rendered(encoder, demo_model_dir):
-    big = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=4096)
+def test_tools_and_tool_calls_in_the_history_are_rendered(encoder, random_model_dir):
+    big = PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=4096)
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [ChatMessage("user", "weather?"), ChatMessage("assistant", "", tool_calls=[call]),
                 ChatMessage("tool", "sunny", tool_call_id="c1")]
@@ -99,11 +99,11 @@ def test_tools_and_tool_calls_in_the_history_are_rendered(encoder, demo_model_di
     assert "<tool_response>\nsunny\n</tool_response>" in text
 
 
-def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(demo_model_dir):
+def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(random_model_dir):
     from shared.grammars import check
     from shared.messages import Guided, ToolChoice
 
-    enc = PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=4096)
+    enc = PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=4096)
     msgs = [ChatMessage("user", "weather?")]
     [out] = enc.encode([job(messages=msgs, tools=[WEATHER], tool_choice=ToolChoice("required"))])
     g = out.params.guided
@@ -115,7 +115,7 @@ def test_required_tool_choice_becomes_a_grammar_and_thinking_comes_first(demo_mo
     ids = enc.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     assert (thinking.params.guided.think, thinking.params.guided.after) == (-1, [ids[1]])  # the prompt opened it
     assert regex.params.guided.after == []  # an extension's regex covers the whole answer
-    hybrid = AutoTokenizer.from_pretrained(demo_model_dir)  # Qwen3's own: the model decides whether it thinks
+    hybrid = AutoTokenizer.from_pretrained(random_model_dir)  # Qwen3's own: the model decides whether it thinks
     hybrid.chat_template = hybrid.chat_template.replace("{{ '<think>\\n' }}", "")
     [decides] = PromptEncoder(hybrid, max_context=4096).encode([
         job(messages=msgs, params=fmt, chat_template_kwargs={"enable_thinking": True})])

@@ -26,9 +26,9 @@ def tokenizer(url: str, namespace: str, name: str, model_dir) -> TokenizerWorker
 
 
 @pytest.fixture
-async def pair(redis_server, demo_model_dir):
+async def pair(redis_server, random_model_dir):
     ns = f"t{uuid.uuid4().hex[:8]}"
-    ws = [tokenizer(redis_server.url, ns, name, demo_model_dir) for name in ("t1", "t2")]
+    ws = [tokenizer(redis_server.url, ns, name, random_model_dir) for name in ("t1", "t2")]
     await ws[0].source.ensure_group()
     await ws[0].redis.xgroup_create(ws[0].keys.schedule("demo"), "scheduler", id="0", mkstream=True)
     yield ws
@@ -111,10 +111,10 @@ async def test_parked_jobs_a_dead_tokenizer_read_back_are_released_once_by_a_pee
 
 
 async def test_on_a_redis_cluster_parking_reading_back_and_the_queue_count_name_keys_of_one_slot(redis_cluster,
-                                                                                                  demo_model_dir):
+                                                                                                  random_model_dir):
     """Every multi-key command of parking (the read's pipeline, the reads back, the end script) and the queue's
     scripts work on a real cluster: their keys share the slot of the model's tokenize stream."""
-    w = tokenizer(redis_cluster.url, f"c{uuid.uuid4().hex[:6]}", "t1", demo_model_dir)
+    w = tokenizer(redis_cluster.url, f"c{uuid.uuid4().hex[:6]}", "t1", random_model_dir)
     try:
         await w.source.ensure_group()
         await w.redis.xgroup_create(w.keys.schedule("demo"), "scheduler", id="0", mkstream=True)

@@ -9,7 +9,6 @@ from transformers import AutoTokenizer
 
 from services.tokenizer.encode import PromptEncoder
 from services.tokenizer.queries import answer
-from shared.demo_model import CHATML_TEMPLATE, MARKUP_TOKENS
 from shared.messages import ChatMessage, ReplyError, SamplingParams, ScheduleJob, TokenizeJob, TokenizerAnswer
 from shared.messages import TokenizerQuery as Query
 
@@ -19,18 +18,13 @@ BASE = dict(uid="u", model="m", pod="p", created_at=0.0, deadline=1e12)
 
 
 @pytest.fixture(scope="module")
-def demo(demo_model_dir) -> PromptEncoder:
-    return PromptEncoder(AutoTokenizer.from_pretrained(demo_model_dir), max_context=64)
+def demo(random_model_dir) -> PromptEncoder:
+    return PromptEncoder(AutoTokenizer.from_pretrained(random_model_dir), max_context=64)
 
 
 @pytest.fixture(scope="module")
-def qwen() -> PromptEncoder:
-    from shared.demo_model import _qwen_tokenizer
-
-    tok = _qwen_tokenizer()
-    tok.add_tokens(MARKUP_TOKENS)
-    tok.chat_template = CHATML_TEMPLATE
-    return PromptEncoder(tok, max_context=40960)
+def qwen(qwen_tok) -> PromptEncoder:
+    return PromptEncoder(qwen_tok, max_context=40960)
 
 
 def query(**kw) -> Query:

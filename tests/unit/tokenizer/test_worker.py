@@ -5,8 +5,11 @@ small jobs of its read are forwarded without waiting for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,15 +17,16 @@ from services.tokenizer.main import HEAVY_JOB_CHARS, TokenizerWorker
 from shared.messages import ReplyError, SamplingParams, TokenizeJob, TokenizerAnswer, TokenizerQuery, decode, encode
 from shared.settings import TokenizerSettings
 from shared.streams import FIELD
+from tests.support.helpers import async_wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def worker(redis_server, demo_model_dir):
+async def worker(redis_server, random_model_dir):
     settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
                                  claim_idle_ms=1000)
-    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    w = TokenizerWorker(settings, str(random_model_dir), "demo")
     await w.source.ensure_group()
     yield w
     await w.close()
@@ -40,15 +44,22 @@ async def read(w: TokenizerWorker, *jobs: TokenizeJob) -> list[tuple[str, dict[b
     return [(eid.decode(), f) for eid, f in resp[0][1]]
 
 
-def slowed(w: TokenizerWorker, seconds: float, only_heavy: bool = False) -> None:
-    encode_jobs = w.encoder.encode
+@contextlib.contextmanager
+def held_encoding(w: TokenizerWorker, only_heavy: bool = False) -> Iterator[threading.Event]:
+    """Encoding (of the heavy jobs only, or of all) blocks in its thread until the event yielded is set: a slow
+    encode, however slow the test needs, and released on the way out whatever happens."""
+    encode_jobs, release = w.encoder.encode, threading.Event()
 
-    def slow(jobs):
+    def held(jobs):
         if not only_heavy or any(w.encoder.job_bytes(j) > HEAVY_JOB_CHARS for j in jobs):
-            time.sleep(seconds)
+            release.wait(30)
         return encode_jobs(jobs)
 
-    w.encoder.encode = slow
+    w.encoder.encode = held
+    try:
+        yield release
+    finally:
+        release.set()
 
 
 async def scheduled(w: TokenizerWorker) -> set[str]:
@@ -58,17 +69,26 @@ async def scheduled(w: TokenizerWorker) -> set[str]:
 
 
 async def test_an_entry_being_encoded_is_kept_alive_against_claims(worker):
-    """A job that takes 2.5 s to encode, past the 1 s claim idle: a peer's claim finds nothing to take (before,
-    it took the entry after 1 s and encoded it a second time)."""
+    """A job still being encoded past the 1 s claim idle: a peer's claim finds nothing to take (before, it took the
+    entry after 1 s and encoded it a second time)."""
     w = worker
-    slowed(w, 2.5)
-    keep_alive = asyncio.create_task(w.keep_alive())
-    entries = await read(w, job("slow", "hello there"))
-    handling = asyncio.create_task(w._deliver(entries, claimed=False))
-    await asyncio.sleep(1.8)
-    _, claimed, _ = await w.redis.xautoclaim(w.source.key, w.group, "peer", min_idle_time=1000, count=10)
-    assert claimed == []
-    await handling
+    touches, touch = [], w.source.touch
+
+    async def counted(ids):
+        touches.extend(ids)
+        return await touch(ids)
+
+    w.source.touch = counted
+    with held_encoding(w) as release:
+        keep_alive = asyncio.create_task(w.keep_alive())
+        entries = await read(w, job("slow", "hello there"))
+        handling = asyncio.create_task(w._deliver(entries, claimed=False))
+        # touched every claim_idle / 3: the 5th touch comes over 1 s after the read, as the encode still runs
+        await async_wait_for(lambda: touches.count(entries[0][0]) >= 5)
+        _, claimed, _ = await w.redis.xautoclaim(w.source.key, w.group, "peer", min_idle_time=1000, count=10)
+        assert claimed == []
+        release.set()
+        await asyncio.wait_for(handling, 30)
     keep_alive.cancel()
     assert await scheduled(w) == {"slow"}
     assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
@@ -76,17 +96,13 @@ async def test_an_entry_being_encoded_is_kept_alive_against_claims(worker):
 
 async def test_a_heavy_job_does_not_hold_back_the_small_ones_of_its_read(worker):
     w = worker
-    slowed(w, 2.0, only_heavy=True)
-    entries = await read(w, job("big", "word " * (HEAVY_JOB_CHARS // 5 + 100)), job("small", "hi"))
-    began = time.monotonic()
-    await w._deliver(entries, claimed=False)
-    assert time.monotonic() - began < 1.5  # the read is done with the small one; the big one goes on apart
-    assert await scheduled(w) == {"small"}
-    assert w.held_entries() == [entries[0][0]]  # kept alive while it is encoded
-    for _ in range(100):
-        if not w._heavy:
-            break
-        await asyncio.sleep(0.05)
+    with held_encoding(w, only_heavy=True) as release:
+        entries = await read(w, job("big", "word " * (HEAVY_JOB_CHARS // 5 + 100)), job("small", "hi"))
+        await asyncio.wait_for(w._deliver(entries, claimed=False), 30)  # done while the big one is still encoded
+        assert await scheduled(w) == {"small"} and w._heavy
+        assert w.held_entries() == [entries[0][0]]  # kept alive while it is encoded
+        release.set()
+        await async_wait_for(lambda: not w._heavy)
     # (past the demo model's 4,096-token context: its answer is a 400, written once it is encoded)
     assert (await w.redis.hget(w.keys.request("big"), "status")) == b"failed"
     assert (await w.redis.xpending(w.source.key, w.group))["pending"] == 0
@@ -139,10 +155,10 @@ async def test_a_claimed_query_already_answered_is_not_answered_again(worker):
 
 
 @pytest.fixture
-async def fair_worker(redis_server, demo_model_dir):
+async def fair_worker(redis_server, random_model_dir):
     settings = TokenizerSettings(redis_url=redis_server.url, namespace=f"t{uuid.uuid4().hex[:8]}", worker_id="t1",
                                  claim_idle_ms=1000, fair_queueing=True, fair_watermark=2)
-    w = TokenizerWorker(settings, str(demo_model_dir), "demo")
+    w = TokenizerWorker(settings, str(random_model_dir), "demo")
     await w.source.ensure_group()
     await w.redis.xgroup_create(w.keys.schedule("demo"), "scheduler", id="0", mkstream=True)
     yield w
