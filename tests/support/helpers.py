@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import socket
 import time
@@ -20,6 +22,22 @@ def wait_for(check: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met in {timeout}s (last value {value!r})")
         time.sleep(every)
+
+
+async def async_wait_for(check: Callable[[], Any], timeout: float = 10.0,  # noqa: ASYNC109 (as wait_for's)
+                         every: float = 0.02) -> Any:
+    """`wait_for` in an event loop: `check` may be a coroutine function; the loop runs between looks. Its
+    TimeoutError says what the condition last gave, which asyncio.timeout around a loop would not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout}s (last value {value!r})")
+        await asyncio.sleep(every)
 
 
 def raw_post(port: int, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
