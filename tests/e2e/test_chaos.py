@@ -2,7 +2,9 @@
 concurrent streams (greedy, seeded and unseeded sampling, some with n=2, some past the reply-stream cap) while
 schedulers are frozen past the claim idle time and resumed, a worker of every stage is killed and replaced, and
 an API process is killed and restarted (its clients, whose requests run in the background, reattach to the
-other one with Last-Event-ID). Then:
+other one with Last-Event-ID). Each disruption is struck the moment its target holds work (no pacing by the
+clock), so every one of them hits requests however loaded the machine is, and a frozen scheduler is let go once
+a peer has taken one of its requests over. Then:
 
 - every request completes; greedy and seeded texts equal those of an undisturbed run exactly;
 - no reply stream, read whole as it was written, holds two different tokens for one index of a choice among
@@ -36,9 +38,11 @@ from typing import NamedTuple
 import pytest
 
 from tests.support.chaos_kit import (
+    HOLD_WITHIN_S,
     Chaos,
     Clients,
     Delivered,
+    Disruption,
     Job,
     Outcome,
     ReplyRecorder,
@@ -48,7 +52,7 @@ from tests.support.chaos_kit import (
     reference_texts,
     settled_problems,
 )
-from tests.support.helpers import engines_idle, live_names, wait_for, workers
+from tests.support.helpers import async_wait_for, engines_idle, live_names, wait_for, workers
 from tests.support.stack import LIFECYCLE_ENV, Stack, new_stack, start_replicas
 
 LONG = os.environ.get("RSINFER_CHAOS_LONG") == "1"
@@ -59,9 +63,7 @@ pytestmark = [pytest.mark.timeout(3600 if LONG else 300), pytest.mark.slow]  # `
 # (else: 410 reply_trimmed), and the recorder, a process of its own on 2 busy cores, reads every entry before
 # it is trimmed (a second's lag or more).
 REPLY_MAXLEN = 300
-CLAIM_IDLE_S = int(LIFECYCLE_ENV["RSINFER_CLAIM_IDLE_MS"]) / 1000
-STOP_S = CLAIM_IDLE_S + 2.0  # a frozen scheduler stays frozen well past the claim idle time
-# Eight running requests per scheduler: the 100 streams stay open long enough for every disruption to hit some.
+# Eight running requests per scheduler: most of the 100 streams wait their turn, so work is in flight throughout.
 # No reasoning or tool-call parsing: the demo model samples `<think>` (and `</think>`) like any token, and a chat
 # answer that starts with one would go to reasoning_content, not the text the clients compare.
 ENV = {**LIFECYCLE_ENV, "RSINFER_REPLY_MAXLEN": str(REPLY_MAXLEN), "RSINFER_MAX_RUNNING": "8",
@@ -71,11 +73,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_jobs(keys: range, timeout: float) -> list[Job]:
-    """The mix: kinds in turn, n=2 for one in five, one in four 300 tokens long (past the cap), the rest 60-210;
+    """The mix: kinds in turn, n=2 for one in five, one in four 300 tokens long (past the cap), the rest 40-139;
     two in seven through the second API process, all of those in the background (that process is the one
     restarted), and some of the first API's too."""
     return [Job(key=k, kind=KINDS[k % 3], n=2 if k % 5 == 1 else 1,
-                max_tokens=300 if k % 4 == 0 else 60 + (k * 53) % 150, api=int(k % 7 in (2, 5)),
+                max_tokens=300 if k % 4 == 0 else 40 + (k * 53) % 100, api=int(k % 7 in (2, 5)),
                 background=k % 7 in (2, 5) or k % 6 == 0, timeout=timeout) for k in keys]
 
 
@@ -105,7 +107,7 @@ class Run:
     def in_flight(self) -> bool:
         return not all(t.done() for t in self.tasks)
 
-    async def kill_tokenizer_holding_work(self, name: str, wave: list[Job]) -> None:
+    async def kill_tokenizer_holding_work(self, name: str, wave: list[Job]) -> Disruption:
         """Freeze the other tokenizers, let requests arrive (`wave`, when given), freeze `name` the moment it holds
         some and kill it; then let the others go on: the killed one's entries wait for a peer's claim."""
         others = [self.s.procs[n] for n in self.chaos.names("tokenizer") if n != name]
@@ -113,65 +115,65 @@ class Run:
             proc.send_signal(signal.SIGSTOP)
         try:
             self.submit(wave)
-            await self.chaos.kill_holding("tokenizer", name)
+            return await self.chaos.kill_holding("tokenizer", name)
         finally:
             for proc in others:
                 proc.send_signal(signal.SIGCONT)
 
-    async def restart_second_api(self) -> None:
-        """Kill the second API process while it streams (requests it holds back before their first reply entry
-        cannot be reattached: their clients resubmit) and start another on its port."""
-        def victims() -> list[str]:
-            return [o.uid for o in self.clients.outcomes if o.job.api == 1 and o.uid and not o.done]
+    def api_victims(self) -> list[str]:
+        """Requests the second API process streams now: their first chunk told their id, and they go on."""
+        return [o.uid for o in self.clients.outcomes if o.job.api == 1 and o.uid and not o.done]
 
-        deadline = time.monotonic() + 20
-        # polled: the streams get there in the clients' own tasks, which announce nothing
-        while len(victims()) < 8 and time.monotonic() < deadline and self.in_flight():  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
+    async def restart_second_api(self, least: int = 1) -> Disruption:
+        """Kill the second API process the moment it streams `least` requests whose clients know their ids (else,
+        after HOLD_WITHIN_S, one), and start another on its port. Those clients reattach to the other API with
+        Last-Event-ID; a request held back before its first reply entry cannot be reattached: its client
+        resubmits."""
+        for at_least in sorted({least, 1}, reverse=True):
+            with contextlib.suppress(TimeoutError):  # the run's checks name a disruption that hit nothing
+                # polled: the streams get there in the clients' own tasks, which announce nothing
+                await async_wait_for(lambda n=at_least: len(self.api_victims()) >= n or not self.in_flight(),
+                                     timeout=HOLD_WITHIN_S)
+                break
         self.clients.unready.add(1)
-        event = await self.chaos.restart_api(1, victims())
+        event = await self.chaos.restart_api(1, self.api_victims())
 
         async def back_when_ready() -> None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.up.wait(), deadline + 300 - time.monotonic())
+                await asyncio.wait_for(event.up.wait(), 300)
             self.clients.unready.discard(1)
 
         self.background.append(asyncio.create_task(back_when_ready()))
+        return event
 
-    async def ci_disruptions(self, wave2: list[Job]) -> None:
-        """Each kind of disruption once, the scheduler freeze twice, all while the streams are open."""
-        await asyncio.sleep(1.5)
-        first_stop = asyncio.create_task(self.chaos.stop("scheduler1", STOP_S))
-        await self.restart_second_api()
-        await asyncio.sleep(1.0)
+    async def ci_disruptions(self, wave2: list[Job], wave3: list[Job]) -> None:
+        """Each kind of disruption once and the scheduler freeze twice, each struck the moment its target holds
+        work, one after the other while the streams are open (the API first: once its streams have begun, the
+        first scheduler holds all it can run). The second freeze comes once the first is let go, with `wave3` sent
+        just before it: some scheduler holds work then, however fast the rest went."""
+        await self.restart_second_api(least=8)  # most of its requests come first: several reattach
+        first_stop = asyncio.create_task(self.chaos.stop("scheduler", ["scheduler1"]))
         await self.kill_tokenizer_holding_work("tokenizer1", wave2)
-        await asyncio.sleep(1.5)
-        await self.chaos.kill("scheduler", "scheduler2")
-        await asyncio.sleep(1.5)
+        await self.chaos.kill_holding("scheduler", "scheduler2")
         await self.chaos.kill_holding("detokenizer", "detokenizer1")
         await first_stop
-        await asyncio.sleep(1.0)
-        await self.chaos.stop(await self.busiest("scheduler", but=""), STOP_S)
-
-    async def busiest(self, role: str, but: str) -> str:
-        """The process of a role up now, other than `but`, that holds the most requests (the first freeze's
-        target lost its requests to the takeover)."""
-        names = [n for n in await self.ready(role) or self.chaos.names(role) if n != but]
-        held = {name: len(await self.chaos.held_uids(role, name)) for name in names}
-        return max(names, key=held.__getitem__)
+        self.submit(wave3)
+        await self.chaos.stop("scheduler", await self.ready("scheduler") or self.chaos.names("scheduler"))
 
     async def long_disruptions(self) -> None:
-        """The same disruptions in turn, on rotating targets, until every request has ended."""
+        """The same disruptions in turn, on rotating targets, until every request has ended: each struck when its
+        target holds work, the next once the last one's replacement is up (the pace is the recovery's)."""
         cycle = 0
         while self.in_flight():
             schedulers = await self.ready("scheduler") or self.chaos.names("scheduler")
             stopped = schedulers[cycle % len(schedulers)]
-            stop = asyncio.create_task(self.chaos.stop(stopped, STOP_S))
+            stop = asyncio.create_task(self.chaos.stop("scheduler", [stopped]))
             for step in range(4):
-                await asyncio.sleep(2.0)
                 if not self.in_flight():
                     break
-                await self.long_step(step, cycle, stopped)
+                if event := await self.long_step(step, cycle, stopped):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(event.up.wait(), 120)
             await stop
             cycle += 1
 
@@ -180,16 +182,17 @@ class Run:
         live = set(await asyncio.to_thread(live_names, self.s, role))
         return sorted(n for n in self.chaos.names(role) if n in live)
 
-    async def long_step(self, step: int, cycle: int, stopped: str) -> None:
+    async def long_step(self, step: int, cycle: int, stopped: str) -> Disruption | None:
         """One disruption of a cycle; skipped when its stage has no other worker up yet."""
         if step == 0 and (tokenizers := await self.ready("tokenizer")):
-            await self.kill_tokenizer_holding_work(tokenizers[cycle % len(tokenizers)], [])
-        elif step == 1 and (schedulers := [n for n in await self.ready("scheduler") if n != stopped]):
-            await self.chaos.kill("scheduler", schedulers[cycle % len(schedulers)])
-        elif step == 2 and (detokenizers := await self.ready("detokenizer")):
-            await self.chaos.kill_holding("detokenizer", detokenizers[cycle % len(detokenizers)])
-        elif step == 3:
-            await self.restart_second_api()
+            return await self.kill_tokenizer_holding_work(tokenizers[cycle % len(tokenizers)], [])
+        if step == 1 and (schedulers := [n for n in await self.ready("scheduler") if n != stopped]):
+            return await self.chaos.kill_holding("scheduler", schedulers[cycle % len(schedulers)])
+        if step == 2 and (detokenizers := await self.ready("detokenizer")):
+            return await self.chaos.kill_holding("detokenizer", detokenizers[cycle % len(detokenizers)])
+        if step == 3:
+            return await self.restart_second_api()
+        return None
 
     def schedulers_caught_up(self, since: float) -> None:
         """Until every scheduler has beaten since `since` (the last one frozen was let go before it) and is idle:
@@ -198,11 +201,11 @@ class Run:
         with contextlib.suppress(TimeoutError):  # what is left is reported as problems afterwards
             wait_for(lambda: _caught_up(self.s, since), timeout=15)
 
-    async def run(self, jobs: list[Job], wave2: list[Job]) -> float:
+    async def run(self, jobs: list[Job], wave2: list[Job], wave3: list[Job]) -> float:
         began = time.monotonic()
         try:
             self.submit(sorted(jobs, key=lambda j: -j.api))  # the second API's first: streaming when it dies
-            await (self.long_disruptions() if LONG else self.ci_disruptions(wave2))
+            await (self.long_disruptions() if LONG else self.ci_disruptions(wave2, wave3))
             while self.in_flight():
                 await asyncio.gather(*self.tasks)
             wall = time.monotonic() - began
@@ -293,28 +296,36 @@ def _round(x: float | None) -> float | None:
 def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_path):
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "chaos")
     try:
-        ports = start_replicas(s, {"tokenizer": 2, "scheduler": 3, "detokenizer": 2}, apis=2, **ENV)
-        timeout = 300.0 if LONG else 75.0
-        jobs = make_jobs(range(320 if LONG else 80), timeout)
-        wave2 = [] if LONG else make_jobs(range(80, 100), timeout)
         began = time.monotonic()
-        reference = asyncio.run(reference_texts(s.base_url, [j for j in jobs + wave2 if j.kind != "unseeded"]))
+        ports = start_replicas(s, {"tokenizer": 2, "scheduler": 3, "detokenizer": 2}, apis=2, **ENV)
+        start_s = time.monotonic() - began
+        timeout = 300.0 if LONG else 120.0  # the requests' own deadline: a loaded machine must not reach it
+        jobs = make_jobs(range(320 if LONG else 80), timeout)
+        # wave2: for the tokenizer kill; wave3: work for the last freeze to hit
+        wave2, wave3 = ([], []) if LONG else (make_jobs(range(80, 100), timeout), make_jobs(range(100, 104), timeout))
+        began = time.monotonic()
+        reference = asyncio.run(reference_texts(s.base_url, [j for j in jobs + wave2 + wave3
+                                                             if j.kind != "unseeded"]))
         undisturbed_s = time.monotonic() - began
         run = Run(s, ports, tmp_path)
-        wall = asyncio.run(run.run(jobs, wave2))
+        wall = asyncio.run(run.run(jobs, wave2, wave3))
+        began = time.monotonic()
         failures, stream_figures = check_outcomes(run, reference)
         problems = settled_problems(s, timeout=15)
+        after_s = time.monotonic() - began
         events = run.chaos.events
         outcomes = run.clients.outcomes
         figures = {
             "mode": "long" if LONG else "ci", "requests": len(outcomes),
             "choices": sum(o.job.n for o in outcomes),
             "completion_tokens": sum(o.job.n * o.job.max_tokens for o in outcomes),
-            "wall_s": round(wall, 1), "reference_run_s": round(undisturbed_s, 1),
+            "wall_s": round(wall, 1), "reference_run_s": round(undisturbed_s, 1), "start_s": round(start_s, 1),
+            "checks_s": round(after_s, 1),
             "kills": dict(Counter(e.role for e in events if e.kind == "kill")),
             "stops": sum(e.kind == "stop" for e in events),
             "api_restarts": sum(e.kind == "api_restart" for e in events),
             "victims": {f"{e.kind}:{e.target}@{e.at:.1f}": len(e.victims) for e in events},
+            "taken_over_while_frozen": [len(e.taken) for e in events if e.kind == "stop"],
             "restart_s": {e.replacement: e.restart_s for e in events if e.replacement},
             "log_counts": log_counts(s.log_dir), **stream_figures,
             "reattached": sum(o.reattached for o in outcomes), "resubmitted": sum(o.resubmitted for o in outcomes),
@@ -330,12 +341,13 @@ def test_chaos_run_at_scale(redis_server, demo_model_dir, tmp_path_factory, tmp_
         if LONG:
             (ROOT / "bench" / "results" / "chaos.json").write_text(json.dumps(figures, indent=1) + "\n")
 
-        # The harness itself: it saw every entry, and the disruptions hit requests (else the run proves nothing).
+        # The harness itself: it saw every entry, the disruptions hit requests (each struck once its target held
+        # some) and peers took over from every frozen scheduler (else the run proves nothing). LONG's last
+        # disruptions may come after the last request ended.
         assert not run.missing, f"the recorder missed reply entries: {run.missing}"
         assert run.trimmed > 0, "no reply stream went past the cap"
-        # The last freeze comes late: on a slow machine every stream may have ended by then.
-        hit = [bool(e.victims) for e in (events if LONG else events[:-1])]
-        assert (any if LONG else all)(hit), [(e.kind, e.target, len(e.victims)) for e in events]
+        hit = [bool(e.victims) for e in events] + [bool(e.taken) for e in events if e.kind == "stop"]
+        assert (any if LONG else all)(hit), [(e.kind, e.target, len(e.victims), len(e.taken)) for e in events]
         assert not failures and not problems, json.dumps({"failures": {k: v[:5] for k, v in failures.items()},
                                                           "problems": problems}, indent=1)
     finally:

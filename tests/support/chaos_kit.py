@@ -7,9 +7,9 @@
   before the reply-stream cap (MAXLEN) trims it, so that whole replies can be checked afterwards.
 - `deliverable`: what the API would deliver from those entries, applying epoch fencing, and every token index
   two surviving entries disagree on.
-- `Chaos`: the disruptions (SIGSTOP past the claim idle time then SIGCONT, SIGKILL and a replacement, an API
-  restart), each with its victims (the requests the process held, from the group's pending list) and the
-  replacement's time from spawn to heartbeat.
+- `Chaos`: the disruptions (SIGSTOP until a peer took work over, past the claim idle time, then SIGCONT; SIGKILL
+  and a replacement; an API restart), each struck the moment its target holds work, with its victims (the
+  requests the process held, from the group's pending list) and the replacement's time from spawn to heartbeat.
 - `afterwards_problems`: what must hold once the run is over (empty pending lists, no consumer of a dead
   process, a TTL on every per-request key, every KV page free).
 """
@@ -37,12 +37,15 @@ import redis.asyncio as aioredis
 from rsinfer.launcher import api_ready
 from rsinfer.sse_client import Reply, Request, stream
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, STAGES, TOKENIZER_GROUP, Keys
-from tests.support.helpers import worker_name, workers
+from tests.support.helpers import async_wait_for, worker_name, workers
 from tests.support.stack import MODEL, Stack
 
 GROUPS = {"tokenizer": TOKENIZER_GROUP, "scheduler": SCHEDULER_GROUP, "detokenizer": DETOKENIZER_GROUP}
 HANDOFF = "handoff"  # shared/worker.py HANDOFF_CONSUMER: not a process; entries handed back wait there
-FREEZE_WITHIN_S = 8.0  # Chaos.kill_holding: how long a worker may take to hold an entry before it is killed anyway
+# Deadlines, not paces: a disruption is struck the moment its target holds work (within HOLD_WITHIN_S, else anyway,
+# and the run's checks name it), and a frozen scheduler is let go once a peer took one of its requests over.
+HOLD_WITHIN_S = 30.0
+TAKEN_WITHIN_S = 60.0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -453,6 +456,7 @@ class Disruption:
     victims: list[str]  # uids the process held
     replacement: str | None = None
     restart_s: float | None = None  # spawn of the replacement to its heartbeat (API: to /ready)
+    taken: list[str] = field(default_factory=list)  # stop: victims a peer took over while it was frozen
     up: asyncio.Event = field(default_factory=asyncio.Event)  # set with restart_s
 
 
@@ -485,16 +489,49 @@ class Chaos:
                     uids.update([data["uid"]] if "uid" in data else [it["uid"] for it in data.get("items", [])])
         return sorted(uids)
 
-    async def stop(self, name: str, seconds: float) -> Disruption:
-        """SIGSTOP a process for `seconds` (past the claim idle time: peers take its work over), then SIGCONT."""
-        role = re.sub(r"\d.*", "", name)
+    async def stop(self, role: str, names: list[str]) -> Disruption:
+        """SIGSTOP the first of `names` to hold requests (within HOLD_WITHIN_S; else the first, holding none),
+        until a peer has taken one of them over (it stayed frozen past the claim idle time; within
+        TAKEN_WITHIN_S), then SIGCONT: it goes on with stale work, which fencing must refuse."""
+        name = await asyncio.to_thread(self.freeze_first_holding, role, names, HOLD_WITHIN_S) or names[0]
         proc = self.stack.procs[name]
         proc.send_signal(signal.SIGSTOP)
         event = Disruption("stop", role, name, time.time(), await self.held_uids(role, name))
         self.events.append(event)
-        await asyncio.sleep(seconds)
-        proc.send_signal(signal.SIGCONT)
+
+        async def taken() -> list[str]:
+            event.taken = sorted(set(event.victims) - set(await self.held_uids(role, name)))
+            return event.taken
+
+        try:
+            with contextlib.suppress(TimeoutError):  # the run's checks say which stop no peer took over
+                if event.victims:
+                    await async_wait_for(taken, timeout=TAKEN_WITHIN_S, every=0.1)
+        finally:
+            proc.send_signal(signal.SIGCONT)
         return event
+
+    def freeze_first_holding(self, role: str, names: list[str], timeout: float) -> str | None:
+        """SIGSTOP the first of `names` seen holding an entry of its group (checked again once frozen); None if
+        none did within `timeout`. For schedulers, which hold an entry from admission to the request's end."""
+        r, key, group = self.stack.redis(), self.stack.keys.stage_stream(role, MODEL), GROUPS[role]
+        deadline = time.monotonic() + timeout
+
+        def holding() -> dict[str, int]:
+            with contextlib.suppress(redis.ResponseError):
+                found = {worker_name(c["name"]): c["pending"] for c in r.xinfo_consumers(key, group)}
+                return {n: found[n] for n in names if found.get(n)}
+            return {}
+
+        while time.monotonic() < deadline:
+            held = holding()
+            for name in sorted(held, key=held.__getitem__, reverse=True):  # the busiest first
+                self.stack.procs[name].send_signal(signal.SIGSTOP)
+                if name in holding():
+                    return name
+                self.stack.procs[name].send_signal(signal.SIGCONT)
+            time.sleep(0.02)
+        return None
 
     def freeze_once_holding(self, role: str, name: str, timeout: float) -> bool:
         """SIGSTOP `name` holding an entry of its group; False if it held none within `timeout`. Polling a running
@@ -519,9 +556,9 @@ class Chaos:
         return held
 
     async def kill_holding(self, role: str, name: str) -> Disruption:
-        """Freeze a stage worker the moment it holds entries (it will never finish them; within FREEZE_WITHIN_S),
+        """Freeze a stage worker the moment it holds entries (it will never finish them; within HOLD_WITHIN_S),
         then kill it."""
-        await asyncio.to_thread(self.freeze_once_holding, role, name, FREEZE_WITHIN_S)
+        await asyncio.to_thread(self.freeze_once_holding, role, name, HOLD_WITHIN_S)
         return await self.kill(role, name)
 
     async def kill(self, role: str, name: str) -> Disruption:

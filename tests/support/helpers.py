@@ -24,10 +24,11 @@ def wait_for(check: Callable[[], Any], timeout: float = 10.0, every: float = 0.0
         time.sleep(every)
 
 
-async def async_wait_for(check: Callable[[], Any], within: float = 10.0, every: float = 0.02) -> Any:
-    """wait_for in a coroutine: `check` may return an awaitable (an async function's call), awaited each time; the
-    event loop runs between checks."""
-    deadline = time.monotonic() + within
+async def async_wait_for(check: Callable[[], Any], timeout: float = 10.0,  # noqa: ASYNC109 (as wait_for's)
+                         every: float = 0.02) -> Any:
+    """`wait_for` in an event loop: `check` may be a coroutine function; the loop runs between looks. Its
+    TimeoutError says what the condition last gave, which asyncio.timeout around a loop would not."""
+    deadline = time.monotonic() + timeout
     while True:
         value = check()
         if inspect.isawaitable(value):
@@ -35,7 +36,7 @@ async def async_wait_for(check: Callable[[], Any], within: float = 10.0, every: 
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {within}s (last value {value!r})")
+            raise TimeoutError(f"condition not met in {timeout}s (last value {value!r})")
         await asyncio.sleep(every)
 
 
