@@ -165,7 +165,9 @@ def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(edge):
     assert resp.headers["connection"] == "close"
     grown = rss(edge, "api-edge") - before
     print(f"chunked 40 MiB body: {sent >> 20} MiB sent, API RSS {before >> 20} -> {(before + grown) >> 20} MiB")
-    assert sent < 24 << 20  # refused at the limit, not read to its end
+    # refused at the limit, not read to its end (what loopback's socket buffers took before the close comes on top of
+    # the 16 MiB, more on a busy machine)
+    assert sent < 36 << 20
     assert grown < 24 << 20
     assert chat(edge).status_code == 200
 

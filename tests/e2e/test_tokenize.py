@@ -99,7 +99,7 @@ def no_scheduler(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Sta
     """An API alone at first (a short deadline, small limits), then a tokenizer: no scheduler or detokenizer."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "tok")
     try:
-        s.start("api1", "api", RSINFER_MODELS=MODEL, RSINFER_REQUEST_TIMEOUT_S="4",
+        s.start("api1", "api", RSINFER_MODELS=MODEL, RSINFER_REQUEST_TIMEOUT_S="10",
                 RSINFER_MAX_TOKENIZE_CHARS="64", RSINFER_MAX_TOKENIZE_MESSAGES="2",
                 RSINFER_MAX_DETOKENIZE_TOKENS="8", **LIFECYCLE_ENV)
         s.wait_ready(model=None)
@@ -112,8 +112,8 @@ def test_answered_with_no_scheduler(no_scheduler):
     s = no_scheduler
     t0 = time.monotonic()
     late = error(post(s, "/tokenize", {"model": MODEL, "prompt": "nobody tokenizes this"}), 504)  # no tokenizer
-    # its deadline, not a hang (a busy machine's tokenizer answers the others within the same 4 s)
-    assert late["code"] == "request_timeout" and time.monotonic() - t0 < 20
+    # its deadline, not a hang (a deadline long enough for a busy machine's tokenizer to answer the others)
+    assert late["code"] == "request_timeout" and time.monotonic() - t0 < 40
     r = s.redis()
     (uid,) = [k.split("{")[1].rstrip("}") for k in r.scan_iter(match=f"{s.namespace}:req:*")]
     assert r.get(s.keys.abort(uid)) == "timeout" and r.ttl(s.keys.abort(uid)) > 0
