@@ -12,10 +12,13 @@ import tokenize
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from shared import messages
 from shared.keys import Keys
 
+# One worker parses every file once for all the checks (`parsed`, `prose`) under `--dist loadgroup`.
+pytestmark = pytest.mark.xdist_group("docs")
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 CODE_DIRS = ("services", "shared", "rsinfer", "tests", "bench")

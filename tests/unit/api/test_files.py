@@ -54,7 +54,7 @@ async def test_a_tenants_files_and_bytes_are_counted_released_and_expire(redis_s
         with pytest.raises(ApiError) as e:
             await quota.reserve("t", "f2", 41, later)
         assert e.value.status == 403 and "--max-file-bytes-per-tenant" in e.value.message
-        await quota.reserve("t", "f2", 40, time.time() + 1)
+        await quota.reserve("t", "f2", 40, later)
         with pytest.raises(ApiError) as e:
             await quota.reserve("t", "f3", 0, later)
         assert e.value.status == 403 and "--max-files-per-tenant" in e.value.message

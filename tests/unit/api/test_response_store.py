@@ -18,7 +18,7 @@ from tests.support.helpers import async_wait_for
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture(params=["standalone", "cluster"])
+@pytest.fixture(params=["standalone", pytest.param("cluster", marks=pytest.mark.xdist_group("redis_cluster"))])
 async def store(request):
     """A store on a standalone Redis, and on a Redis Cluster (the response and its tenant's count in other slots)."""
     url = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster").url

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from services.detokenizer.incremental import Detokenizer, merge_deltas, render_delta, stop_hold, visible
 from shared.messages import TokenDelta
 
+# qwen_tok's users share one xdist worker, where it is made once (tests/unit/conftest.py)
+TOKENIZERS = ["demo_tok", pytest.param("qwen_tok", marks=pytest.mark.xdist_group("qwen_tok"))]
 TEXT = "你好，世界 🌍 KV Cache 是什么？ Hello world 🚀🤖 ok."
 
 
@@ -36,7 +38,7 @@ def stream_text(tok, ids, step_sizes, stops=(), window=8):
     return out, chunks, False
 
 
-@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+@pytest.mark.parametrize("tok_name", TOKENIZERS)
 @pytest.mark.parametrize("steps", [[1], [2], [3, 1], [5]])
 def test_chunks_concatenate_to_the_text_without_broken_characters(request, tok_name, steps):
     tok = request.getfixturevalue(tok_name)
@@ -105,7 +107,7 @@ def test_logprobs_name_tokens(demo_tok):
     assert lps[0].top_logprobs[0].logprob == -0.5
 
 
-@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+@pytest.mark.parametrize("tok_name", TOKENIZERS)
 def test_the_batched_backend_decode_is_transformers_decode(request, tok_name):
     """Detokenizer.decode_batch takes the Rust backend's batch path; it must give exactly what
     tokenizer.batch_decode gives, special tokens skipped or not."""
@@ -126,7 +128,7 @@ def metaspace_tok():
     return metaspace_tokenizer(64)
 
 
-@pytest.mark.parametrize("tok_name", ["demo_tok", "qwen_tok"])
+@pytest.mark.parametrize("tok_name", TOKENIZERS)
 def test_logprob_bytes_are_each_tokens_own(request, tok_name):
     """A token holding part of a character reports its own bytes (not U+FFFD's, nor none): joined, the bytes
     of a choice's tokens are its text, prompt logprobs and top alternatives alike."""

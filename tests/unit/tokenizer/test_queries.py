@@ -15,6 +15,8 @@ from shared.messages import TokenizerQuery as Query
 TEXT = "Hello wörld 🌍 你好，世界"
 CHAT = [ChatMessage("system", "be brief"), ChatMessage("user", TEXT)]
 BASE = dict(uid="u", model="m", pod="p", created_at=0.0, deadline=1e12)
+# qwen_tok's users share one xdist worker, where it is made once (tests/unit/conftest.py)
+ENCODERS = ["demo", pytest.param("qwen", marks=pytest.mark.xdist_group("qwen_tok"))]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def scheduled(encoder: PromptEncoder, **kw) -> ScheduleJob:
     return job
 
 
-@pytest.mark.parametrize("name", ["demo", "qwen"])
+@pytest.mark.parametrize("name", ENCODERS)
 def test_counts_are_the_generation_requests_prompt_tokens(request, name):
     enc = request.getfixturevalue(name)
     cases = [{"messages": CHAT}, {"messages": CHAT, "add_generation_prompt": False},
@@ -51,7 +53,7 @@ def test_counts_are_the_generation_requests_prompt_tokens(request, name):
         assert got.count == len(got.tokens) and got.max_model_len == enc.max_context
 
 
-@pytest.mark.parametrize("name", ["demo", "qwen"])
+@pytest.mark.parametrize("name", ENCODERS)
 def test_round_trips(request, name):
     enc = request.getfixturevalue(name)
     tokens = answer(enc, query(prompt=TEXT)).tokens
