@@ -13,6 +13,7 @@ import pytest
 from shared.demo_model import ensure_demo_model, make_model
 from shared.redis_server import RedisServer
 from tests.support.redis_cluster import LocalCluster
+from tests.support.xdist_groups import apply_groups
 
 # The end-to-end modules that stop, freeze or kill processes or Redis and then wait for recovery within claim and
 # heartbeat timings: they run one after the other on one worker (the other worker runs everything else), so that
@@ -42,10 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return 3
         return 0 if module in SERIAL else 1 if module in LONG else 2
 
-    for item in items:
-        if "unit" not in item.path.parts:
-            module = item.path.stem
-            item.add_marker(pytest.mark.xdist_group("serial" if module in SERIAL else module))
+    grouped = [item for item in items if "unit" not in item.path.parts]
+    for item in grouped:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("serial" if module in SERIAL else module))
+    apply_groups(config, grouped)  # tests/support/xdist_groups.py says why xdist's own rewrite is not enough
     items.sort(key=rank)  # stable: each module's tests stay together and in their order
 
 
