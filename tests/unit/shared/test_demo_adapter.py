@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rsinfer.cli import main
 from shared.demo_adapter import make_adapter
 from shared.lora_folder import LoraCard, check_folder
 
@@ -61,15 +62,16 @@ def test_peft_loads_it_as_its_own_and_it_changes_the_answers(random_model_dir, b
         assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-3)
 
 
-def test_the_command_writes_each_folder_and_refuses_what_the_model_lacks(random_model_dir, tmp_path):
+def test_the_command_writes_each_folder_and_refuses_what_the_model_lacks(random_model_dir, tmp_path, capsys):
     dirs = [str(tmp_path / "x"), str(tmp_path / "y")]
-    cmd = [sys.executable, "-m", "rsinfer.cli", "demo-adapter", *dirs, "--model", str(random_model_dir)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    args = ["demo-adapter", *dirs, "--model", str(random_model_dir)]
+    done = subprocess.run([sys.executable, "-m", "rsinfer.cli", *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
     assert done.returncode == 0 and done.stdout.split() == dirs, done.stderr
     weights = [(Path(d) / "adapter_model.safetensors").read_bytes() for d in dirs]
     assert weights[0] != weights[1]  # each folder its own adapter (seeds 0 and 1)
-    bad = subprocess.run([*cmd, "--targets", "lm_head"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert bad.returncode == 2 and "targets must be some of q_proj" in bad.stderr
-    nowhere = subprocess.run([*cmd[:-1], str(tmp_path / "none")], capture_output=True, text=True, timeout=60,
-                             cwd=ROOT)
-    assert nowhere.returncode == 2 and "is not a checkpoint folder" in nowhere.stderr
+    # the refusals in this process (the exit status is what main returns): a process start each costs seconds
+    assert main([*args, "--targets", "lm_head"]) == 2
+    assert "targets must be some of q_proj" in capsys.readouterr().err
+    assert main([*args[:-1], str(tmp_path / "none")]) == 2
+    assert "is not a checkpoint folder" in capsys.readouterr().err
