@@ -31,7 +31,7 @@ from fastapi import Request as HttpRequest
 from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
-from services.api.limits import jobs_fit_context
+from services.api.limits import jobs_fit_context, omitted_max_tokens
 from services.api.quotas import Lease
 from services.api.registry import Snapshot
 from services.api.schemas import Budget, Stamp, Submission
@@ -121,8 +121,7 @@ class Admission:
         (services/api/quotas.py): each choice's max_tokens, or where it is omitted what its tokenizer gives such a
         request (the model's default_max_tokens, services/tokenizer/encode.py), else the model's context."""
         info = self.stages.snapshot.model_info(jobs[0].model)
-        default, context = int(info.get("default_max_tokens") or 0), int(info.get("max_model_len") or 0)
-        omitted = min(default, context) if default and context else default or context
+        omitted = omitted_max_tokens(info.get("default_max_tokens"), info.get("max_model_len"))
         return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else omitted) for j in jobs)
 
     def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None

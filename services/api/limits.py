@@ -101,6 +101,13 @@ def compact_len(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 
+def omitted_max_tokens(default: int | None, context: int | None) -> int:
+    """What a request without max_tokens may generate: the model's default (its tokenizer's default_max_tokens,
+    services/tokenizer/encode.py) within its context, else its context; 0 when neither is known."""
+    default, context = int(default or 0), int(context or 0)
+    return min(default, context) if default and context else default or context
+
+
 class Limits:
     def __init__(self, settings: ApiSettings):
         self.s = settings
@@ -192,11 +199,9 @@ class Limits:
                             f"choices); at most {s.max_request_sequences} (--max-request-sequences)")
         if b.max_tokens is not None:
             per, why = (min(b.max_tokens, context) if context else b.max_tokens), ""
-        elif default:
-            per, why = (min(default, context) if context else default), (f", the model's default as "
-                                                                        f"`{b.tokens_param}` is not given")
-        elif context:
-            per, why = context, f", the model's context, as `{b.tokens_param}` is not given"
+        elif default or context:
+            per = omitted_max_tokens(default, context)
+            why = f", the model's {'default' if default else 'context'}, as `{b.tokens_param}` is not given"
         else:
             per, why = s.max_request_tokens, (f", the whole budget, as `{b.tokens_param}` is not given and the "
                                               "model's context is not known yet")

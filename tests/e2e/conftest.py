@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.stack import STARTED, Stack, new_stack, running_pipeline
+from tests.support.stack import STARTED, Stack, running_pipeline, running_up
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,13 +30,8 @@ def no_process_outlives_the_run() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def stack(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
     """`rsinfer up` on a free port against the test redis-server, for the whole session."""
-    s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "e2e")
-    try:
-        s.start("up", "up")
-        s.wait_ready()
+    with running_up(redis_server, demo_model_dir, tmp_path_factory, "e2e") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.support.stack import MODEL, new_stack
+from tests.support.stack import MODEL, running_up
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -15,13 +15,8 @@ pytestmark = pytest.mark.timeout(120)
 def stack(redis_server, random_model_dir, tmp_path_factory):
     """`rsinfer up` on the demo checkpoint's random twin (tests/conftest.py): random weights give prompts that
     differ only by a number texts of their own; the trained demo model answers them all alike, in a few tokens."""
-    s = new_stack(redis_server, random_model_dir, tmp_path_factory, "conc")
-    try:
-        s.start("up", "up")
-        s.wait_ready()
+    with running_up(redis_server, random_model_dir, tmp_path_factory, "conc") as s:
         yield s
-    finally:
-        s.stop()
 
 
 async def _stream(client, i: int) -> tuple[str, list[str], int]:

@@ -67,30 +67,39 @@ def test_named_tool_streams_one_call(stack):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+# <tool_call> is one token of the demo vocabulary (as of Qwen's): a Lark grammar names it as a token
+FORCED_CALL = ('start: "Let me check.\\n" <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+               '{\\"tz\\": \\"" ("UTC" | "CET") "\\"}}\\n" </tool_call>')
+
+
+def forced_call(stack, max_tokens: int, stream: bool) -> tuple[str, list[dict], str]:
+    """A chat answer that a grammar makes a `get_time` call after "Let me check.": its content, tool calls and finish
+    reason, streamed (gathered from the chunks) or not."""
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": max_tokens, "ebnf": FORCED_CALL,
+            "stream": stream}
+    resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        chunks = [json.loads(x[6:]) for x in resp.text.splitlines() if x.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        content = "".join(c["delta"].get("content") or "" for c in choices)
+        calls = [t for c in choices for t in c["delta"].get("tool_calls") or []]
+        return content, calls, choices[-1]["finish_reason"]
+    choice = resp.json()["choices"][0]
+    return choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
+
+
 def test_auto_parses_the_model_s_tool_call_text_and_none_does_not(stack):
     """With tool_choice "auto" whatever the model writes as <tool_call> becomes a call (a regex makes the
     random model write one); with "none" it stays text."""
-    # <tool_call> is one token of the demo vocabulary (as of Qwen's): a Lark grammar names it as a token
-    lark = ('start: "Let me check.\\n" <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"tz\\": \\"" '
-            '("UTC" | "CET") "\\"}}\\n" </tool_call>')
     for stream in (False, True):
-        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 80, "ebnf": lark, "stream": stream}
-        resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
-        assert resp.status_code == 200, resp.text
-        if stream:
-            chunks = [json.loads(x[6:]) for x in resp.text.splitlines() if x.startswith("data: {")]
-            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
-            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
-        else:
-            msg = resp.json()["choices"][0]["message"]
-            content, calls, finish = msg["content"], msg["tool_calls"], resp.json()["choices"][0]["finish_reason"]
+        content, calls, finish = forced_call(stack, 80, stream)
         assert content == "Let me check.\n" and finish == "tool_calls"  # as vLLM keeps it
         assert [c["function"]["name"] for c in calls] == ["get_time"]
         assert json.loads(calls[0]["function"]["arguments"])["tz"] in ("UTC", "CET")
     none = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 80,
-        "ebnf": lark}).json()["choices"][0]
+        "ebnf": FORCED_CALL}).json()["choices"][0]
     assert "<tool_call>" in none["message"]["content"] and not none["message"].get("tool_calls")
     assert none["finish_reason"] == "stop"
 
@@ -152,21 +161,9 @@ def test_a_tool_call_cut_by_max_tokens_is_not_content(stack):
     """A call the budget cut before its `</tool_call>` is dropped, streamed or not: the content is the text
     before it, no `<tool_call>` markup, and the finish reason says `length` (before: the markup and the half
     call came back as content)."""
-    lark = ('start: "Let me check.\\n" <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
-            '{\\"tz\\": \\"" ("UTC" | "CET") "\\"}}\\n" </tool_call>')
     for stream in (False, True):  # 20 tokens: past the opening marker, well before the call's end
-        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 20, "ebnf": lark, "stream": stream}
-        resp = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
-        assert resp.status_code == 200, resp.text
-        if stream:
-            chunks = [json.loads(x[6:]) for x in resp.text.splitlines() if x.startswith("data: {")]
-            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
-            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
-        else:
-            msg = resp.json()["choices"][0]["message"]
-            content, calls, finish = msg["content"], msg.get("tool_calls"), resp.json()["choices"][0]["finish_reason"]
-        assert (content, calls or [], finish) == ("Let me check.\n", [], "length"), (stream, content)
+        content, calls, finish = forced_call(stack, 20, stream)
+        assert (content, calls, finish) == ("Let me check.\n", [], "length"), (stream, content)
 
 
 @pytest.mark.parametrize(("extra", "param"), [

@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from rsinfer.launcher import api_ready
 from rsinfer.sse_client import Reply, Request, stream
 from shared.keys import DETOKENIZER_GROUP, SCHEDULER_GROUP, STAGES, TOKENIZER_GROUP, Keys
-from tests.support.helpers import async_wait_for, worker_name, workers
+from tests.support.helpers import async_wait_for, wait_for, worker_name, workers
 from tests.support.stack import MODEL, Stack
 
 GROUPS = {"tokenizer": TOKENIZER_GROUP, "scheduler": SCHEDULER_GROUP, "detokenizer": DETOKENIZER_GROUP}
@@ -515,7 +515,6 @@ class Chaos:
         """SIGSTOP the first of `names` seen holding an entry of its group (checked again once frozen); None if
         none did within `timeout`. For schedulers, which hold an entry from admission to the request's end."""
         r, key, group = self.stack.redis(), self.stack.keys.stage_stream(role, MODEL), GROUPS[role]
-        deadline = time.monotonic() + timeout
 
         def holding() -> dict[str, int]:
             with contextlib.suppress(redis.ResponseError):
@@ -523,15 +522,19 @@ class Chaos:
                 return {n: found[n] for n in names if found.get(n)}
             return {}
 
-        while time.monotonic() < deadline:
+        def frozen_holding() -> str | None:
             held = holding()
             for name in sorted(held, key=held.__getitem__, reverse=True):  # the busiest first
                 self.stack.procs[name].send_signal(signal.SIGSTOP)
                 if name in holding():
                     return name
                 self.stack.procs[name].send_signal(signal.SIGCONT)
-            time.sleep(0.02)
-        return None
+            return None
+
+        try:
+            return wait_for(frozen_holding, timeout=timeout)
+        except TimeoutError:
+            return None
 
     def freeze_once_holding(self, role: str, name: str, timeout: float) -> bool:
         """SIGSTOP `name` holding an entry of its group; False if it held none within `timeout`. Polling a running
@@ -540,20 +543,25 @@ class Chaos:
         in its blocking XREADGROUP, or that it reads in one of those slices, is pending in its name."""
         r, key, group = self.stack.redis(), self.stack.keys.stage_stream(role, MODEL), GROUPS[role]
         proc = self.stack.procs[name]
-        deadline = time.monotonic() + timeout
 
         def holds() -> bool:
             with contextlib.suppress(redis.ResponseError):
                 return any(worker_name(c["name"]) == name and c["pending"] for c in r.xinfo_consumers(key, group))
             return False
 
-        proc.send_signal(signal.SIGSTOP)
-        while not (held := holds()) and time.monotonic() < deadline:
+        def holds_after_a_slice() -> bool:
             proc.send_signal(signal.SIGCONT)
-            time.sleep(0.002)
+            time.sleep(0.002)  # the slice it runs for: the mechanism, not a wait for something
             proc.send_signal(signal.SIGSTOP)
-            time.sleep(0.01)
-        return held
+            return holds()
+
+        proc.send_signal(signal.SIGSTOP)
+        if holds():
+            return True
+        try:
+            return wait_for(holds_after_a_slice, timeout=timeout, every=0.01)
+        except TimeoutError:
+            return False
 
     async def kill_holding(self, role: str, name: str) -> Disruption:
         """Freeze a stage worker the moment it holds entries (it will never finish them; within HOLD_WITHIN_S),

@@ -139,3 +139,16 @@ def running_pipeline(redis_server: RedisServer, model_dir: Path, tmp_path_factor
         yield start_pipeline(s, **env)
     finally:
         s.stop()
+
+
+@contextlib.contextmanager
+def running_up(redis_server: RedisServer, model_dir: Path, tmp_path_factory, prefix: str) -> Iterator[Stack]:
+    """`rsinfer up` on a free port and a namespace of its own, serving once every stage is live; stopped however
+    it ends."""
+    s = new_stack(redis_server, model_dir, tmp_path_factory, prefix)
+    try:
+        s.start("up", "up")
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
