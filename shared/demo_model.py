@@ -138,13 +138,14 @@ def make_model(out_dir: str | os.PathLike, shape: str = "tiny", seed: int = 0, d
     return out
 
 
-def ensure_demo_model(path: str | os.PathLike | None = None) -> Path:
-    """The cached demo checkpoint, made on first use (atomically, so concurrent starters agree)."""
+def ensure_demo_model(path: str | os.PathLike | None = None, train: bool | None = None) -> Path:
+    """The cached demo checkpoint, made on first use (atomically, so concurrent starters agree); `train`: as
+    make_model's (False: its untrained twin)."""
     target = Path(path) if path else default_cache_dir()
     if (target / MARKER).exists():
         return target
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    make_model(tmp)
+    make_model(tmp, train=train)
     try:
         tmp.rename(target)
     except OSError:  # another process won the race; its copy is identical

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.demo_model import ensure_demo_model, make_model
+from shared.demo_model import ensure_demo_model
 from shared.redis_server import RedisServer
 from tests.support.redis_cluster import LocalCluster
 from tests.support.xdist_groups import apply_groups
@@ -77,10 +77,7 @@ def random_model_dir(tmp_path_factory) -> Path:
     into the few patterns they learnt there (a loop of one token, an adapter that changes nothing); random ones
     keep every such comparison sensitive."""
     with run_wide(tmp_path_factory, "random") as folder:
-        target = folder / "rsinfer-demo"
-        if not target.exists():  # made whole in a folder beside it, then renamed: never found half-written
-            make_model(folder / "partial", train=False).rename(target)
-        return target
+        return ensure_demo_model(folder / "rsinfer-demo", train=False)
 
 
 @pytest.fixture(scope="session")
