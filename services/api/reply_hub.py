@@ -97,18 +97,22 @@ class _Shard:
                     self._fail_all(HubError(f"reply stream unreadable: {e}"))
                 await asyncio.sleep(0.2)
                 continue
-            self._dispatch(resp)
+            self._dispatch(resp, positions)
 
     async def _control_tip(self) -> str:
         return await streams.last_id(self.redis, self.control) or "0-0"
 
-    def _dispatch(self, resp) -> None:
+    def _dispatch(self, resp, positions: dict[str, str]) -> None:
+        """Each read's entries to the inboxes it read for: those whose position the read started at or before. An
+        inbox registered (or resumed) while the read was blocked past its position would otherwise take the
+        entries after that point as its first and never see those before: the next read starts from it."""
         for key, entries in resp:
             if key == self.control:
                 self.control_id = entries[-1][0]
                 continue
+            read_from = positions.get(key)
             for sub in self.subs.get(key, ()):
-                if not sub.paused:
+                if read_from is not None and not sub.paused and not streams.id_after(read_from, sub.last_id):
                     self._deliver(sub, entries)
 
     def _deliver(self, sub: Inbox, entries: list) -> None:

@@ -104,6 +104,26 @@ async def test_two_readers_of_one_stream_in_one_process_each_get_every_entry(hub
     assert own.queue.empty() and hub.subscriptions == 1
 
 
+async def test_a_reader_registered_during_a_blocked_read_still_gets_the_stream_from_its_start(hub_env):
+    """A resume (or a cancel's rebuild) registers while the shard is blocked reading the request's own inbox past
+    what it has; the next entry ends that read, and the new reader must not take it as its first."""
+    hub, redis, keys = hub_env
+    own = await subscribe(hub, "late")
+    for i in range(3):
+        await streams.add(redis, keys.reply("late"), event(i))
+    assert [decode((await asyncio.wait_for(own.get(), 5))[1], ReplyEvent).start for _ in range(3)] == [0, 1, 2]
+    await async_wait_for(lambda: blocked_reads(redis))  # the shard waits past entry 2
+    again = hub.register(Inbox("late", keys.reply("late")))  # no wake: the blocked read goes on as it was
+    await streams.add(redis, keys.reply("late"), event(3))
+    got = [decode((await asyncio.wait_for(again.get(), 5))[1], ReplyEvent).start for _ in range(4)]
+    assert got == [0, 1, 2, 3]
+    assert decode((await asyncio.wait_for(own.get(), 5))[1], ReplyEvent).start == 3 and own.queue.empty()
+
+
+async def blocked_reads(redis) -> bool:
+    return any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in await redis.client_list())
+
+
 @pytest.fixture
 async def cluster_hub(redis_cluster):
     redis = connect(redis_cluster.url)
