@@ -122,15 +122,27 @@ class EffectWriter:
             EndAborted: self.end_aborted, RecordAbort: self.record_abort, RecordRunning: self.record_running,
             PageChanges: lanes.write_pages, Dequeued: self.dequeued}
 
-    def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> None:
-        """Queue every effect's commands, in order, then one acknowledgement of all the entries they end."""
+    def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> list[range]:
+        """Queue every effect's commands, in order, then one acknowledgement of all the entries they end. Which
+        of the pipeline's commands each effect queued (`unapplied` reads them)."""
         acks: list[str] = []
+        spans: list[range] = []
+        ack_spans: list[int] = []
         for e in effects:
             if isinstance(e, Ack):
                 acks += e.entries
+                ack_spans.append(len(spans))
+                spans.append(range(0))
             else:
+                start = len(pipe)
                 self._write[type(e)](pipe, e)
+                spans.append(range(start, len(pipe)))
+        start = len(pipe)
         self.source.ack_in(pipe, acks)
+        for k in ack_spans:
+            spans[k] = range(start, len(pipe))
+        return spans
+
 
     def publish(self, pipe: Pipeline, e: Publish) -> None:
         """XADD the deltas to the model's detokenize stream, capped near --detokenize-budget-mb: MAXLEN ~ the
@@ -165,3 +177,19 @@ class EffectWriter:
     def record_running(self, pipe: Pipeline, e: RecordRunning) -> None:
         self.requests.set_status(pipe, e.uid, Status.RUNNING, scheduler=self.id, entry=e.entry,
                                  max_tokens=e.max_tokens, stop=e.stop)
+
+
+def raise_first_error(results: list[Any]) -> None:
+    """What the pipeline's `execute()` would have raised: the first failed command's error."""
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+
+
+def unapplied(effects: list[Effect], spans: list[range], results: list[Any]) -> list[Effect]:
+    """The effects of a pipeline (`EffectWriter.apply`, executed without raising) that a command of theirs failed
+    for: only those are sent again. A pipeline is not a transaction: what it did apply stays applied, and a
+    step's deltas sent twice would reach a detokenizer beside the next ones and be merged into a range that
+    overlaps what its client already has (shared/reply_order.py drops such a range)."""
+    return [e for e, span in zip(effects, spans, strict=True)
+            if any(isinstance(results[k], Exception) for k in span)]

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from services.scheduler.adapters import SYNC_EVERY_S, RegisteredAdapters
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.book import Ends, RequestBook
-from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish
+from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish, raise_first_error, unapplied
 from services.scheduler.engine.base import Engine, StepOutput
 from services.scheduler.engine.factory import build_engine
 from services.scheduler.recovery import AbortNotes, Recovery
@@ -133,10 +133,11 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         """Send the outbox and read new abort notifications, in one round trip. On failure the effects stay
         queued for the next try."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            self.writer.apply(pipe, self.outbox)
+            spans = self.writer.apply(pipe, self.outbox)
             self.notes.queue(pipe)
-            *_, notes = await pipe.execute()
-        self.outbox.clear()
+            *results, notes = await pipe.execute(raise_on_error=False)
+        self.outbox = unapplied(self.outbox, spans, results)
+        raise_first_error([*results, notes])
         return self.notes.ends(notes, self.book.running)
 
     async def ends_due(self) -> Ends:
@@ -217,8 +218,11 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
     async def flush(self) -> None:
         """Send the outbox in one pipeline; on failure it stays queued for the next try."""
         if self.outbox:
-            await self.send(self.outbox)
-            self.outbox.clear()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                spans = self.writer.apply(pipe, self.outbox)
+                results = await pipe.execute(raise_on_error=False)
+            self.outbox = unapplied(self.outbox, spans, results)
+            raise_first_error(results)
 
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: no new requests; step the running ones toward their end until the deadline (or a
