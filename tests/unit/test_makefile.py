@@ -41,7 +41,9 @@ def make(project: Path, *targets: str) -> list[str]:
     """Run make; the fake tools' calls it made."""
     log = project / "calls.log"
     log.unlink(missing_ok=True)
-    env = {**os.environ, "MAKEFLAGS": ""}
+    # a `make test ARGS=...` running this suite exports ARGS (and MAKEFLAGS): this make must not inherit them
+    inherited = ("ARGS", "MAKEFLAGS", "MAKEOVERRIDES", "MFLAGS", "MAKELEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     subprocess.run(["make", "-s", *targets], cwd=project, env=env, check=True, capture_output=True, timeout=30)
     return log.read_text().splitlines() if log.exists() else []
 
