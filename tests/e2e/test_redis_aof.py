@@ -60,7 +60,7 @@ def test_in_flight_requests_survive_redis_restarts_with_their_data(aof_redis, de
     try:
         start_pipeline(s)
         jobs = [Job(key=900 + i, kind="greedy", n=1, max_tokens=m, api=0, background=False, timeout=120)
-                for i, m in enumerate((150, 300, 600, 900, 1200, 1400))]
+                for i, m in enumerate((100, 150, 200, 250, 300, 400))]
         expected = asyncio.run(reference_texts(s.base_url, jobs))
         for outage_s in (1.0, 4.0):
             check_a_restart(s, aof_redis, jobs, expected, outage_s)
