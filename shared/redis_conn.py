@@ -109,13 +109,19 @@ class OrderedPipeline:
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         phases, self._phases = self._phases, [[]]
         results: list[Any] = []
+        failed: Exception | None = None
         for phase in phases:
             if not phase:
+                continue
+            if failed is not None:  # not raising: the later phases are not sent, and their commands say why
+                results += [failed] * len(phase)
                 continue
             async with self._client.node_pipeline() as pipe:
                 for command, args, kwargs in phase:
                     getattr(pipe, command)(*args, **kwargs)
-                results += await pipe.execute(raise_on_error=raise_on_error)
+                done = await pipe.execute(raise_on_error=raise_on_error)
+            results += done
+            failed = next((r for r in done if isinstance(r, Exception)), None)
         return results
 
     async def __aenter__(self) -> OrderedPipeline:
