@@ -239,6 +239,12 @@ class GroupConsumer(Generic[M]):
             return None
         return [streams.ack(target, key, self.group, entry_ids) for key, entry_ids in self.by_stream(ids).items()]
 
+    def ack_own_in(self, target: Target, ids: Sequence[str]) -> Any:
+        """`ack_in` of only the entries this consumer still holds (shared/streams.py `ack_own`)."""
+        if not ids:
+            return None
+        return [streams.ack_own(target, key, self.member, entry_ids) for key, entry_ids in self.by_stream(ids).items()]
+
     async def ack(self, ids: Sequence[str]) -> None:
         for key, entry_ids in self.by_stream(ids).items():
             await streams.ack(self.redis, key, self.group, entry_ids)

@@ -12,7 +12,7 @@ An entry is acknowledged in the pipeline that writes its output (`ack`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,18 @@ if #mine > 5 then
   redis.call(unpack(mine))
 end
 return lost
+"""
+
+
+# XACK of those of the ids the consumer still holds: an entry a peer claimed stays the peer's to end.
+_ACK_OWN = """
+local mine = {'XACK', KEYS[1], ARGV[1]}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then table.insert(mine, ARGV[i]) end
+end
+if #mine == 3 then return 0 end
+return redis.call(unpack(mine))
 """
 
 
@@ -186,12 +198,23 @@ def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     acknowledged with its result refused. A command queued in MULTI is refused under OOM too, so the entry stays
     pending and is handled again once Redis has room (its writes, if they did land, are written again: every
     stage drops such duplicates, as after a crash). A cluster's pipeline stops at the barrier already."""
+    return _in_own_transaction(target, lambda t: t.xack(key, group, *ids))
+
+
+def ack_own(target: Target, key: str, member: Member, ids: Sequence[str]) -> Any:
+    """`ack` of only those of `ids` that `member` still holds. A worker that was stalled (SIGSTOP) past the claim
+    idle time can end a request a peer has since taken over, and a plain XACK would end the peer's entry too:
+    the peer would then drop the request as taken from it, and nobody would finish it."""
+    return _in_own_transaction(target, lambda t: t.eval(_ACK_OWN, 1, key, member.group, member.consumer, *ids))
+
+
+def _in_own_transaction(target: Target, queue: Callable[[Any], Any]) -> Any:
     barrier(target)
     if isinstance(target, Pipeline) and not target.is_transaction:
         target.execute_command("MULTI")
-        target.xack(key, group, *ids)
+        queue(target)
         return target.execute_command("EXEC")
-    return target.xack(key, group, *ids)
+    return queue(target)
 
 
 async def ack_delete(redis: Redis, key: str, group: str, ids: Sequence[str]) -> None:

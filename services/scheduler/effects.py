@@ -138,7 +138,7 @@ class EffectWriter:
                 self._write[type(e)](pipe, e)
                 spans.append(range(start, len(pipe)))
         start = len(pipe)
-        self.source.ack_in(pipe, acks)
+        self.source.ack_own_in(pipe, acks)  # what a peer took over while this process was stalled is the peer's
         for k in ack_spans:
             spans[k] = range(start, len(pipe))
         return spans

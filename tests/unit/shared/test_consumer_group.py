@@ -110,6 +110,28 @@ async def test_touch_keeps_only_our_entries_and_reports_the_ones_a_peer_took(env
     assert await owner.pending_ids() == ids[1:] and await peer.pending_ids() == ids[:1]
 
 
+async def test_a_stalled_owner_acknowledges_only_what_it_still_holds(env):
+    """A scheduler frozen past the claim idle time can finish a request a peer has taken over before it learns of
+    the claim: its acknowledgement must leave the peer's entry pending (the peer would otherwise find it gone and
+    drop the request, which nobody then finishes), on a pipeline as the scheduler sends it."""
+    redis, keys = env
+    for i in range(2):
+        await streams.add(redis, keys.schedule("m"), job(f"a{i}"))
+    owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
+    await owner.ensure_group()
+    ids = [d.entry_id for d in await owner.read(2, None)]
+    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "owner", 200))
+    assert [d.entry_id for d in await peer.claim(min_idle_ms=200, count=1)] == ids[:1]
+    async with redis.pipeline(transaction=False) as pipe:
+        owner.ack_own_in(pipe, ids)
+        await pipe.execute()
+    assert await owner.pending_ids() == [] and await peer.pending_ids() == ids[:1]
+    async with redis.pipeline(transaction=False) as pipe:
+        peer.ack_own_in(pipe, ids)
+        await pipe.execute()
+    assert await peer.pending_ids() == []
+
+
 async def test_departed_consumers_are_removed_unless_they_hold_entries(env):
     redis, keys = env
     await streams.add(redis, keys.schedule("m"), job("u0"))
