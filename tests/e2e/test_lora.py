@@ -537,8 +537,11 @@ def test_adapter_aware_routing_sends_each_request_where_its_adapter_is_loaded(re
     restarted without --prefix-routing) whoever reads a request loads its adapter."""
     names = ["sql", "chat", "mlp", "kv"]
     modules = " ".join(f"{n}={made[n][0]}" for n in names)
-    env = {**LIFECYCLE_ENV, "RSINFER_MAX_LORAS": "2", "RSINFER_MAX_KV_TOKENS": "4096", "RSINFER_LORA_MODULES": modules,
-           "RSINFER_LORA_ROOTS": str(tmp_path_factory.getbasetemp())}
+    # A tokenizer counts an adapter it sent as held for a heartbeat TTL, until the scheduler's heartbeats say so:
+    # LIFECYCLE_ENV's 2 s is shorter than an adapter's load on a busy machine (the request then took the shared
+    # stream), and nothing here waits for a heartbeat to lapse.
+    env = {**LIFECYCLE_ENV, "RSINFER_HEARTBEAT_TTL_S": "10", "RSINFER_MAX_LORAS": "2", "RSINFER_MAX_KV_TOKENS": "4096",
+           "RSINFER_LORA_MODULES": modules, "RSINFER_LORA_ROOTS": str(tmp_path_factory.getbasetemp())}
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "lroute")
     try:
         start_replicas(s, {"scheduler": 2}, apis=1, RSINFER_PREFIX_ROUTING="true", **env)
