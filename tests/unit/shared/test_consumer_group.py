@@ -98,14 +98,7 @@ async def test_touch_keeps_only_our_entries_and_reports_the_ones_a_peer_took(env
     """A stalled owner that comes back must not take its entry back from the peer that claimed it (the two
     would take it from each other for ever): touch refreshes what is still ours and names what is not."""
     redis, keys = env
-    for i in range(2):
-        await streams.add(redis, keys.schedule("m"), job(f"u{i}"))
-    owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
-    await owner.ensure_group()
-    ids = [d.entry_id for d in await owner.read(2, None)]
-    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "owner", 200))
-    taken = await peer.claim(min_idle_ms=200, count=1)
-    assert [d.entry_id for d in taken] == ids[:1]
+    owner, peer, ids = await one_of_two_claimed(redis, keys, "u")
     assert await owner.touch(ids) == ids[:1]  # lost to the peer
     assert await owner.pending_ids() == ids[1:] and await peer.pending_ids() == ids[:1]
 
@@ -115,13 +108,7 @@ async def test_a_stalled_owner_acknowledges_only_what_it_still_holds(env):
     the claim: its acknowledgement must leave the peer's entry pending (the peer would otherwise find it gone and
     drop the request, which nobody then finishes), on a pipeline as the scheduler sends it."""
     redis, keys = env
-    for i in range(2):
-        await streams.add(redis, keys.schedule("m"), job(f"a{i}"))
-    owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
-    await owner.ensure_group()
-    ids = [d.entry_id for d in await owner.read(2, None)]
-    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "owner", 200))
-    assert [d.entry_id for d in await peer.claim(min_idle_ms=200, count=1)] == ids[:1]
+    owner, peer, ids = await one_of_two_claimed(redis, keys, "a")
     async with redis.pipeline(transaction=False) as pipe:
         owner.ack_own_in(pipe, ids)
         await pipe.execute()
@@ -168,3 +155,15 @@ async def test_a_consumer_that_took_an_entry_since_the_look_is_not_removed(env):
     assert await me.remove_departed(alive={"me@3"}, idle_ms=0) == []
     del redis.xinfo_consumers
     assert await late.pending_ids() == [taken.entry_id]
+
+
+async def one_of_two_claimed(redis, keys, prefix: str):
+    """Two entries read by `owner`, idle past 200 ms; `peer` claimed the first. (owner, peer, the two ids)"""
+    for i in range(2):
+        await streams.add(redis, keys.schedule("m"), job(f"{prefix}{i}"))
+    owner, peer = consumer(redis, keys, "owner"), consumer(redis, keys, "peer")
+    await owner.ensure_group()
+    ids = [d.entry_id for d in await owner.read(2, None)]
+    await async_wait_for(lambda: held_idle(redis, keys.schedule("m"), "owner", 200))
+    assert [d.entry_id for d in await peer.claim(min_idle_ms=200, count=1)] == ids[:1]
+    return owner, peer, ids
