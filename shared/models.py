@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from shared.settings import DEMO_MODEL_NAME, StageSettings
 
@@ -31,6 +32,24 @@ def default_max_tokens(path: str, setting: int | None) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+def transformers_without_torch() -> None:
+    """For a process that only tokenizes (the tokenizer and detokenizer stages): transformers then loads
+    tokenizers and configs without importing torch, as its `USE_TORCH=0` did before transformers 5. Loading the
+    demo tokenizer and config takes 0.7 s of CPU and 70 MB instead of 1.8 s and 266 MB. Call it before anything
+    in the process imports torch or a transformers model; it changes nothing where torch is already imported."""
+    if "torch" in sys.modules:
+        return
+    import transformers.utils
+    import transformers.utils.import_utils
+
+    def torch_unavailable() -> bool:
+        return False
+
+    # Modules transformers imports from here on bind the name from one of these two (`from .utils import ...`).
+    transformers.utils.is_torch_available = torch_unavailable
+    transformers.utils.import_utils.is_torch_available = torch_unavailable
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

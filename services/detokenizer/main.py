@@ -18,7 +18,7 @@ from shared.consumer_group import Delivery
 from shared.keys import DETOKENIZER_GROUP
 from shared.lru import ByteLRU
 from shared.messages import DetokenizeBatch, ReplyEvent, TokenDelta
-from shared.models import load_tokenizer
+from shared.models import load_tokenizer, transformers_without_torch
 from shared.request_states import EndReason, Finish, status_after
 from shared.request_store import RequestStore
 from shared.settings import DetokenizerSettings
@@ -157,6 +157,7 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
 
 def run(settings: DetokenizerSettings) -> int:
     async def build(model_path: str, model_name: str) -> DetokenizerWorker:
+        transformers_without_torch()  # this stage never runs a model
         return DetokenizerWorker(settings, model_path, model_name)
 
     return run_stage(settings, build)

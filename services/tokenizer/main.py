@@ -36,7 +36,7 @@ from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
-from shared.models import context_length, default_max_tokens, load_tokenizer
+from shared.models import context_length, default_max_tokens, load_tokenizer, transformers_without_torch
 from shared.redis_conn import barrier
 from shared.request_states import NOT_SCHEDULED, TERMINAL, Status
 from shared.request_store import RequestStore
@@ -322,6 +322,7 @@ class TokenizerWorker(PushWorker[Entry]):
 
 def run(settings: TokenizerSettings) -> int:
     async def build(model_path: str, model_name: str) -> TokenizerWorker:
+        transformers_without_torch()  # this stage never runs a model
         return TokenizerWorker(settings, model_path, model_name)
 
     return run_stage(settings, build)
