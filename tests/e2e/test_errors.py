@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.support.helpers import wait_for
 from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,13 +95,7 @@ def test_malformed_stream_entry_goes_to_dead_letter(stack):
     key = stack.keys.tokenize(MODEL)
     eid = r.xadd(key, {"data": "{not json"})
     r.xadd(key, {"garbage": "no data field"})
-    for _ in range(100):
-        dead = r.xrange(stack.keys.dead())
-        if sum(1 for _, f in dead if f.get("stream") == key) >= 2:
-            break
-        import time
-
-        time.sleep(0.05)
+    wait_for(lambda: sum(1 for _, f in r.xrange(stack.keys.dead()) if f.get("stream") == key) >= 2, timeout=10)
     entries = [f for _, f in r.xrange(stack.keys.dead()) if f.get("stream") == key]
     assert any(f["entry_id"] == eid and "DecodeError" in f["error"] for f in entries)
     assert len(entries) >= 2

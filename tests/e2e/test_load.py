@@ -194,7 +194,6 @@ def test_soak_leaves_nothing_behind(loaded):
 
     wait_for(drained, timeout=20)
     r = s.redis()
-    time.sleep(REQUEST_TTL_S)
 
     def left() -> list[str]:
         return [k for pattern in (s.keys.request_pattern(), s.keys.reply("*"), s.keys.abort("*"))
@@ -203,7 +202,7 @@ def test_soak_leaves_nothing_behind(loaded):
     # A scheduler sends a drop's writes (the abort flag's TTL set again) with its next pipeline, up to its 1 s read
     # block after the engines went idle, and Redis expires keys by sampling: a few seconds' slack, no more.
     with contextlib.suppress(TimeoutError):
-        wait_for(lambda: not left(), timeout=4)
+        wait_for(lambda: not left(), timeout=REQUEST_TTL_S + 4, every=0.2)
     keys = left()
     assert keys == [], f"{len(keys)} per-request keys outlived their TTL, e.g. {[(k, r.ttl(k)) for k in keys[:3]]}"
 

@@ -5,7 +5,6 @@ the SDK's own types."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
@@ -152,7 +151,7 @@ def test_background_runs_without_a_client_and_cancel_is_idempotent(stack, second
                                                                                       "content": "Hi"}], 8, LONG)
     long = client.responses.create(model=MODEL, input="Write a long essay", max_output_tokens=3000, temperature=0,
                                    background=True, text={"format": LONG})
-    time.sleep(0.5)
+    wait_for(lambda: client.responses.retrieve(long.id).status == "in_progress", timeout=30)
     cancelled = second_api.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     assert client.responses.cancel(long.id) == cancelled  # idempotent, from either process

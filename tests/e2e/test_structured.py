@@ -208,6 +208,7 @@ def test_grammar_bombs_are_400s_and_other_streams_go_on(stack):
     import time
 
     gaps: list[float] = []
+    streaming = threading.Event()
 
     def victim() -> None:
         last = None
@@ -217,13 +218,14 @@ def test_grammar_bombs_are_400s_and_other_streams_go_on(stack):
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     now = time.monotonic()
+                    streaming.set()
                     if last is not None:
                         gaps.append(now - last)
                     last = now
 
     t = threading.Thread(target=victim)
     t.start()
-    time.sleep(0.5)
+    assert streaming.wait(60), "the victim stream never started"
     for bomb in ("(a{1000}){1000}", "(b{1000}){999}", "(c{999}){1000}"):  # distinct: no cache
         for stream in (False, True):
             resp = httpx.post(f"{stack.base_url}/v1/completions", timeout=60, json={

@@ -5,8 +5,10 @@ the same check for jobs that reach it otherwise: tests/unit/tokenizer)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -18,16 +20,23 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_a_huge_prompt_is_refused_at_once_and_does_not_delay_the_next_request(stack):
     out: dict = {}
+    payload = json.dumps({"model": MODEL, "prompt": "lorem ipsum " * (4 * 2**20 // 12), "max_tokens": 1}).encode()
+    sending = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield payload[:2**16]
+        sending.set()
+        yield payload[2**16:]
 
     def huge() -> None:
         began = time.monotonic()
-        out["huge"] = httpx.post(f"{stack.base_url}/v1/completions", timeout=90, json={
-            "model": MODEL, "prompt": "lorem ipsum " * (4 * 2**20 // 12), "max_tokens": 1})
+        out["huge"] = httpx.post(f"{stack.base_url}/v1/completions", timeout=90, content=body(), headers={
+            "content-type": "application/json", "content-length": str(len(payload))})
         out["huge_s"] = time.monotonic() - began
 
     t = threading.Thread(target=huge)
     t.start()
-    time.sleep(0.5)
+    assert sending.wait(30), "the huge request was never sent"
     began = time.monotonic()
     small = httpx.post(f"{stack.base_url}/v1/completions", timeout=90, json={
         "model": MODEL, "prompt": "hi", "max_tokens": 1})

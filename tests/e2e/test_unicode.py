@@ -42,16 +42,18 @@ def test_detokenizer_holds_partial_characters_chunk_by_chunk(stack, demo_model_d
     r.hset(stack.keys.request(uid), mapping={"kind": "completion", "n": 1, "rid": f"cmpl-{uid}", "model": MODEL,
                                              "created": int(now), "deadline": now + 60})
     chunks: list[str] = []
+    following = threading.Event()
 
     def follow():
         with httpx.stream("GET", f"{stack.base_url}/v1/requests/{uid}/stream", timeout=30) as resp:
+            following.set()
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:])["choices"][0]["text"])
 
     reader = threading.Thread(target=follow)
     reader.start()
-    time.sleep(0.3)
+    assert following.wait(30), "the follower's stream never opened"
     for i, token in enumerate(ids):  # one engine step per token, as the scheduler sends them
         delta = TokenDelta(uid=uid, start=i, ids=[token], prompt_tokens=3, context=ids[max(0, i - 8):i],
                            finish="length" if i == len(ids) - 1 else None)
