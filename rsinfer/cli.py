@@ -189,7 +189,8 @@ def _asyncapi(args: argparse.Namespace) -> int:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
-    """README, "Tenants": the entry's `key_hash:` (or `key_sha256:`) line; a key too short is refused."""
+    """docs/operator-guide.md, "Tenants": the entry's `key_hash:` (or `key_sha256:`) line; a key too short is
+    refused."""
     import hashlib
     import secrets
 

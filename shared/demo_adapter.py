@@ -1,5 +1,5 @@
 """`rsinfer demo-adapter DIR`: a random PEFT LoRA adapter of a checkpoint (by default the demo model `rsinfer up`
-serves), so that the README's LoRA examples run offline without training one. The folder is what PEFT's
+serves), so that the LoRA examples of docs/user-guide.md run offline without training one. The folder is what PEFT's
 `save_pretrained` writes (adapter_config.json, adapter_model.safetensors with PEFT's tensor names), written
 directly, so neither peft nor a training run is needed: peft loads it as any adapter
 (tests/unit/shared/test_demo_adapter.py), and rsinfer serves it as any (shared/lora_folder.py). Its weights are

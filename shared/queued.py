@@ -1,5 +1,5 @@
 """A model's queue, counted in Redis per tenant: the jobs the API admitted that no scheduler has started yet
-(README, "Tenants"; docs/design.md, "Fair queueing").
+(docs/operator-guide.md, "Fair queueing"; docs/design.md, "Fair queueing").
 
 The API enters a request's jobs (one per prompt) in one script (`enter`), which admits them only within
 --max-queued and the tenant's share of it, so that no two API processes can both take the last place:

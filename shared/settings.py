@@ -306,12 +306,14 @@ class ApiKeyFile(BaseSettings):
 
 
 class TenantSettings(BaseSettings):
-    """Named keys, their policies and the tenants' quotas (services/api/tenancy.py; README, "Tenants")."""
+    """Named keys, their policies and the tenants' quotas (services/api/tenancy.py; docs/operator-guide.md,
+    "Tenants")."""
 
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     api_keys_file: str = Field("", description="YAML or JSON file of API keys, each with its tenant and policy "
-                               "(README, \"Tenants\"); re-read when it changes, so keys rotate without a restart")
+                               "(docs/operator-guide.md, \"Tenants\"); re-read when it changes, so keys rotate "
+                               "without a restart")
     api_keys_check_s: float = Field(1.0, gt=0, le=60, description="how often (seconds) --api-keys-file is "
                                     "looked at for a change; a change is honoured within this")
     metrics_open: bool = Field(True, description="/metrics needs no key; false: an admin key")

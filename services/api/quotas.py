@@ -1,6 +1,7 @@
-"""Tenants' quotas, shared by every API process through Redis (README, "Tenants"; services/api/tenancy.py asks
-this module): a request is admitted by one script (`ADMIT`) that checks all of its tenant's limits at once and
-takes what the request will hold, and it holds it for as long as the request lives, whoever follows it.
+"""Tenants' quotas, shared by every API process through Redis (docs/operator-guide.md, "Tenants";
+services/api/tenancy.py asks this module): a request is admitted by one script (`ADMIT`) that checks all of its
+tenant's limits at once and takes what the request will hold, and it holds it for as long as the request lives,
+whoever follows it.
 
 - **Concurrency** (`max_concurrent`): a slot, a member of the tenant's sorted set named after the request's uid
   (`<uid>@<unix second of admission>`), scored by the request's deadline: every stage ends a request by then, so a

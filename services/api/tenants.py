@@ -1,4 +1,4 @@
-"""Named API keys and their policies, read from `--api-keys-file` (README, "Tenants").
+"""Named API keys and their policies, read from `--api-keys-file` (docs/operator-guide.md, "Tenants").
 
 The file is YAML or JSON: a list of entries (or `{"keys": [...]}`), each
 

@@ -117,7 +117,8 @@ def redis_cli(cluster: LocalCluster, *args: str) -> str:
 
 
 def test_the_operator_recipes_work_with_redis_cli_c(stack, cluster):
-    """README's recipes with `-c` (follow redirections): read a running request and cancel it."""
+    """The recipes of docs/operator-guide.md with `-c` (follow redirections): read a running request and cancel
+    it."""
     k = stack.keys
     run = LongStream(stack)
     uid = run.uid

@@ -14,9 +14,10 @@ them, against `rsinfer up` on the demo model: an example that stops working fail
   against this module's stack at its own address, with a folder of its own (`replaced`), in a folder of their own
   (where the Batch example writes its requests.jsonl), and with the demo model `rsinfer up` would make
   (`$RSINFER_CACHE` holds the session's), so `rsinfer demo-adapter` makes no other.
-- One stack for every file: `rsinfer up` with the flags of the README's LoRA example (`--max-loras 4 --lora-roots
-  /tmp/adapters --lora-modules sql=/tmp/adapters/sql`), which the other examples do not mind and the session's
-  stack lacks; its `sql` adapter is made before it starts, as the README's `rsinfer demo-adapter` makes it.
+- One stack for every file: `rsinfer up` with the flags of the user guide's LoRA example (`--max-loras 4
+  --lora-roots /tmp/adapters --lora-modules sql=/tmp/adapters/sql`, docs/user-guide.md), which the other examples
+  do not mind and the session's stack lacks; its `sql` adapter is made before it starts, as the guide's
+  `rsinfer demo-adapter` makes it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ DOCS = doc_examples.doc_files(ROOT)
 BLOCK_TIMEOUT_S = 60.0
 ADDRESSES = ("localhost:8000", "127.0.0.1:8000")
 ADAPTERS = "/tmp/adapters"
-UP = f"rsinfer up --max-loras 4 --lora-roots {ADAPTERS} --lora-modules sql={ADAPTERS}/sql"  # the README's LoRA `up`
+UP = f"rsinfer up --max-loras 4 --lora-roots {ADAPTERS} --lora-modules sql={ADAPTERS}/sql"  # the user guide's LoRA `up`
 # What a block shows it prints (a comment, or the prose before it), said by its output: (a text of the block's
 # code that finds it, texts its output has); each must still find one (test_the_checks_find_their_examples).
 OUTPUTS = [
@@ -59,8 +60,8 @@ OUTPUTS = [
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, demo_model_dir) -> Path:
-    """The adapters' folder, with the `sql` adapter the stack registers at start (the README makes it with
-    `rsinfer demo-adapter`, which the examples run again)."""
+    """The adapters' folder, with the `sql` adapter the stack registers at start (the user guide makes it
+    with `rsinfer demo-adapter`, which the examples run again)."""
     from shared.demo_adapter import make_adapter
 
     root = tmp_path_factory.mktemp("adapters")
@@ -70,7 +71,7 @@ def adapters(tmp_path_factory, demo_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(redis_server, demo_model_dir, tmp_path_factory, adapters) -> Iterator[Stack]:
-    """UP, on this folder of adapters (test_the_checks_find_their_examples: the README still says UP)."""
+    """UP, on this folder of adapters (test_the_checks_find_their_examples: the docs still say UP)."""
     s = new_stack(redis_server, demo_model_dir, tmp_path_factory, "docs")
     try:
         s.start("up", "up", RSINFER_MAX_LORAS="4", RSINFER_LORA_ROOTS=str(adapters),

@@ -1,6 +1,6 @@
-"""Fair queueing between tenants (README, "Tenants"; docs/design.md, "Fair queueing"): the tokenizers hold the
-backlog, pending in their group, or parked in Redis past their hold's cap, and release it to the schedulers in
-turns per tenant; the API counts each tenant's share of the model's queue.
+"""Fair queueing between tenants (docs/operator-guide.md and docs/design.md, "Fair queueing"): the tokenizers hold
+the backlog, pending in their group, or parked in Redis past their hold's cap, and release it to the schedulers
+in turns per tenant; the API counts each tenant's share of the model's queue.
 
 One stack for the module: two tokenizers with --fair-queueing left unset (on: the API has keys), watermark 1, a
 hold of 4 jobs each and reads of 2 entries (so that a flood is parked), one scheduler on the synthetic engine

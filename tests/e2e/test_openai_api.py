@@ -130,7 +130,7 @@ def test_the_demo_model_ends_its_answers(stack):
 def test_a_request_without_max_tokens_gets_the_model_s_default_budget(stack):
     """The demo checkpoint's generation_config.json max_new_tokens (256) is what chat, completions' `null` and
     the Responses API generate at most without a budget, recorded as the request's max_tokens (before: up to the
-    4,096-token context; the README's previous_response_id example ran 20 s)."""
+    4,096-token context; the previous_response_id example, then in the README, ran 20 s)."""
     client = stack.client()
     r = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, extra_body={"ignore_eos": True})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 256)

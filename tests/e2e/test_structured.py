@@ -147,32 +147,32 @@ def test_openai_parse_helper_returns_a_parsed_object(stack):
     pytest.fail("no answer of five finished within max_tokens")
 
 
-class ReadmeCity(BaseModel):  # README.md "Structured outputs", as written
+class GuideCity(BaseModel):  # docs/user-guide.md "Structured outputs", as written
     name: str = Field(max_length=20)
     population: int
 
 
-README_REGEX = '\\{"name": "[A-Za-z]{1,20}", "population": [0-9]{1,9}\\}'
+GUIDE_REGEX = '\\{"name": "[A-Za-z]{1,20}", "population": [0-9]{1,9}\\}'
 
 
-def test_the_readme_examples_end_within_their_budgets(stack):
-    """README.md's structured-output examples as written, unseeded at the default temperature, a few times: each
-    answer ends within its max_tokens and parses (before: the demo model's strings ran past the budget, the
+def test_the_guide_examples_end_within_their_budgets(stack):
+    """docs/user-guide.md's structured-output examples as written, unseeded at the default temperature, a few
+    times: each answer ends within its max_tokens and parses (before: the demo model's strings ran past the budget, the
     parse helper raised LengthFinishReasonError 8/8 and the regex curl ended `length` with cut JSON 3/3)."""
     client = stack.client()
     for _ in range(4):
         r = client.chat.completions.parse(model="rsinfer-demo", messages=[{"role": "user", "content": "A city"}],
-                                          response_format=ReadmeCity, max_tokens=100)
-        assert isinstance(r.choices[0].message.parsed, ReadmeCity)
+                                          response_format=GuideCity, max_tokens=100)
+        assert isinstance(r.choices[0].message.parsed, GuideCity)
         resp = httpx.post(f"{stack.base_url}/v1/completions", timeout=60, json={
-            "model": "rsinfer-demo", "prompt": "Capital of France:", "max_tokens": 64, "regex": README_REGEX})
+            "model": "rsinfer-demo", "prompt": "Capital of France:", "max_tokens": 64, "regex": GUIDE_REGEX})
         choice = resp.json()["choices"][0]
-        assert choice["finish_reason"] == "stop" and re.fullmatch(README_REGEX, choice["text"]), choice
+        assert choice["finish_reason"] == "stop" and re.fullmatch(GUIDE_REGEX, choice["text"]), choice
 
 
 def test_the_demo_model_closes_its_strings(stack):
     """Without bounds, whether a string ends is the model's choice: the demo model, trained at creation, closes
-    most within the budget (8 choices, at least 5; before, random weights closed none: the README's unbounded
+    most within the budget (8 choices, at least 5; before, random weights closed none: the guide's unbounded
     City raised LengthFinishReasonError 8/8)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
     r = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city"}],

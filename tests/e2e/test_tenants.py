@@ -1,5 +1,6 @@
-"""Many tenants on one deployment (README, "Tenants"): named keys from --api-keys-file, request ownership,
-quotas shared by two API processes through Redis, rotation without a restart, the policy's 403s, usage counters.
+"""Many tenants on one deployment (docs/operator-guide.md, "Tenants"): named keys from --api-keys-file, request
+ownership, quotas shared by two API processes through Redis, rotation without a restart, the policy's 403s, usage
+counters.
 
 One stack for the module: tokenizer, scheduler and detokenizer on the synthetic engine (20 ms steps, so a long
 request stays open for seconds) and two API processes reading the same keys file.

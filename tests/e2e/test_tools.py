@@ -127,19 +127,19 @@ def test_reasoning_is_separated_streamed_and_not(stack):
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]  # the closed <think></think> block
 
 
-README_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+GUIDE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
                  "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
                  "additionalProperties": False}}}]
 
 
-def test_the_readme_tools_and_reasoning_examples_work_as_written(stack):
-    """README.md's "Tools and reasoning" calls as written, with the official client, unseeded at the default
+def test_the_guide_tools_and_reasoning_examples_work_as_written(stack):
+    """docs/user-guide.md's "Tools and reasoning" calls as written, with the official client, unseeded at the default
     temperature, a few times: the required call ends within max_tokens=100 with valid arguments (before: its
     string ran past the budget and `tool_calls[0]` raised TypeError 8/9), the history with its result renders and
     is answered, and with enable_thinking the reasoning is visible and split at its `</think>`."""
     client = stack.client()
     for _ in range(3):
-        tools = README_TOOLS
+        tools = GUIDE_TOOLS
         r = client.chat.completions.create(model="rsinfer-demo", messages=[{"role": "user", "content": "Paris?"}],
                                            tools=tools, tool_choice="required", max_tokens=100)
         call = r.choices[0].message.tool_calls[0]            # finish_reason "tool_calls"

@@ -1,5 +1,6 @@
 """The design contract (docs/design.md) cannot silently drift from the code: every document a comment or
-docstring cites exists in the repository, and every Redis key builder and message tag is described."""
+docstring cites exists in the repository, and every Redis key builder and message tag is described. The Markdown
+docs hold together too: every link resolves, and each guide's `## Contents` lists its headings."""
 
 from __future__ import annotations
 
@@ -152,3 +153,64 @@ def test_every_record_field_is_documented():
     rows = "\n".join(line for line in section("Request record").splitlines() if line.startswith("|"))
     missing = sorted(f for f in fields if f"`{f}`" not in rows)
     assert not missing, f"docs/design.md's record table lacks fields: {missing}"
+
+
+# The Markdown a reader follows links through, and the pages whose `## Contents` lists their headings.
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "helm" / "rsinfer" / "README.md"]
+WITH_CONTENTS = [ROOT / "docs" / name for name in ("user-guide.md", "operator-guide.md", "limits.md", "design.md")]
+WITH_CONTENTS.append(ROOT / "helm" / "rsinfer" / "README.md")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def outside_code(path: Path) -> list[str]:
+    """The lines of a Markdown file outside its fenced blocks."""
+    lines, fence = [], None
+    for line in path.read_text().splitlines():
+        m = FENCE.match(line)
+        if m and fence is None:
+            fence = m.group(1)
+        elif m and fence is not None and set(line.strip()) == {fence[0]} and len(line.strip()) >= len(fence):
+            fence = None
+        elif fence is None:
+            lines.append(line)
+    return lines
+
+
+def headings(path: Path) -> list[tuple[int, str, str]]:
+    """(level, title, GitHub's anchor) of each heading under the title, in order."""
+    out, seen = [], {}
+    for line in outside_code(path):
+        if m := re.match(r"^(#{2,6}) (.+?)\s*$", line):
+            base = re.sub(r"[^\w\- ]", "", m[2].lower()).replace(" ", "-")
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.append((len(m[1]), m[2], base if n == 0 else f"{base}-{n}"))
+    return out
+
+
+def test_every_link_of_the_docs_resolves():
+    """README.md, docs/ and the chart's README link only to files that exist and headings they have (the README
+    was split into guides; a section that moves must take its links along)."""
+    broken = []
+    for path in MARKDOWN:
+        for target in LINK.findall("\n".join(outside_code(path))):  # a link's text may span lines
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in {a for _, _, a in headings(dest)}:
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("path", WITH_CONTENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_guide_lists_its_headings_at_its_top(path):
+    found = [h for h in headings(path) if h[1] != "Contents"]
+    assert headings(path)[0][1] == "Contents", "the first section is `## Contents`"
+    text = path.read_text()
+    listed = text[text.index("## Contents\n"):text.index("\n## ", text.index("## Contents\n") + 1)]
+    expected = "\n".join("  " * (level - 2) + f"- [{title}](#{anchor})" for level, title, anchor in found)
+    assert listed.split("\n", 2)[2].strip() == expected

@@ -1,6 +1,7 @@
 """Stream commands stay in the streams layer: shared/streams.py is the only module of the package (services/,
-shared/, rsinfer/) that issues XADD, XREAD, XREADGROUP, XACK, ... (README, "the only code calling ..."), so
-what a stage writes, reads and acknowledges can be read in one place, and every XACK goes through its barrier.
+shared/, rsinfer/) that issues XADD, XREAD, XREADGROUP, XACK, ... (README.md, "Architecture": "the only code
+issuing stream commands"), so what a stage writes, reads and acknowledges can be read in one place, and every
+XACK goes through its barrier.
 
 ruff's banned-API rule (TID251) sees imports and module attributes, not a method called on a Redis client or
 pipeline, so this walks the syntax trees: a call of a stream command's method, an `execute_command("X...")`,
