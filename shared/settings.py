@@ -129,8 +129,8 @@ class StorageSettings(BaseSettings):
 
 
 class AdapterSettings(BaseSettings):
-    """The LoRA adapter registry (shared/adapters.py): mixed into the settings of the API, which registers adapters
-    (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
+    """The LoRA adapter registry (shared/adapter_registry.py): mixed into the settings of the API, which registers
+    adapters (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
     start (either process may be given them)."""
 
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
@@ -154,7 +154,7 @@ class AdapterSettings(BaseSettings):
     @field_validator("lora_modules")
     @classmethod
     def _lora_modules_parse(cls, text: str) -> str:
-        from shared.adapters import parse_lora_modules
+        from shared.adapter_registry import parse_lora_modules
 
         parse_lora_modules(text)  # a ValueError naming the entry: the process does not start
         return text

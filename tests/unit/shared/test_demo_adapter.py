@@ -29,7 +29,7 @@ def base(random_model_dir):
 
 
 def card_of(model) -> LoraCard:
-    """What a scheduler of this model declares (services/scheduler/adapters.py `card`)."""
+    """What a scheduler of this model declares (services/scheduler/registered_adapters.py `card`)."""
     from services.scheduler.engine.lora import LoraLayout
 
     layout = LoraLayout.of(model)
