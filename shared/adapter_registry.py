@@ -28,7 +28,8 @@ from redis.asyncio import Redis
 
 from shared.keys import Keys
 from shared.messages import AdapterRecord, decode, encode
-from shared.storage import StorageLocation, check_prefix, parse_storage_url
+from shared.object_store import check_prefix
+from shared.storage_url import StorageLocation, parse_storage_url
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]*")
 

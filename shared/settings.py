@@ -122,7 +122,7 @@ class StorageSettings(BaseSettings):
     @field_validator("storage_url")
     @classmethod
     def _storage_url_parses(cls, url: str) -> str:
-        from shared.storage import parse_storage_url
+        from shared.storage_url import parse_storage_url
 
         parse_storage_url(url)
         return url

@@ -188,7 +188,7 @@ class Adapters:
                            code="invalid_lora_adapter") from None
 
     async def _checked_stored(self, prefix: str, card: LoraCard | None) -> tuple[int, list[str]]:
-        from shared.storage import NotFound, StorageError
+        from shared.object_store import NotFound, StorageError
 
         store = self.store()
         try:
