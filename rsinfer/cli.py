@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from shared.flags import flag_parser, settings_from_args
+from rsinfer.flags import flag_parser, settings_from_args
 from shared.settings import (
     ApiSettings,
     CommonSettings,
@@ -159,7 +159,7 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _demo_adapter(args: argparse.Namespace) -> int:
-    from shared.demo_adapter import make_adapter
+    from rsinfer.demo_adapter import make_adapter
 
     try:
         for k, out in enumerate(args.dir):

@@ -1,7 +1,7 @@
 """Settings of every process, parsed once at the entry point and passed down.
 
 Each field is a `--kebab-case` flag and an `RSINFER_UPPER_CASE` environment variable; a flag wins over
-the environment, the environment over the default. shared/flags.py builds the argparse flags from the
+the environment, the environment over the default. rsinfer/flags.py builds the argparse flags from the
 fields (and groups them in `--help`) so that the CLI, the environment and the Helm chart cannot drift apart.
 """
 

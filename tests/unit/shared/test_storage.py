@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
-from shared.flags import flag_parser, settings_from_args
+from rsinfer.flags import flag_parser, settings_from_args
 from shared.local_store import LocalStore
 from shared.object_store import TMP_DIR, InvalidKey, MiB, NotFound, ObjectStore, StorageError, TooLarge
 from shared.s3_store import S3Options, S3Store
