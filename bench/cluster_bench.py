@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import BenchStack, completion_body, loadavg, run_load  # noqa: E402
+from rsinfer.redis_server import RedisServer  # noqa: E402
 from rsinfer.sse_client import Request, StreamThread  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import Keys  # noqa: E402
-from shared.redis_server import RedisServer  # noqa: E402
 from tests.support.redis_cluster import LocalCluster  # noqa: E402
 
 NAME = "rsinfer-demo"

@@ -23,8 +23,8 @@ import orjson
 from bench.report import Span, command_calls, error_counts, percentile, proc_cpu_ticks, proc_status_kb
 from rsinfer import sse_client
 from rsinfer.launcher import SINGLE_THREAD, Launcher
+from rsinfer.redis_server import RedisServer, free_port
 from rsinfer.sse_client import Reply, Request
-from shared.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

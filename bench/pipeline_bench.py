@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from rsinfer.launcher import Launcher
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

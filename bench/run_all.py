@@ -56,9 +56,9 @@ from bench.harness import (  # noqa: E402
     rss_kb,
     run_load,
 )
+from rsinfer import children  # noqa: E402
+from rsinfer.redis_server import free_port  # noqa: E402
 from rsinfer.sse_client import raise_fd_limit  # noqa: E402
-from shared import children  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"

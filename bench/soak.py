@@ -32,9 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from rsinfer.redis_server import RedisServer  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.keys import STAGES  # noqa: E402
-from shared.redis_server import RedisServer  # noqa: E402
 from tests.support.chaos_kit import LOG_TIME, Chaos, Clients, Job, Outcome, log_times, percentile  # noqa: E402
 from tests.support.stack import Stack, start_replicas  # noqa: E402
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from shared.flags import flag_parser, settings_from_args
+from rsinfer.flags import flag_parser, settings_from_args
 from shared.settings import (
     ApiSettings,
     CommonSettings,
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(cmd: str, settings: CommonSettings) -> int:
     """Run one stage's process (api, tokenizer, scheduler or detokenizer) until it stops."""
-    from shared.logs import setup_logging
+    from rsinfer.logs import setup_logging
 
     setup_logging(settings.log_level, cmd, settings.identity())
     if cmd != "api":  # a crashed predecessor's liveness file must not pass the startup probe (shared/liveness.py)
@@ -159,7 +159,7 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _demo_adapter(args: argparse.Namespace) -> int:
-    from shared.demo_adapter import make_adapter
+    from rsinfer.demo_adapter import make_adapter
 
     try:
         for k, out in enumerate(args.dir):
@@ -177,7 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _asyncapi(args: argparse.Namespace) -> int:
-    from shared.contract import asyncapi_yaml
+    from rsinfer.contract import asyncapi_yaml
 
     text = asyncapi_yaml()
     if args.output == "-":
@@ -214,7 +214,7 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    from rsinfer import local, tools
+    from rsinfer import local, operator_commands
 
     given = {k: v for k, v in vars(args).items() if k in DrainCommand.model_fields and v is not None}
     if not (given.keys() & {"port", "admin_socket"}) and not os.environ.get("RSINFER_PORT"):
@@ -225,11 +225,11 @@ def _drain(args: argparse.Namespace) -> int:
             return 1
         if stack is not None:
             given["port"] = stack["port"]
-    return tools.drain(DrainCommand(**given), args.wait)
+    return operator_commands.drain(DrainCommand(**given), args.wait)
 
 
 def _healthcheck(args: argparse.Namespace) -> int:
-    from rsinfer import local, tools
+    from rsinfer import local, operator_commands
 
     try:
         settings, stack = _next_to_up(ProbeSettings, args)
@@ -238,11 +238,11 @@ def _healthcheck(args: argparse.Namespace) -> int:
         return 1
     if stack and not settings.liveness_file and args.role in stack.get("liveness", {}):
         settings = settings.model_copy(update={"liveness_file": stack["liveness"][args.role]})
-    return tools.healthcheck(settings, args)
+    return operator_commands.healthcheck(settings, args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from rsinfer import local, tools
+    from rsinfer import local, operator_commands
 
     logging.disable(logging.WARNING)  # it reports what goes wrong itself, in one line (a lost Redis, say)
     try:
@@ -251,7 +251,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"rsinfer inspect: {e}")
         return 1
     try:
-        return asyncio.run(tools.inspect(settings, args))
+        return asyncio.run(operator_commands.inspect(settings, args))
     except KeyboardInterrupt:  # the end of a --watch
         return 0
 

@@ -16,8 +16,8 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from shared import children
-from shared.registry import model_state
+from rsinfer import children
+from shared.heartbeats import model_state
 
 STAGES_IN_ORDER = ("tokenizer", "scheduler", "detokenizer", "api")  # the order a pipeline starts in
 # Every process but a scheduler: its work is I/O and small tensors, so one torch thread (the scheduler's engine
@@ -61,7 +61,7 @@ def serving(url: str, model: str | None = None, api_key: str | None = None, pid:
 
 
 def _model_states(url: str, api_key: str | None) -> dict[str, str]:
-    """Each model's `state` (shared/registry.py model_state) while the API is ready; {} otherwise."""
+    """Each model's `state` (shared/heartbeats.py model_state) while the API is ready; {} otherwise."""
     try:
         if api_key is None:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
@@ -84,7 +84,7 @@ class Launcher:
     `log_dir`: each process writes stdout and stderr to `<log_dir>/<name>.log`; None: they share ours.
     `own_groups`: each process leads a process group of its own, and kill/stop reach the whole group (what
     `rsinfer up` started under it too); else a terminal's Ctrl-C reaches them with us.
-    `die_with_parent`: the kernel stops them if we die, even by SIGKILL (shared/children.py: only from the
+    `die_with_parent`: the kernel stops them if we die, even by SIGKILL (rsinfer/children.py: only from the
     thread that started them; tests, which may start processes from any thread, turn it off and stop them
     at the end of the run instead)."""
 

@@ -19,10 +19,10 @@ from pydantic_settings import BaseSettings
 
 from rsinfer import local
 from rsinfer.launcher import SINGLE_THREAD, Launcher, ProcessDied, serving
+from rsinfer.logs import setup_logging
+from rsinfer.redis_server import RedisServer
 from services.api.tenants import KeyFileError, check_keys
-from shared.logs import setup_logging
 from shared.models import resolve_model
-from shared.redis_server import RedisServer
 from shared.settings import (
     ApiSettings,
     DetokenizerSettings,
@@ -58,7 +58,7 @@ class Up:
     def __init__(self, settings: UpSettings) -> None:
         self.settings = settings
         # Each child leads a process group of its own, so a terminal's Ctrl-C reaches `up` alone, which stops them
-        # in order; they still die with `up` (shared/children.py).
+        # in order; they still die with `up` (rsinfer/children.py).
         self.stack = Launcher(own_groups=True)
         self.signals = 0
         self.runtime = Path(tempfile.mkdtemp(prefix=f"{local.RUNTIME_PREFIX}{settings.port}-"))

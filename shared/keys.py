@@ -58,7 +58,7 @@ class Keys:
 
     def prefix_routing(self, model: str) -> str:
         """Flag (a tokenizer's id, expiring with its heartbeat) set while a tokenizer of the model routes by prefix:
-        the model's schedulers join prefix routing once they see it (shared/routing.py `SchedulerLanes`)."""
+        the model's schedulers join prefix routing once they see it (services/scheduler/lanes.py `SchedulerLanes`)."""
         return f"{self.namespace}:routing:{model}:{{{self.routing_tag(model)}}}"
 
     # -- fair queueing (services/tokenizer/holding.py, shared/queued.py): every key of one model carries `fair_tag`
@@ -184,7 +184,7 @@ class Keys:
 
     def adapters(self) -> str:
         """Hash of the LoRA adapters clients may name as `model`: field = the adapter's name, value = the JSON of
-        its `AdapterRecord` (shared/adapters.py). No TTL: a registration is configuration, bounded by
+        its `AdapterRecord` (shared/adapter_registry.py). No TTL: a registration is configuration, bounded by
         --max-adapters."""
         return f"{self.namespace}:adapters"
 

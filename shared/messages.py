@@ -118,8 +118,8 @@ class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     background: bool = False  # it outlives its client
     priority: int = 0  # admission order in the engine: lower first
     trace: str | None = None  # W3C traceparent of the request's root span, when its API process traces
-    # The LoRA adapter it runs with: a name in the adapter registry (shared/adapters.py); inside a scheduler, the
-    # registration it resolved to (`AdapterRecord.identity`). None: the base model.
+    # The LoRA adapter it runs with: a name in the adapter registry (shared/adapter_registry.py); inside a scheduler,
+    # the registration it resolved to (`AdapterRecord.identity`). None: the base model.
     adapter: str | None = None
     # Fair queueing (services/tokenizer/fair.py) and the model's queue (shared/queued.py): whose turn it takes and
     # how many jobs a turn of its tenant releases; "" is open mode's one tenant. On a schedule job since v1 too,
@@ -300,9 +300,10 @@ class TokenizerAnswer(msgspec.Struct, frozen=True, tag_field="kind", tag="tokens
 
 
 class AdapterRecord(msgspec.Struct, frozen=True, tag_field="kind", tag="adapter", omit_defaults=True, kw_only=True):
-    """A LoRA adapter in the registry (the hash `rsinfer:adapters`, field = its name; shared/adapters.py), written by
-    the API (`POST /v1/load_lora_adapter`, `--lora-modules`) or a scheduler (`--lora-modules`): a PEFT folder at
-    `path` (one every scheduler can read), or under the prefix `stored` of the object store (--storage-url)."""
+    """A LoRA adapter in the registry (the hash `rsinfer:adapters`, field = its name; shared/adapter_registry.py),
+    written by the API (`POST /v1/load_lora_adapter`, `--lora-modules`) or a scheduler (`--lora-modules`): a PEFT
+    folder at `path` (one every scheduler can read), or under the prefix `stored` of the object store
+    (--storage-url)."""
 
     name: str  # what clients send as `model`
     base: str  # the served model it adapts

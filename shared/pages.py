@@ -1,6 +1,6 @@
 """How a full KV page is named, the same in every process: the engine's prefix cache names the pages it holds
 this way (services/scheduler/engine/prefix_cache.py), and the tokenizer names the pages of a prompt it encoded
-to find the scheduler that holds them (shared/routing.py).
+to find the scheduler that holds them (services/tokenizer/router.py).
 
 A page's digest is chained over every token before its end (the digest of the previous page plus this page's
 tokens), so equal digests mean equal prefixes, not just equal pages. The chain of a request that runs with a LoRA

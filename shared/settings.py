@@ -1,7 +1,7 @@
 """Settings of every process, parsed once at the entry point and passed down.
 
 Each field is a `--kebab-case` flag and an `RSINFER_UPPER_CASE` environment variable; a flag wins over
-the environment, the environment over the default. shared/flags.py builds the argparse flags from the
+the environment, the environment over the default. rsinfer/flags.py builds the argparse flags from the
 fields (and groups them in `--help`) so that the CLI, the environment and the Helm chart cannot drift apart.
 """
 
@@ -122,15 +122,15 @@ class StorageSettings(BaseSettings):
     @field_validator("storage_url")
     @classmethod
     def _storage_url_parses(cls, url: str) -> str:
-        from shared.storage import parse_storage_url
+        from shared.storage_url import parse_storage_url
 
         parse_storage_url(url)
         return url
 
 
 class AdapterSettings(BaseSettings):
-    """The LoRA adapter registry (shared/adapters.py): mixed into the settings of the API, which registers adapters
-    (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
+    """The LoRA adapter registry (shared/adapter_registry.py): mixed into the settings of the API, which registers
+    adapters (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
     start (either process may be given them)."""
 
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
@@ -154,7 +154,7 @@ class AdapterSettings(BaseSettings):
     @field_validator("lora_modules")
     @classmethod
     def _lora_modules_parse(cls, text: str) -> str:
-        from shared.adapters import parse_lora_modules
+        from shared.adapter_registry import parse_lora_modules
 
         parse_lora_modules(text)  # a ValueError naming the entry: the process does not start
         return text

@@ -25,12 +25,12 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from shared import faststream_glue
 from shared.consumer_group import Delivery, GroupConsumer
+from shared.heartbeats import Beating, Heartbeat, live_workers
 from shared.keys import Keys
 from shared.liveness import Liveness, liveness_path
-from shared.metrics import WorkerMetrics
 from shared.redis_conn import broker, connect, is_cluster_client
-from shared.registry import Beating, Heartbeat, live_workers
 from shared.settings import StageSettings
+from shared.stage_metrics import WorkerMetrics
 from shared.streams import Member
 from shared.tracing import Tracer
 

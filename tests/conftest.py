@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rsinfer.redis_server import RedisServer
 from shared.demo_model import ensure_demo_model
-from shared.redis_server import RedisServer
 from tests.support.redis_cluster import LocalCluster
 from tests.support.xdist_groups import apply_groups
 

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 import uuid
 
-from shared import children
-from shared.redis_server import free_port
+from rsinfer import children
+from rsinfer.redis_server import free_port
 
 # What a client needs besides the endpoint: the standard AWS variables (moto accepts any credentials), and no
 # shared config or instance metadata lookups from the machine running the tests.

@@ -2,7 +2,7 @@
 names, vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`, the adapters' cards in
 `/v1/models`, `--lora-modules` at start, and the schedulers' adapter counts on `/metrics`.
 
-The registry is in Redis (shared/adapters.py), so every API process and scheduler sees the same adapters: a
+The registry is in Redis (shared/adapter_registry.py), so every API process and scheduler sees the same adapters: a
 request's adapter is looked up there (one HMGET) when its `model` is not a base model, so an adapter loaded
 or unloaded through another API process is seen at once. A load checks the folder first (shared/lora_folder.py:
 its config and its safetensors header, against the projections and the rank the model's schedulers declared),
@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from services.api.errors import ApiError
 from services.api.registry import Snapshot, StageRegistry
-from shared import adapters as registry
+from shared import adapter_registry as registry
 from shared.lora_folder import (
     CONFIG_FILE,
     LORA_TARGETS,
@@ -188,7 +188,7 @@ class Adapters:
                            code="invalid_lora_adapter") from None
 
     async def _checked_stored(self, prefix: str, card: LoraCard | None) -> tuple[int, list[str]]:
-        from shared.storage import NotFound, StorageError
+        from shared.object_store import NotFound, StorageError
 
         store = self.store()
         try:

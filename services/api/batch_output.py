@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from shared.storage import ObjectStore
+from shared.object_store import ObjectStore
 
 READ_AHEAD = 8  # line results read at once while a file is written
 

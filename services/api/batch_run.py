@@ -213,7 +213,7 @@ class BatchRun:
     async def write_file(self, name: str, ok: bool, written: list[str]) -> str | None:
         """One of the two files, streamed from the stored results in line order (counted against the tenant's
         bound first); its id, None if it has no line."""
-        from shared.storage import TooLarge
+        from shared.object_store import TooLarge
 
         items: list[str | bytes] = []
         for line in self.lines:

@@ -142,7 +142,7 @@ class Files:
     async def create(self, data: bytes, filename: str, purpose: str, file_id: str | None = None, tenant: str = ""
                      ) -> dict[str, Any]:
         """Store `data` as a new file of `tenant` (counted first); its object, as OpenAI's."""
-        from shared.storage import TooLarge
+        from shared.object_store import TooLarge
 
         file_id = file_id or f"file-{secrets.token_hex(12)}"
         if len(data) > self.settings.max_file_bytes:
@@ -211,7 +211,7 @@ class Files:
         return file_object(meta, int(meta.get("ttl_s") or self.settings.file_ttl_s))
 
     async def content(self, file_id: str, tenant: Tenant | None, param: str = "file_id") -> bytes:
-        from shared.storage import NotFound
+        from shared.object_store import NotFound
 
         await self.meta(file_id, tenant, param)
         try:

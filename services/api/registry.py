@@ -19,9 +19,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import streams
+from shared.heartbeats import WorkerInfo, complete, declared_models, live_workers, model_state, servable_models
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
-from shared.registry import WorkerInfo, complete, declared_models, live_workers, model_state, servable_models
 from shared.request_store import prune_inflight
 
 log = logging.getLogger(__name__)

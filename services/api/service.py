@@ -37,9 +37,9 @@ from services.api.reply_hub import HubLimits, ReplyHub
 from services.api.request import ApiRequest, Requests, until_disconnect
 from services.api.sse import SSEResponse, answer_events, shutdown_events
 from services.api.tenancy import Tenancy
+from shared.heartbeats import Beating, Heartbeat
 from shared.keys import Keys
 from shared.redis_conn import connect
-from shared.registry import Beating, Heartbeat
 from shared.request_states import EndReason
 from shared.request_store import RequestStore
 from shared.settings import ApiSettings

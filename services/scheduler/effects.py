@@ -12,12 +12,12 @@ from typing import Any
 
 from redis.asyncio.client import Pipeline
 
+from services.scheduler.lanes import PageChanges, SchedulerLanes
 from shared import queued, streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import DetokenizeBatch, ReplyCheckpoint, ReplyError, ReplyEvent, TokenDelta, encode
 from shared.request_states import Status
 from shared.request_store import RequestStore
-from shared.routing import PageChanges, SchedulerLanes
 
 # Detokenize entries published between two updates of the mean entry size (the stream's MAXLEN follows it).
 ENTRY_SIZE_WEIGHT = 1 / 64

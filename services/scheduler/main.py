@@ -1,5 +1,5 @@
 """Scheduler worker: consumer group `scheduler` on rsinfer:schedule:<model> (and, once it joined prefix routing,
-its own stream and those of departed peers, read before it: shared/routing.py), the engine, and one
+its own stream and those of departed peers, read before it: services/scheduler/lanes.py), the engine, and one
 rsinfer:detokenize:<model> entry per engine step.
 
 Its loop (`work`): start the engine's step in a worker thread; meanwhile one round trip sends what the previous
@@ -23,19 +23,19 @@ import time
 
 from redis.exceptions import RedisError
 
-from services.scheduler.adapters import SYNC_EVERY_S, RegisteredAdapters
 from services.scheduler.admission import Admission, Verdict
 from services.scheduler.book import Ends, RequestBook
 from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish, raise_first_error, unapplied
 from services.scheduler.engine.base import Engine, StepOutput
 from services.scheduler.engine.factory import build_engine
+from services.scheduler.lanes import SchedulerLanes
 from services.scheduler.recovery import AbortNotes, Recovery
+from services.scheduler.registered_adapters import SYNC_EVERY_S, RegisteredAdapters
 from shared.consumer_group import Delivery
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
 from shared.models import sentence_transformers_pooling
 from shared.request_store import RequestStore
-from shared.routing import SchedulerLanes
 from shared.settings import SchedulerSettings
 from shared.worker import PullWorker, run_stage
 
@@ -56,7 +56,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.model_info = {"root": model_path or model_name, "max_model_len": engine.max_context}
         if (card := getattr(engine, "pooling_card", None)) is not None:  # embeddings and scores (paged engine)
             self.model_info.update(card(), **(sentence_transformers_pooling(model_path) if model_path else {}))
-        # LoRA adapters from the registry (services/scheduler/adapters.py); what the API checks a load against
+        # LoRA adapters from the registry (services/scheduler/registered_adapters.py); what the API checks a
+        # load against
         self.adapters = adapters
         if adapters is not None:
             adapters.attach(self.redis, self.keys, engine)

@@ -3,7 +3,7 @@
 Each read is one batch: skip aborted and expired jobs, encode the rest together, then one pipeline
 writes the request records and error replies, then the schedule entries, and acknowledges the whole read.
 With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
-(shared/routing.py: one more round trip per batch).
+(services/tokenizer/router.py: one more round trip per batch).
 
 With fair queueing (`--fair-queueing`, or unset and the job has a tenant) a tokenized job is held instead (its
 entry pending, kept alive), or parked in Redis past the hold's cap, and released to the schedule stream in tenants'
@@ -31,6 +31,7 @@ from services.tokenizer import queries
 from services.tokenizer.encode import PromptEncoder
 from services.tokenizer.fair import Plan
 from services.tokenizer.holding import FairHold, going_on
+from services.tokenizer.router import Router
 from shared import queued, streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
@@ -40,7 +41,6 @@ from shared.models import context_length, default_max_tokens, load_tokenizer, tr
 from shared.redis_conn import barrier
 from shared.request_states import NOT_SCHEDULED, TERMINAL, Status
 from shared.request_store import RequestStore
-from shared.routing import Router
 from shared.settings import TokenizerSettings
 from shared.worker import PushWorker, run_stage
 
@@ -282,7 +282,7 @@ class TokenizerWorker(PushWorker[Entry]):
             return
         log.debug("uid=%s routed to %s", job.uid, scheduler)
         streams.add(pipe, self.keys.scheduler_stream(self.model_name, scheduler), job)
-        # After the entry: a peer that ended this stream (its owner gone) finds it again (shared/routing.py).
+        # After the entry: a peer that ended this stream (its owner gone) finds it again (services/scheduler/lanes.py).
         pipe.sadd(self.keys.routed(self.model_name), scheduler)
 
     async def _ack_those(self, batch: list, done: Callable[[str | None], bool]) -> list:

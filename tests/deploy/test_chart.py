@@ -16,7 +16,7 @@ import redis
 import yaml
 
 from rsinfer.cli import build_parser
-from shared.redis_server import wait_until_up
+from rsinfer.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
 

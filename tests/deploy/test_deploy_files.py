@@ -32,7 +32,7 @@ METRICS = {
     "rsinfer_stage_workers", "rsinfer_stage_lag", "rsinfer_stage_pending", "rsinfer_scheduler_running",
     "rsinfer_scheduler_waiting", "rsinfer_kv_cache_usage_ratio",
 }
-# What each stream worker's own /metrics exposes (shared/metrics.py, WorkerMetrics: FastStream's Prometheus
+# What each stream worker's own /metrics exposes (shared/stage_metrics.py, WorkerMetrics: FastStream's Prometheus
 # middleware on the tokenizer's and detokenizer's subscribers, and our counters and step histogram).
 WORKER_METRICS = {
     "faststream_received_messages_total", "faststream_received_messages_in_process",
@@ -194,14 +194,14 @@ def test_dashboard_queries_only_exported_metrics():
 
 def test_dashboard_worker_metrics_are_what_a_worker_registers():
     """Every WORKER_METRICS name is a metric a worker with --metrics-port registers, under that name."""
-    from shared.metrics import WorkerMetrics
+    from shared.stage_metrics import WorkerMetrics
 
     metrics = WorkerMetrics("tokenizer", port=1)  # registers; serve() would start the HTTP server
     metrics.faststream_middlewares()
     registered = {family.name: family.type for family in metrics.registry.collect()}
     for metric in WORKER_METRICS:
         base = metric.removesuffix("_total")  # prometheus_client names a counter's family without it
-        assert base in registered, f"{metric} is not registered by shared/metrics.py WorkerMetrics"
+        assert base in registered, f"{metric} is not registered by shared/stage_metrics.py WorkerMetrics"
         assert (registered[base] == "counter") == metric.endswith("_total"), metric
 
 

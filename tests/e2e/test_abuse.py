@@ -30,8 +30,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from rsinfer.redis_server import RedisServer
 from services.scheduler.engine.factory import build_engine
-from shared.redis_server import RedisServer
 from shared.settings import SchedulerSettings
 from tests.support.helpers import wait_for
 from tests.support.stack import MODEL, Stack, new_stack, start_replicas

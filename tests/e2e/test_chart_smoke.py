@@ -33,7 +33,7 @@ import openai
 import pytest
 import redis
 
-from shared.redis_server import wait_until_up
+from rsinfer.redis_server import wait_until_up
 from shared.settings import ApiSettings, DetokenizerSettings, SchedulerSettings, TokenizerSettings
 from tests.deploy import helmbin, kube
 from tests.e2e.test_observability import SERVICES, Collector

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from rsinfer.launcher import api_ready
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 from tests.e2e import test_concurrency, test_crash, test_openai_api, test_operator, test_resume
 from tests.e2e.test_operator import LongStream
 from tests.support.helpers import engines_idle, wait_for

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rsinfer.launcher import api_ready
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 from tests.support.helpers import engines_idle, live_names, sse_payloads, wait_for
 from tests.support.stack import LIFECYCLE_ENV, MODEL, running_pipeline
 from tests.support.streaming import Streamer, body, reference

@@ -62,7 +62,7 @@ OUTPUTS = [
 def adapters(tmp_path_factory, demo_model_dir) -> Path:
     """The adapters' folder, with the `sql` adapter the stack registers at start (the user guide makes it
     with `rsinfer demo-adapter`, which the examples run again)."""
-    from shared.demo_adapter import make_adapter
+    from rsinfer.demo_adapter import make_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     make_adapter(root / "sql", demo_model_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.redis_server import RedisServer
+from rsinfer.redis_server import RedisServer
 from tests.support.stack import MODEL, new_stack, start_pipeline
 
 LONG = os.environ.get("RSINFER_HOSTILE_LONG") == "1"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shared.redis_server import RedisServer
+from rsinfer.redis_server import RedisServer
 from tests.support.helpers import wait_for
 from tests.support.stack import Stack, new_stack, start_pipeline
 

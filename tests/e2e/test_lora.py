@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from rsinfer.launcher import api_ready
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 from tests.support.helpers import live_names, wait_for, workers
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack, start_replicas
 from tests.support.streaming import Streamer

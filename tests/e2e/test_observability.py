@@ -117,7 +117,7 @@ def test_workers_serve_their_own_metrics(redis_server, demo_model_dir, tmp_path_
     entries each stage published, on each worker's own /metrics."""
     import httpx
 
-    from shared.redis_server import free_port
+    from rsinfer.redis_server import free_port
 
     ports = {role: free_port() for role in ("tokenizer", "scheduler", "detokenizer")}
     s = Stack(redis_server.url, demo_model_dir, "wm" + tmp_path_factory.mktemp("x").name[-6:],

@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from shared.routing import prompt_pages
+from services.tokenizer.router import prompt_pages
 from tests.support.helpers import wait_for, worker_name, workers
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
 from tests.support.streaming import Streamer

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from rsinfer.redis_server import RedisServer
 from shared.keys import STAGES
-from shared.redis_server import RedisServer
 from tests.support.chaos_kit import Clients, Job, Outcome, reference_texts
 from tests.support.helpers import engines_idle, wait_for
 from tests.support.stack import MODEL, Stack, new_stack, start_pipeline

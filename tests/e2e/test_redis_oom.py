@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from shared.redis_server import RedisServer
+from rsinfer.redis_server import RedisServer
 from tests.support.helpers import engines_idle, wait_for
 from tests.support.stack import MODEL, Stack, running_pipeline
 from tests.support.streaming import Streamer, body, reference

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from rsinfer.launcher import serving
-from shared.redis_server import RedisServer
+from rsinfer.redis_server import RedisServer
 from tests.support.helpers import wait_for
 from tests.support.stack import MODEL, new_stack, start_pipeline
 from tests.support.streaming import Streamer, body, reference

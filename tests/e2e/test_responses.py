@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from rsinfer.launcher import api_ready
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 from tests.support.helpers import sse_payloads, wait_for
 from tests.support.stack import MODEL
 

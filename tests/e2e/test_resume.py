@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from rsinfer.launcher import api_ready
-from shared.redis_server import free_port
+from rsinfer.redis_server import free_port
 from shared.streams import id_after
 from tests.support.helpers import engines_idle, sse_payloads, wait_for
 from tests.support.stack import MODEL, Stack

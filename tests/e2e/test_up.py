@@ -24,9 +24,9 @@ import openai
 import pytest
 import redis
 
+from rsinfer.redis_server import free_port
 from services.api.admin import admin_socket_path
 from shared.keys import Keys
-from shared.redis_server import free_port
 from tests.support.helpers import wait_for
 from tests.support.streaming import Streamer
 

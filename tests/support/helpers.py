@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.registry import WorkerInfo
+from shared.heartbeats import WorkerInfo
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:

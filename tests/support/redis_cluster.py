@@ -1,5 +1,5 @@
 """A Redis Cluster of real redis-server processes on 127.0.0.1, for the tests and benchmarks: test-only code,
-which the package does not ship (one server: shared/redis_server.py `RedisServer`)."""
+which the package does not ship (one server: rsinfer/redis_server.py `RedisServer`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import redis
 import redis.cluster
 
-from shared import children
-from shared.redis_server import find_redis_server, free_port, wait_until_up
+from rsinfer import children
+from rsinfer.redis_server import find_redis_server, free_port, wait_until_up
 
 
 class LocalCluster:

@@ -14,8 +14,8 @@ import openai
 import redis
 
 from rsinfer.launcher import Launcher, ProcessDied, api_ready, serving
+from rsinfer.redis_server import RedisServer, free_port
 from shared.keys import Keys
-from shared.redis_server import RedisServer, free_port
 
 MODEL = "rsinfer-demo"
 STARTED: list[subprocess.Popen] = []  # every process a Stack started, whoever stops it (or forgets to)

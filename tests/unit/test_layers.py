@@ -101,3 +101,38 @@ def test_every_allowed_offender_is_still_there():
     counts = Counter((rel, command) for rel, _, command in _offences())
     gone = [f"{rel}: {command}" for (rel, command), n in ALLOWED.items() if counts[rel, command] < n]
     assert not gone, "moved into the streams layer, so remove from ALLOWED here:\n" + "\n".join(gone)
+
+
+# ---- shared/ holds what more than one stage uses (issue 33): a module only the CLI or one service imports lives
+# under rsinfer/ or in that service, so shared/ reads as the stages' common ground.
+
+STAGES = ("api", "tokenizer", "scheduler", "detokenizer")
+
+
+def _shared_imports(path: Path) -> set[str]:
+    """The shared/ modules `path` imports, at the top, in a function or under TYPE_CHECKING alike."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    modules = {n.split(".")[1] for n in names if n.startswith("shared.")}
+    return {m for m in modules if (ROOT / "shared" / f"{m}.py").exists()}
+
+
+def test_every_shared_module_is_used_by_more_than_one_stage():
+    shared = {p.stem: _shared_imports(p) for p in (ROOT / "shared").glob("*.py") if p.stem != "__init__"}
+    stages_of: dict[str, set[str]] = {name: set() for name in shared}
+    for stage in STAGES:
+        todo = set().union(*(_shared_imports(p) for p in (ROOT / "services" / stage).rglob("*.py")))
+        seen: set[str] = set()
+        while todo:  # what the stage imports, and what those import in turn
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo |= shared[name]
+        for name in seen:
+            stages_of[name].add(stage)
+    lonely = {f"shared/{name}.py": sorted(stages) for name, stages in stages_of.items() if len(stages) < 2}
+    assert not lonely, f"used by one stage or none: move to that service or rsinfer/: {lonely}"

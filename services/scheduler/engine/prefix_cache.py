@@ -17,7 +17,7 @@ released page always a leaf, so plain LRU order is enough (O(1) per page):
 - a sequence releases its pages tail first (PagePool.release), so a child becomes idle before its parent.
 
 It also keeps what changed since it was last asked (`take_changes`): the scheduler publishes the digests it holds
-for the tokenizers' prefix-aware routing (shared/routing.py).
+for the tokenizers' prefix-aware routing (services/scheduler/lanes.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.api.batch_output import READ_AHEAD, delete_results, ordered_rows, result_key, stored_results
-from shared.storage import LocalStore
+from shared.local_store import LocalStore
 from tests.support.helpers import async_wait_for
 
 

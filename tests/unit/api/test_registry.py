@@ -8,9 +8,9 @@ import uuid
 
 from services.api.registry import StageRegistry
 from shared import streams
+from shared.heartbeats import Beating, Heartbeat
 from shared.keys import STAGES, Keys
 from shared.redis_conn import connect
-from shared.registry import Beating, Heartbeat
 
 NONE = dict.fromkeys(STAGES, 0)
 

@@ -463,12 +463,12 @@ def test_a_drained_slot_takes_requests_again_once_nothing_waits_for_it(demo_mode
 
 
 def test_adapters_from_the_object_store(demo_model, adapters, ps, reference, tmp_path):
-    """StoredAdapters: the folder is uploaded to a local object store and fetched (shared/storage.py
+    """StoredAdapters: the folder is uploaded to a local object store and fetched (shared/object_store.py
     fetch_folder, on an event loop of its own thread, as the worker's) by the loader thread."""
     import asyncio
 
     from services.scheduler.engine.lora import StoredAdapters
-    from shared.storage import LocalStore
+    from shared.local_store import LocalStore
 
     store = LocalStore(tmp_path / "store", max_bytes=1 << 30, cache_dir=tmp_path / "cache")
     loop = asyncio.new_event_loop()

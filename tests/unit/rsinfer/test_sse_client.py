@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from rsinfer.redis_server import free_port
 from rsinfer.sse_client import Reply, Request, run_load, stream
-from shared.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(30)
 

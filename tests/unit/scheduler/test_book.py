@@ -20,12 +20,12 @@ from services.scheduler.effects import (
     RecordRunning,
 )
 from services.scheduler.engine.synthetic import SyntheticEngine, SyntheticVocab
+from services.scheduler.lanes import PageChanges, SchedulerLanes
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
 from shared.reply_order import ProducedTokens
 from shared.request_store import RequestStore
-from shared.routing import PageChanges, SchedulerLanes
 from shared.streams import Member
 from shared.tracing import Tracer
 

@@ -9,12 +9,12 @@ import asyncio
 import pytest
 
 from services.scheduler.effects import MIN_DETOKENIZE_MAXLEN, EffectWriter, Publish
+from services.scheduler.lanes import SchedulerLanes
 from shared.consumer_group import GroupConsumer
 from shared.keys import Keys
 from shared.messages import ScheduleJob, TokenDelta
 from shared.redis_conn import connect
 from shared.request_store import RequestStore
-from shared.routing import SchedulerLanes
 from shared.streams import Member
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import uuid
 
-from rsinfer.tools import healthcheck
+from rsinfer.operator_commands import healthcheck
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.main import build_worker
 from shared.settings import SchedulerSettings

@@ -12,10 +12,10 @@ import uuid
 import pytest
 
 from services.scheduler.main import build_worker
+from services.tokenizer.router import Router, prompt_pages
 from shared import streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
-from shared.routing import Router, prompt_pages
 from shared.settings import SchedulerSettings
 from shared.streams import Member
 

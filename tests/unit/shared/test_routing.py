@@ -10,22 +10,22 @@ import uuid
 
 import pytest
 
+from services.scheduler.lanes import SchedulerLanes
+from services.tokenizer.router import (
+    MAX_SCORED_PAGES,
+    Candidate,
+    Router,
+    choose,
+    choose_for_adapter,
+    leading,
+    prompt_pages,
+)
 from shared import streams
 from shared.consumer_group import GroupConsumer
 from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob
 from shared.pages import chain_digest
 from shared.redis_conn import connect
-from shared.routing import (
-    MAX_SCORED_PAGES,
-    Candidate,
-    Router,
-    SchedulerLanes,
-    choose,
-    choose_for_adapter,
-    leading,
-    prompt_pages,
-)
 from shared.slots import key_slot
 from shared.streams import Member
 from tests.support.helpers import async_wait_for
@@ -203,7 +203,7 @@ def _json(d: dict) -> str:
 
 
 async def beat(redis, hook) -> None:
-    """One heartbeat's pipeline with `hook`'s commands on it (shared/registry.py Heartbeat.extra)."""
+    """One heartbeat's pipeline with `hook`'s commands on it (shared/heartbeats.py Heartbeat.extra)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.ping()  # the heartbeat's own commands come first
         then = hook(pipe)

@@ -1,5 +1,6 @@
-"""shared/storage.py: one contract, run on both backends (a local directory, and S3 against a real
-S3-compatible server, moto in server mode, started by the session fixture), then what each backend adds."""
+"""The object store (shared/storage.py and its backends): one contract, run on both backends (a local directory,
+and S3 against a real S3-compatible server, moto in server mode, started by the session fixture), then what each
+backend adds."""
 
 from __future__ import annotations
 
@@ -13,22 +14,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
-from shared.flags import flag_parser, settings_from_args
+from rsinfer.flags import flag_parser, settings_from_args
+from shared.local_store import LocalStore
+from shared.object_store import TMP_DIR, InvalidKey, MiB, NotFound, ObjectStore, StorageError, TooLarge
+from shared.s3_store import S3Options, S3Store
 from shared.settings import ApiSettings, SchedulerSettings, UpSettings
-from shared.storage import (
-    TMP_DIR,
-    InvalidKey,
-    LocalStore,
-    MiB,
-    NotFound,
-    ObjectStore,
-    S3Options,
-    S3Store,
-    StorageError,
-    TooLarge,
-    open_store,
-    parse_storage_url,
-)
+from shared.storage import open_store
+from shared.storage_url import parse_storage_url
 from tests.s3_server import CLIENT_ENV
 
 pytestmark = pytest.mark.timeout(60)

@@ -28,9 +28,9 @@ async def test_an_entry_whose_output_redis_refused_for_memory_stays_pending():
     the same pipeline lands both."""
     from redis.exceptions import OutOfMemoryError
 
+    from rsinfer.redis_server import RedisServer
     from shared.keys import Keys
     from shared.redis_conn import connect
-    from shared.redis_server import RedisServer
 
     with RedisServer(maxmemory="4mb") as server:
         redis, keys = connect(server.url), Keys("oom")

@@ -1,4 +1,4 @@
-"""The command line's flags (shared/flags.py): every setting in exactly one `--help` group, the common groups
+"""The command line's flags (rsinfer/flags.py): every setting in exactly one `--help` group, the common groups
 first, and each command showing only its own flags."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings
 
 import shared.settings
 from rsinfer.cli import SERVICES, build_parser
-from shared.flags import FLAG_GROUPS, GROUP_OF
+from rsinfer.flags import FLAG_GROUPS, GROUP_OF
 
 SETTINGS = [c for _, c in inspect.getmembers(shared.settings, inspect.isclass)
             if issubclass(c, BaseSettings) and c is not BaseSettings]
@@ -35,7 +35,7 @@ def flags_of(name: str) -> set[str]:
 def test_every_setting_is_in_exactly_one_group():
     listed = Counter(name for _, _, names in FLAG_GROUPS for name in names)
     assert not [n for n, k in listed.items() if k > 1], "a field listed in two groups"
-    assert EVERY_FIELD - set(GROUP_OF) == set(), "a setting with no group: add it to shared/flags.py FLAG_GROUPS"
+    assert EVERY_FIELD - set(GROUP_OF) == set(), "a setting with no group: add it to rsinfer/flags.py FLAG_GROUPS"
     assert set(GROUP_OF) - EVERY_FIELD == set(), "FLAG_GROUPS names a field no settings class has"
     assert FLAG_GROUPS[0][0] == "server" and FLAG_GROUPS[0][2][:4] == ("host", "port", "model", "served_model_name")
 

@@ -1,4 +1,4 @@
-"""services/scheduler/adapters.py on a real redis-server: a read's adapter names become their registrations'
+"""services/scheduler/registered_adapters.py on a real redis-server: a read's adapter names become their registrations'
 identities, the engine's source serves their folders (a path, or the object store's copy), and what leaves the
 registry or is registered again is evicted from the engine. The engine is a stand-in that records evictions."""
 
@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from services.scheduler.adapters import RegisteredAdapters
-from shared import adapters as registry
+from services.scheduler.registered_adapters import RegisteredAdapters
+from shared import adapter_registry as registry
 from shared.consumer_group import Delivery
 from shared.keys import Keys
 from shared.messages import SamplingParams, ScheduleJob

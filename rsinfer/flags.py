@@ -3,7 +3,7 @@ field, shown in `--help` under the group FLAG_GROUPS gives it, the groups in its
 first, tuning last). A command shows only the fields of its settings class, so each sees only its own flags.
 
 A field's group is declared here, once, by its name: a field redeclared by several classes (`claim_idle_ms`,
-`host`) is one flag in one group. tests/unit/shared/test_flags.py checks that every field has exactly one.
+`host`) is one flag in one group. tests/unit/rsinfer/test_flags.py checks that every field has exactly one.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from shared.contract import asyncapi_document, asyncapi_yaml
+from rsinfer.contract import asyncapi_document, asyncapi_yaml
 from shared.keys import Keys
 from tests.unit.shared import asyncapi_specs
 

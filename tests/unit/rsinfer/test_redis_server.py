@@ -12,7 +12,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared.redis_server import RedisServer
+from rsinfer.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,8 @@ so that every API process and every scheduler sees the same adapters.
 
 The API registers and unregisters them (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
 services/api/adapters.py) and resolves a request's `model`; schedulers resolve the names of the requests they
-admit and serve the folders (services/scheduler/adapters.py); `--lora-modules` registers some at start on either.
+admit and serve the folders (services/scheduler/registered_adapters.py); `--lora-modules` registers some at start
+on either.
 Each registration has a new `version`: the engine knows an adapter by `name@version` (`AdapterRecord.identity`),
 so a name unloaded and loaded again (perhaps from other weights) never reuses the old one's KV pages or slot.
 The number of registrations is bounded (--max-adapters), checked and written in one script.
@@ -27,7 +28,8 @@ from redis.asyncio import Redis
 
 from shared.keys import Keys
 from shared.messages import AdapterRecord, decode, encode
-from shared.storage import StorageLocation, check_prefix, parse_storage_url
+from shared.object_store import check_prefix
+from shared.storage_url import StorageLocation, parse_storage_url
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]*")
 

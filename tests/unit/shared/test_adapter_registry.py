@@ -1,4 +1,4 @@
-"""shared/adapters.py: the LoRA adapter registry on a real redis-server (bounded, one version per registration,
+"""shared/adapter_registry.py: the LoRA adapter registry on a real redis-server (bounded, one version per registration,
 equal configurations kept), and what names, paths and --lora-modules entries it takes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from shared import adapters as registry
-from shared.adapters import Module, RegistryFull, locate, name_problem, parse_lora_modules
+from shared import adapter_registry as registry
+from shared.adapter_registry import Module, RegistryFull, locate, name_problem, parse_lora_modules
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,10 +15,10 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from services.api.admin import admin_socket_path
 from services.api.admin import call as admin_call
 from shared import streams
+from shared.heartbeats import declared_models, live_workers
 from shared.keys import STAGES, Keys
 from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
-from shared.registry import declared_models, live_workers
 from shared.request_states import TERMINAL
 from shared.request_store import RequestStore
 from shared.settings import CommonSettings, DrainCommand, ProbeSettings, RedisSettings
@@ -202,8 +202,8 @@ async def _usage_lines(redis, keys: Keys) -> list[str]:
 
 
 async def _adapter_lines(redis, keys: Keys, workers: list) -> list[str]:
-    """The LoRA adapters registered (shared/adapters.py), and which live schedulers hold each loaded."""
-    from shared.adapters import registered
+    """The LoRA adapters registered (shared/adapter_registry.py), and which live schedulers hold each loaded."""
+    from shared.adapter_registry import registered
 
     records = await registered(redis, keys)
     if not records:

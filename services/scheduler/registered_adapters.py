@@ -1,4 +1,4 @@
-"""The scheduler's LoRA adapters from the registry (shared/adapters.py): the engine's `AdapterSource`
+"""The scheduler's LoRA adapters from the registry (shared/adapter_registry.py): the engine's `AdapterSource`
 (services/scheduler/engine/lora.py) over the registrations of this scheduler's model.
 
 A job names its adapter by the name clients use; at admission (`resolved`, one HMGET for the read's adapter
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from services.scheduler.engine.lora import AdapterFolders, StoredAdapters
-from shared import adapters as registry
+from shared import adapter_registry as registry
 from shared.consumer_group import Delivery
 from shared.lora_folder import AdapterError, LoraCard, check_folder
 from shared.messages import AdapterRecord, ScheduleJob

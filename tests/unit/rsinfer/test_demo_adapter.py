@@ -1,4 +1,4 @@
-"""`rsinfer demo-adapter DIR` (shared/demo_adapter.py): a random LoRA adapter of the demo model, written without
+"""`rsinfer demo-adapter DIR` (rsinfer/demo_adapter.py): a random LoRA adapter of the demo model, written without
 peft, that peft loads as its own (the same merged weights as its tensors say) and that rsinfer's folder checks
 take against the card the scheduler's engine declares of the model."""
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rsinfer.cli import main
-from shared.demo_adapter import make_adapter
+from rsinfer.demo_adapter import make_adapter
 from shared.lora_folder import LoraCard, check_folder
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,7 +29,7 @@ def base(random_model_dir):
 
 
 def card_of(model) -> LoraCard:
-    """What a scheduler of this model declares (services/scheduler/adapters.py `card`)."""
+    """What a scheduler of this model declares (services/scheduler/registered_adapters.py `card`)."""
     from services.scheduler.engine.lora import LoraLayout
 
     layout = LoraLayout.of(model)

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from rsinfer import tools
+from rsinfer import operator_commands
 from rsinfer.cli import build_parser
-from rsinfer.tools import inspect, redacted, worker_tables
-from shared.redis_server import free_port
-from shared.registry import WorkerInfo
+from rsinfer.operator_commands import inspect, redacted, worker_tables
+from rsinfer.redis_server import free_port
+from shared.heartbeats import WorkerInfo
 from shared.settings import CommonSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +77,7 @@ def test_the_cli_says_one_line_too():
 
 def test_watch_redraws_until_stopped(redis_server, capsys, monkeypatch):
     settings = CommonSettings(redis_url=redis_server.url, namespace="watch-test")
-    drawn, third, real = [], asyncio.Event(), tools.overview
+    drawn, third, real = [], asyncio.Event(), operator_commands.overview
 
     async def counted(*a, **kw) -> list[str]:
         lines = await real(*a, **kw)
@@ -95,7 +95,7 @@ def test_watch_redraws_until_stopped(redis_server, capsys, monkeypatch):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    monkeypatch.setattr(tools, "overview", counted)
+    monkeypatch.setattr(operator_commands, "overview", counted)
     asyncio.run(watched())
     screens = capsys.readouterr().out.split("\033[H\033[2J")
     assert len(screens) >= 3 and all("UID" in s for s in screens[1:])

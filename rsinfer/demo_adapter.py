@@ -2,7 +2,7 @@
 serves), so that the LoRA examples of docs/user-guide.md run offline without training one. The folder is what PEFT's
 `save_pretrained` writes (adapter_config.json, adapter_model.safetensors with PEFT's tensor names), written
 directly, so neither peft nor a training run is needed: peft loads it as any adapter
-(tests/unit/shared/test_demo_adapter.py), and rsinfer serves it as any (shared/lora_folder.py). Its weights are
+(tests/unit/rsinfer/test_demo_adapter.py), and rsinfer serves it as any (shared/lora_folder.py). Its weights are
 random: it changes the model's answers, which is all a demo adapter is for."""
 
 from __future__ import annotations

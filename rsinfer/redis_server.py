@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from shared import children
+from rsinfer import children
 
 
 def find_redis_server() -> str:
