@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import orjson
@@ -29,8 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from services.api.formats import ChatFormat, CompletionFormat, Format, GenerateFormat, Head
 from shared.messages import ChatMessage, Guided, SamplingParams, TokenizeJob, ToolChoice
 
-if TYPE_CHECKING:
-    from services.api.limits import Limits
+
+class FieldLimits(Protocol):
+    """What a request body's `checked` asks of the server's limits (services/api/limits.py's Limits): the
+    schemas stay below the limits, which build on them."""
+
+    def record_fields(self, user: str | None, safety_identifier: str | None = None,
+                      metadata: dict[str, str] | None = None) -> None: ...
+
+    def sampling(self, params: SamplingParams, prefix: str = "") -> None: ...
+
+    def chat_fields(self, tools: list[dict] | None, chat_template_kwargs: dict | None) -> None: ...
+
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completion request
@@ -500,7 +510,7 @@ class ChatCompletionRequest(SamplingFields):
         check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         return self
 
-    def checked(self, limits: Limits) -> SamplingParams:
+    def checked(self, limits: FieldLimits) -> SamplingParams:
         """The sampling parameters, once every field is within the server's limits (a 400 naming the field)."""
         params = self.params()
         limits.record_fields(self.user, self.safety_identifier, self.metadata)
@@ -597,7 +607,7 @@ class CompletionRequest(SamplingFields):
                              "best_of")
         return self
 
-    def checked(self, limits: Limits) -> SamplingParams:
+    def checked(self, limits: FieldLimits) -> SamplingParams:
         """The sampling parameters, once every field is within the server's limits (a 400 naming the field)."""
         params = self.params()
         self.prompt_list  # noqa: B018  (the prompts' own 400s come first, as they are read)
@@ -674,7 +684,7 @@ class GenerateRequest(BaseModel):
             raise BadRequest("give exactly one of text and input_ids", "text")
         return self
 
-    def checked(self, limits: Limits) -> SamplingParams:
+    def checked(self, limits: FieldLimits) -> SamplingParams:
         params = self.params()
         limits.sampling(params, "sampling_params.")
         return params
