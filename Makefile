@@ -44,9 +44,11 @@ redis: | $(BIN)/python
 run: install
 	$(BIN)/rsinfer up $(ARGS)
 
-# Everything, ruff first: the unit, end-to-end and deploy tiers in one run (CI's `.ci/run` is this).
+# Everything, the lint tier first (ruff, the import-layers contract): the unit, end-to-end and deploy tiers in one
+# run (CI's `.ci/run` is this).
 test: install-test
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(PYTEST) $(ARGS)
 
 # Ruff, then every tier but the tests marked `slow` (pyproject.toml's markers): the loop while changing code.
@@ -72,6 +74,7 @@ coverage: install-test
 
 lint: install-test
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # Every benchmark of the plumbing against the engine (a few minutes on 2 cores; ARGS="--full" for longer runs):
 # results in bench/results/run_all.json, plots in bench/results/plots/, the table in docs/benchmarks.md.

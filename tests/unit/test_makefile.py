@@ -1,6 +1,6 @@
 """The Makefile's habits: `make install` runs pip only when pyproject.toml changed (a stamp in the venv per set of
 extras: `make run` the runtime and the examples' client, the test targets the test tools too), the tiers cover
-every folder of tests, and `make test` is ruff then every tier in one pytest run. Run with GNU make
+every folder of tests, and `make test` is ruff and lint-imports, then every tier in one pytest run. Run with GNU make
 against a fake venv whose python and pip only log their arguments."""
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ pytestmark = [pytest.mark.timeout(60),
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A folder with the Makefile, a pyproject.toml and a venv whose python, pip, ruff and rsinfer log to calls.log."""
+    """A folder with the Makefile, a pyproject.toml and a venv whose python, pip, ruff, lint-imports and rsinfer log
+    to calls.log."""
     shutil.copy(MAKEFILE, tmp_path / "Makefile")
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    for tool in ("python", "pip", "ruff", "rsinfer"):
+    for tool in ("python", "pip", "ruff", "lint-imports", "rsinfer"):
         script = bin_dir / tool
         script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{tmp_path}/calls.log"\n')
         script.chmod(0o755)
@@ -105,11 +106,12 @@ def _name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.\-]+", requirement).group(0)).lower()
 
 
-def test_make_test_is_ruff_then_the_whole_suite(project: Path):
+def test_make_test_is_the_lint_tier_then_the_whole_suite(project: Path):
     calls = make(project, "test")
-    runs = [c for c in calls if c.startswith(("ruff", "python -m pytest"))]
+    runs = [c for c in calls if c.startswith(("ruff", "lint-imports", "python -m pytest"))]
     pytest = "python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25"
-    assert runs == ["ruff check .", pytest]
+    assert runs == ["ruff check .", "lint-imports ", pytest]
+    assert [c for c in make(project, "lint") if not c.startswith("pip")] == ["ruff check .", "lint-imports "]
     assert [c for c in make(project, "test-fast") if "pytest" in c] == [f"{pytest} -m not slow"]
 
 
