@@ -129,7 +129,8 @@ def clone(model):
 
 
 def engine(model, adapters=None, **kw):
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
 
     cfg = dict(num_pages=512, page_size=16, max_running=16, prefill_budget=128, seed=0)
     cfg.update(kw)
@@ -274,9 +275,10 @@ class Check:
         import torch
 
         from services.scheduler.engine.attention import RowSpec
+        from services.scheduler.engine.config import make_backend
         from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
-        from services.scheduler.engine.model_runner import ModelRunner, attention_geometry
-        from services.scheduler.engine.paged import make_backend
+        from services.scheduler.engine.model_geometry import attention_geometry
+        from services.scheduler.engine.model_runner import ModelRunner
 
         ps = 16
         seqs = prompts([40, 7, 1, 29, 64, 150], self.shape["vocab_size"], seed=1)

@@ -81,7 +81,8 @@ def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int) ->
 
 
 def make_engines(model, args, source):
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
 
     pages = args.batch * -(-(args.prompt_len + args.steps + 16) // 16) + 2
     engines = {}

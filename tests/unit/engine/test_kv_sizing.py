@@ -15,7 +15,7 @@ from services.scheduler.engine.factory import (
     build_paged_engine,
     kv_tokens_from_profile,
 )
-from services.scheduler.engine.model_runner import attention_geometry
+from services.scheduler.engine.model_geometry import attention_geometry
 from services.scheduler.engine.paged import PagedEngine
 from shared.settings import SchedulerSettings
 from tests.unit.engine.util import clone_model

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from services.scheduler.engine import transfer
 from services.scheduler.engine.attention import flashinfer_backend
 from services.scheduler.engine.base import EngineRequest
-from services.scheduler.engine.paged import make_backend
+from services.scheduler.engine.config import make_backend
 from shared.messages import SamplingParams
 from tests.unit.engine import fake_flashinfer
 from tests.unit.engine.util import clone_model, engine, prompts, tiny_model
@@ -204,7 +204,7 @@ def head64():
 
 @pytest.fixture()
 def warnings(caplog):
-    caplog.set_level(logging.WARNING, logger="services.scheduler.engine.paged")
+    caplog.set_level(logging.WARNING, logger="services.scheduler.engine.config")
     return lambda: [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
