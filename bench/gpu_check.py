@@ -531,7 +531,7 @@ class Check:
 
         import torch
 
-        from services.scheduler.engine.lora import AdapterFolders
+        from services.scheduler.engine.lora_weights import AdapterFolders
 
         model = clone(self.model).to(torch.bfloat16)  # the segment GEMM's kernels are 16-bit (CPU smoke too)
         with tempfile.TemporaryDirectory() as tmp:
@@ -620,7 +620,7 @@ def write_adapter(model, folder: Path, rank: int, seed: int, targets=None) -> No
     import torch
     from safetensors.torch import save_file
 
-    from services.scheduler.engine.lora import LORA_TARGETS
+    from shared.lora_folder import LORA_TARGETS
 
     targets = targets or LORA_TARGETS
     g = torch.Generator().manual_seed(seed)

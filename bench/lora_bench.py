@@ -130,7 +130,7 @@ def bench_shape(shape: str, args) -> dict:
         folders = {f"a{k}": Path(tmp) / f"a{k}" for k in range(4)}
         for k, folder in enumerate(folders.values()):
             write_adapter(model, folder, args.rank, seed=k)
-        from services.scheduler.engine.lora import AdapterFolders
+        from services.scheduler.engine.lora_weights import AdapterFolders
 
         engines = make_engines(model, args, AdapterFolders(folders))
         g = torch.Generator().manual_seed(1)

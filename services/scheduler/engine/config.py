@@ -13,7 +13,8 @@ import torch
 
 from services.scheduler.engine.attention import AttentionBackend
 from services.scheduler.engine.kv_cache import KVCache
-from services.scheduler.engine.lora import SEGMENT_WORKSPACE_BYTES, AdapterSource, LoraManager
+from services.scheduler.engine.lora import SEGMENT_WORKSPACE_BYTES, LoraManager
+from services.scheduler.engine.lora_weights import AdapterSource
 from services.scheduler.engine.model_geometry import attention_geometry
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from services.scheduler.engine.eos import eos_token_ids
 from shared.settings import SchedulerSettings
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.lora import AdapterSource
+    from services.scheduler.engine.lora_weights import AdapterSource
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def lora_bytes(settings: SchedulerSettings, model) -> int:
     """Bytes of the LoRA slots --max-loras and --max-lora-rank allocate (0 without adapters)."""
     if not settings.max_loras:
         return 0
-    from services.scheduler.engine.lora import LoraLayout, stack_bytes
+    from services.scheduler.engine.lora_weights import LoraLayout, stack_bytes
 
     dtype = next(model.parameters()).dtype
     return stack_bytes(LoraLayout.of(model), settings.max_loras, settings.max_lora_rank, dtype)

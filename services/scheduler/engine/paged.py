@@ -28,7 +28,7 @@ from services.scheduler.engine.grammar import GrammarCache
 from services.scheduler.engine.intake import ModelLimits, RequestIntake
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
 from services.scheduler.engine.launch import InFlight, StepLauncher
-from services.scheduler.engine.lora import AdapterSource
+from services.scheduler.engine.lora_weights import AdapterSource
 from services.scheduler.engine.model_geometry import attention_geometry, max_context
 from services.scheduler.engine.model_runner import ModelRunner
 from services.scheduler.engine.pooling import truncatable

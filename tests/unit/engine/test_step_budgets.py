@@ -274,7 +274,7 @@ def test_the_sync_counter_sees_a_sync(model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def lora_source(model, tmp_path_factory):
-    from services.scheduler.engine.lora import AdapterFolders
+    from services.scheduler.engine.lora_weights import AdapterFolders
     from tests.unit.engine.util import make_adapter
 
     root = tmp_path_factory.mktemp("budget-adapters")
