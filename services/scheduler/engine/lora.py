@@ -77,7 +77,7 @@ class LoraManager:
                  segment_gemm=None):
         param = next(model.parameters())
         self.layout = LoraLayout.of(model)
-        self.max_loras = max_loras
+        self.max_loras, self.max_rank = max_loras, max_rank
         self.device = param.device
         self.stacks = LoraStacks(self.layout, max_loras, max_rank, param.dtype, param.device,
                                  segment_gemm=segment_gemm)

@@ -266,7 +266,7 @@ def test_the_sync_counter_sees_a_sync(model, monkeypatch):
     with pytest.MonkeyPatch.context() as counting:
         counter = SyncCounter(counting)
         eng.step()
-    assert any("paged.py" in s for s in counter.syncs) and counter.waits == 1
+    assert any("launch.py" in s for s in counter.syncs) and counter.waits == 1  # launch.py `score_prompts`
 
 
 # ---- LoRA adapters: a base-only step costs what it cost without them; adapter rows add no sync
