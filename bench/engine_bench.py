@@ -96,7 +96,8 @@ def run_engine(model, prompts: list[list[int]], args: argparse.Namespace) -> int
 
 
 def make_engine(model, args: argparse.Namespace):
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
 
     per_seq = -(-(args.prompt_len + args.output_len) // args.page_size)
     config = EngineConfig(num_pages=args.requests * per_seq + 2, page_size=args.page_size,

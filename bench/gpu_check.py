@@ -129,7 +129,8 @@ def clone(model):
 
 
 def engine(model, adapters=None, **kw):
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
 
     cfg = dict(num_pages=512, page_size=16, max_running=16, prefill_budget=128, seed=0)
     cfg.update(kw)
@@ -274,9 +275,10 @@ class Check:
         import torch
 
         from services.scheduler.engine.attention import RowSpec
+        from services.scheduler.engine.config import make_backend
         from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
-        from services.scheduler.engine.model_runner import ModelRunner, attention_geometry
-        from services.scheduler.engine.paged import make_backend
+        from services.scheduler.engine.model_geometry import attention_geometry
+        from services.scheduler.engine.model_runner import ModelRunner
 
         ps = 16
         seqs = prompts([40, 7, 1, 29, 64, 150], self.shape["vocab_size"], seed=1)
@@ -529,7 +531,7 @@ class Check:
 
         import torch
 
-        from services.scheduler.engine.lora import AdapterFolders
+        from services.scheduler.engine.lora_weights import AdapterFolders
 
         model = clone(self.model).to(torch.bfloat16)  # the segment GEMM's kernels are 16-bit (CPU smoke too)
         with tempfile.TemporaryDirectory() as tmp:
@@ -618,7 +620,7 @@ def write_adapter(model, folder: Path, rank: int, seed: int, targets=None) -> No
     import torch
     from safetensors.torch import save_file
 
-    from services.scheduler.engine.lora import LORA_TARGETS
+    from shared.lora_folder import LORA_TARGETS
 
     targets = targets or LORA_TARGETS
     g = torch.Generator().manual_seed(seed)

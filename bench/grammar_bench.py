@@ -74,7 +74,8 @@ def engine_steps(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.scheduler.engine.base import EngineRequest
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
     from shared.messages import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -227,6 +227,8 @@ def make_engine(batch: int, args: argparse.Namespace):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    # paged.py still names EngineConfig (it imports it from config.py), so --code may be a checkout from before
+    # config.py was split out of it
     from services.scheduler.engine.paged import EngineConfig, PagedEngine
 
     torch.manual_seed(0)

@@ -81,7 +81,8 @@ def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int) ->
 
 
 def make_engines(model, args, source):
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.paged import PagedEngine
 
     pages = args.batch * -(-(args.prompt_len + args.steps + 16) // 16) + 2
     engines = {}
@@ -129,7 +130,7 @@ def bench_shape(shape: str, args) -> dict:
         folders = {f"a{k}": Path(tmp) / f"a{k}" for k in range(4)}
         for k, folder in enumerate(folders.values()):
             write_adapter(model, folder, args.rank, seed=k)
-        from services.scheduler.engine.lora import AdapterFolders
+        from services.scheduler.engine.lora_weights import AdapterFolders
 
         engines = make_engines(model, args, AdapterFolders(folders))
         g = torch.Generator().manual_seed(1)

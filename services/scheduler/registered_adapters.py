@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.scheduler.engine.lora import AdapterFolders, StoredAdapters
+from services.scheduler.engine.lora_weights import AdapterFolders, StoredAdapters
 from shared import adapter_registry as registry
 from shared.consumer_group import Delivery
 from shared.lora_folder import AdapterError, LoraCard, check_folder

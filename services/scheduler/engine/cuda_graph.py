@@ -45,7 +45,7 @@ import torch
 from services.scheduler.engine.attention import ForwardContext, RowSpec
 from services.scheduler.engine.attention.metadata import AttnMetadata, build_metadata
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache
-from services.scheduler.engine.lora import LoraBatch
+from services.scheduler.engine.lora_stacks import LoraBatch
 from services.scheduler.engine.transfer import host_tensor
 
 log = logging.getLogger(__name__)

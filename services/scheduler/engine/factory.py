@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from services.scheduler.engine.base import Engine
+from services.scheduler.engine.eos import eos_token_ids
 from shared.settings import SchedulerSettings
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.lora import AdapterSource
+    from services.scheduler.engine.lora_weights import AdapterSource
 
 log = logging.getLogger(__name__)
 
@@ -24,26 +25,6 @@ MIN_MARGIN_BYTES = 1 << 30  # GPU memory left free whatever kv_memory_fraction s
 def torch_threads(requested: int) -> int:
     """Half the cores by default: the other processes of a node need the rest (2 cores, 5 processes)."""
     return requested or max(1, (os.cpu_count() or 2) // 2)
-
-
-def eos_token_ids(model_path: str, config) -> set[int]:
-    from transformers import GenerationConfig
-
-    ids: set[int] = set()
-    for source in (config, _generation_config(GenerationConfig, model_path)):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(eos)
-    return ids
-
-
-def _generation_config(cls, path: str):
-    try:
-        return cls.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
 
 
 def pick_device(setting: str):
@@ -162,8 +143,9 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory
     """The paged engine, warmed up. Its KV pool is --max-kv-tokens, or on CUDA (`memory`) what a warmed-up
     probe engine leaves free (its LoRA slots, segment GEMM workspace and LoRA graphs allocated), or on CPU a
     share of RAM less the LoRA slots."""
-    from services.scheduler.engine.model_runner import attention_geometry, max_context
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.model_geometry import attention_geometry, max_context
+    from services.scheduler.engine.paged import PagedEngine
 
     param = next(model.parameters())
     bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
@@ -187,7 +169,7 @@ def lora_bytes(settings: SchedulerSettings, model) -> int:
     """Bytes of the LoRA slots --max-loras and --max-lora-rank allocate (0 without adapters)."""
     if not settings.max_loras:
         return 0
-    from services.scheduler.engine.lora import LoraLayout, stack_bytes
+    from services.scheduler.engine.lora_weights import LoraLayout, stack_bytes
 
     dtype = next(model.parameters()).dtype
     return stack_bytes(LoraLayout.of(model), settings.max_loras, settings.max_lora_rank, dtype)

@@ -8,16 +8,16 @@ slots 1..max_loras hold adapters. An adapter of a smaller rank is zero-padded, a
 zero, and its scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into its B once at load, so a row's
 output is `base(x) + (x A^T) B^T` with no per-step scaling op.
 
-Loading. A request that names an adapter waits in the queue (as one waits for its grammar) while a loader
-thread fetches the folder (`AdapterSource.fetch`: a path, or the object store's local copy) and reads, checks
-and pads it on the host; the step thread then copies it into a free slot, or into the least recently used slot
-no sequence is bound to. A sequence binds to its adapter's slot when it leaves that wait and stays bound,
-preempted or not, until it ends, so a slot is never overwritten under a sequence that reads it (on CUDA the
-copy is queued behind any step still in flight that read the old weights). When more adapters are wanted than
-slots are idle, the least recently used bound slots are drained: no new sequence binds to them, and once their
-sequences end they are evicted, so every adapter in use is served in turn whatever --max-loras is.
+Loading. A request that names an adapter waits in the queue (as one waits for its grammar) while a loader thread
+fetches the folder (lora_weights.py `AdapterSource.fetch`: a path, or the object store's local copy) and reads,
+checks and pads it on the host; the step thread then copies it into a free slot, or into the least recently used
+slot no sequence is bound to. A sequence binds to its adapter's slot when it leaves that wait and stays bound,
+preempted or not, until it ends, so a slot is never overwritten under a sequence that reads it (on CUDA the copy is
+queued behind any step still in flight that read the old weights). When more adapters are wanted than slots are
+idle, the least recently used bound slots are drained: no new sequence binds to them, and once their sequences end
+they are evicted, so every adapter in use is served in turn whatever --max-loras is.
 
-Compute. A step whose rows are all base runs the model as it is: nothing of this module is on its path (the
+Compute (lora_stacks.py). A step whose rows are all base runs the model as it is: no LoRA op is on its path (the
 projections' `forward` is replaced only for the steps that carry adapter rows, and CUDA graphs are captured
 twice, with and without the LoRA ops, when adapters are on). A LoRA step adds each row's delta to the target
 projections' outputs: on CPU (and on CUDA without flashinfer) grouped matmuls, one pair per adapter present
@@ -32,30 +32,19 @@ new name (e.g. `name@version` in a registry).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.scheduler.engine.base import RequestRejected
+from services.scheduler.engine.lora_stacks import LoraBatch, LoraStacks
+from services.scheduler.engine.lora_weights import AdapterLoader, AdapterSource, HostAdapter, LoraLayout
 from services.scheduler.engine.transfer import to_device
-from shared.lora_folder import (
-    LORA_TARGETS,
-    TENSOR_KEY,
-    WEIGHTS_FILE,
-    AdapterError,
-    check_target_modules,
-    config_json,
-    rank_and_scaling,
-)
+from shared.lora_folder import AdapterError
 
 if TYPE_CHECKING:
     from services.scheduler.engine.sequence import Seq
@@ -64,212 +53,7 @@ log = logging.getLogger(__name__)
 
 BASE_SLOT = 0  # the zero adapter: base rows of a segment GEMM read it
 MAX_NAME_CHARS = 256
-RANK_ALIGN = 8  # the segment GEMM's CUTLASS kernels want 16-byte aligned rows (8 bf16/fp16 elements)
 SEGMENT_WORKSPACE_BYTES = 128 << 20  # flashinfer's SegmentGEMMWrapper: "the recommended size is 128 MiB"
-REMEMBERED_FAILURES = 256  # bad folders remembered (refused at add without another load), least recent dropped
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-class AdapterSource(Protocol):
-    """Where adapters come from, by name. `knows` is called on the step thread (cheap: a registry lookup);
-    `fetch` on the loader thread and may block (a download): it returns a local PEFT folder
-    (adapter_config.json + adapter_model.safetensors), raises KeyError for a name it no longer knows and
-    anything else for a failure worth retrying later (storage unreachable)."""
-
-    def knows(self, name: str) -> bool: ...
-
-    def fetch(self, name: str) -> Path: ...
-
-
-class AdapterFolders:
-    """An AdapterSource over fixed local folders (`--lora-modules name=path`, tests)."""
-
-    def __init__(self, folders: Mapping[str, str | Path]):
-        self.folders = {name: Path(path) for name, path in folders.items()}
-
-    def knows(self, name: str) -> bool:
-        return name in self.folders
-
-    def fetch(self, name: str) -> Path:
-        return self.folders[name]
-
-
-class StoredAdapters:
-    """An AdapterSource over the object store (shared/storage.py): `prefixes` maps a name to its folder's prefix
-    (e.g. "adapters/sql"; a live mapping a registry may update). `fetch` runs `ObjectStore.fetch_folder` on `loop`
-    (the worker's event loop) and waits for it on the loader thread, at most `timeout_s`."""
-
-    def __init__(self, store, loop: asyncio.AbstractEventLoop, prefixes: Mapping[str, str], timeout_s: float = 600.0):
-        self.store, self.loop, self.prefixes, self.timeout_s = store, loop, prefixes, timeout_s
-
-    def knows(self, name: str) -> bool:
-        return name in self.prefixes
-
-    def fetch(self, name: str) -> Path:
-        prefix = self.prefixes[name]
-        return asyncio.run_coroutine_threadsafe(self.store.fetch_folder(prefix), self.loop).result(self.timeout_s)
-
-
-# ---- the model's projections
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    in_features: int
-    out_features: int
-
-
-@dataclass
-class LoraLayout:
-    """The projections of a model that adapters may target: per target name its shape and its module in
-    each layer, and the module names PEFT's keys use."""
-
-    num_layers: int
-    shapes: dict[str, TargetShape]
-    modules: dict[str, list[torch.nn.Linear]]
-    by_name: dict[str, tuple[str, int]]  # "model.layers.3.self_attn.q_proj" -> ("q_proj", 3)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> LoraLayout:
-        found: dict[str, dict[int, tuple[str, torch.nn.Linear]]] = {}
-        for qualified, module in model.named_modules():
-            parts = qualified.split(".")
-            layer = next((int(p) for p in parts if p.isdigit()), None)
-            if parts[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear) and layer is not None:
-                found.setdefault(parts[-1], {})[layer] = (qualified, module)
-        num_layers = max((max(per) + 1 for per in found.values()), default=0)
-        shapes, modules, by_name = {}, {}, {}
-        for target in LORA_TARGETS:
-            per = found.get(target, {})
-            dims = {(m.in_features, m.out_features) for _, m in per.values()}
-            if len(per) != num_layers or len(dims) != 1:  # not in every layer alike: it cannot be stacked
-                if per:
-                    log.warning("LoRA: %s is not in every layer with one shape; adapters cannot target it", target)
-                continue
-            (fan_in, fan_out), = dims
-            shapes[target] = TargetShape(fan_in, fan_out)
-            modules[target] = [per[i][1] for i in range(num_layers)]
-            by_name.update({per[i][0]: (target, i) for i in range(num_layers)})
-        if not shapes:
-            raise ValueError(f"{type(model).__name__} has none of the projections LoRA adapters target "
-                             f"({', '.join(LORA_TARGETS)})")
-        return cls(num_layers, shapes, modules, by_name)
-
-
-def stack_rank(max_rank: int) -> int:
-    return -(-max_rank // RANK_ALIGN) * RANK_ALIGN
-
-
-def stack_bytes(layout: LoraLayout, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
-    """Device bytes of the stacked weights of `max_loras` slots (and the zero slot) at rank `max_rank`."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_slot = sum(s.in_features + s.out_features for s in layout.shapes.values()) * stack_rank(max_rank)
-    return layout.num_layers * (max_loras + 1) * per_slot * elem
-
-
-# ---- reading a folder (the loader thread)
-
-
-@dataclass
-class HostAdapter:
-    """An adapter read, checked and laid out as one slot of the stacks, on the host."""
-
-    rank: int
-    scaling: float
-    a: dict[str, torch.Tensor]  # target -> [layers, R, in]
-    b: dict[str, torch.Tensor]  # target -> [layers, out, R], scaling folded in
-
-    @property
-    def targets(self) -> frozenset[str]:
-        return frozenset(self.a)
-
-
-def read_config(folder: Path, max_rank: int) -> tuple[dict, int, float]:
-    """adapter_config.json checked (shared/lora_folder.py): (the config, its rank, its scaling)."""
-    config = config_json(folder)
-    rank, scaling = rank_and_scaling(config, max_rank)
-    return config, rank, scaling
-
-
-def _tensor_keys(handle, layout: LoraLayout, rank: int) -> dict[tuple[str, int], dict[str, str]]:
-    """(target, layer) -> {"A": key, "B": key}, with every key's shape and dtype checked (data not read)."""
-    pairs: dict[tuple[str, int], dict[str, str]] = {}
-    for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-        m = TENSOR_KEY.match(key)
-        if m is None:
-            raise AdapterError(f"tensor {key!r} is not a LoRA A/B weight of a projection (embeddings, heads and "
-                               "biases are not served)")
-        where = layout.by_name.get(m["module"])
-        if where is None:
-            raise AdapterError(f"tensor {key!r} targets {m['module']}, which is not a projection of this model "
-                               f"adapters may target ({', '.join(layout.shapes)})")
-        piece = handle.get_slice(key)
-        dtype = piece.get_dtype()
-        if dtype not in _DTYPES:
-            raise AdapterError(f"tensor {key!r} is {dtype}; weights must be F32, F16 or BF16")
-        shape = tuple(piece.get_shape())
-        s = layout.shapes[where[0]]
-        want = (rank, s.in_features) if m["ab"] == "A" else (s.out_features, rank)
-        if shape != want:
-            raise AdapterError(f"tensor {key!r} has shape {list(shape)}, expected {list(want)} (rank {rank})")
-        pairs.setdefault(where, {})[m["ab"]] = key
-    if not pairs:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
-    half = [f"{t} of layer {i}" for (t, i), ab in pairs.items() if len(ab) != 2]
-    if half:
-        raise AdapterError(f"lora_A without lora_B (or the reverse) for {', '.join(half[:4])}")
-    return pairs
-
-
-def read_adapter(folder: Path, layout: LoraLayout, max_rank: int, dtype: torch.dtype, pin: bool = False
-                 ) -> HostAdapter:
-    """Read and check a PEFT folder against the model's layout and lay it out as one slot; AdapterError
-    if it cannot be served. Shapes and dtypes are checked from the safetensors header before any data is read."""
-    from safetensors import SafetensorError, safe_open
-
-    config, rank, scaling = read_config(folder, max_rank)
-    check_target_modules(config, layout.shapes)
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise AdapterError(f"{WEIGHTS_FILE} is missing (only safetensors weights are served)")
-    R, L = stack_rank(max_rank), layout.num_layers
-    a: dict[str, torch.Tensor] = {}
-    b: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(weights), framework="pt") as handle:
-            pairs = _tensor_keys(handle, layout, rank)
-            for (target, layer), ab in pairs.items():
-                s = layout.shapes[target]
-                if target not in a:
-                    a[target] = torch.zeros(L, R, s.in_features, dtype=torch.float32)
-                    b[target] = torch.zeros(L, s.out_features, R, dtype=torch.float32)
-                wa, wb = handle.get_tensor(ab["A"]).float(), handle.get_tensor(ab["B"]).float()
-                if not (torch.isfinite(wa).all() and torch.isfinite(wb).all()):
-                    raise AdapterError(f"the weights of {target} in layer {layer} are not all finite")
-                a[target][layer, :rank] = wa
-                b[target][layer, :, :rank] = wb * scaling
-    except SafetensorError as e:
-        raise AdapterError(f"{WEIGHTS_FILE} cannot be read: {e}") from None
-    for table in (a, b):
-        for target, t in table.items():
-            t = t.to(dtype)
-            table[target] = t.pin_memory() if pin else t
-    return HostAdapter(rank, scaling, a, b)
-
-
-# ---- one step's rows on the adapters
-
-
-@dataclass
-class LoraBatch:
-    """How a step's packed tokens map onto slots. Grouped: `groups` of (slot, token rows, rank), base rows
-    in none. Segments: `seg_indptr` / `weight_indices` device tensors of `segments` runs of rows."""
-
-    targets: frozenset[str]
-    groups: list[tuple[int, slice | torch.Tensor, int]] = field(default_factory=list)
-    seg_indptr: torch.Tensor | None = None
-    weight_indices: torch.Tensor | None = None
-    segments: int = 0
 
 
 @dataclass
@@ -285,37 +69,30 @@ class _Entry:
 
 
 class LoraManager:
-    """The stacked weights, the slots and their adapters, the loader thread, and the per-step LoRA ops."""
+    """The slots and their adapters: which adapter is where, which sequences are bound to it, what is drained
+    and evicted, and each step's layout on the slots; over the weights on the device (lora_stacks.py) and the
+    loader thread (lora_weights.py)."""
 
     def __init__(self, model: torch.nn.Module, source: AdapterSource | None, max_loras: int, max_rank: int,
                  segment_gemm=None):
         param = next(model.parameters())
         self.layout = LoraLayout.of(model)
-        self.source = source
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.dtype, self.device = param.dtype, param.device
-        R, L, slots = stack_rank(max_rank), self.layout.num_layers, max_loras + 1
-        self.a = {t: torch.zeros(L, slots, R, s.in_features, dtype=self.dtype, device=self.device)
-                  for t, s in self.layout.shapes.items()}
-        self.b = {t: torch.zeros(L, slots, s.out_features, R, dtype=self.dtype, device=self.device)
-                  for t, s in self.layout.shapes.items()}
-        self.nbytes = stack_bytes(self.layout, max_loras, max_rank, self.dtype)
+        self.device = param.device
+        self.stacks = LoraStacks(self.layout, max_loras, max_rank, param.dtype, param.device,
+                                 segment_gemm=segment_gemm)
         self.segment_gemm = segment_gemm  # flashinfer's SegmentGEMMWrapper, or None: grouped torch matmuls
+        slots = max_loras + 1
         self.slots: list[_Entry | None] = [None] * slots  # slot 0 stays None: the base model's zeros
         self.entries: dict[str, _Entry] = {}
-        self.failed: OrderedDict[str, str] = OrderedDict()  # name -> why its folder cannot be served
         self.last_used = [0] * slots
         self.draining: set[int] = set()
         self.pending = False  # some waiting sequence is not bound to its adapter yet
         self.loads = self.evictions = 0
         self._tick = 0
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora")
-        self._lock = threading.Lock()  # `failed` is written by the loader thread too
-        self.batch: LoraBatch | None = None  # the step being run, read by the patched projections
-        self._forwards = {(t, i): self._lora_forward(m, t, i) for t, ms in self.layout.modules.items()
-                          for i, m in enumerate(ms)}
+        self.loader = AdapterLoader(source, self.layout, max_rank, param.dtype, pin=param.device.type == "cuda")
         log.info("LoRA: %d slots of rank %d for %s x %d layers (%.1f MiB on %s), %s", max_loras, max_rank,
-                 ", ".join(self.layout.shapes), L, self.nbytes / 2**20, self.device,
+                 ", ".join(self.layout.shapes), self.layout.num_layers, self.stacks.nbytes / 2**20, self.device,
                  "flashinfer segment GEMM" if segment_gemm is not None else "grouped torch matmuls")
 
     # ---- admission (the step thread)
@@ -325,12 +102,11 @@ class LoraManager:
         if not name or len(name) > MAX_NAME_CHARS:
             raise RequestRejected(f"a LoRA adapter name has 1 to {MAX_NAME_CHARS} characters", code="model_not_found",
                                   param="model")
-        with self._lock:
-            why = self.failed.get(name)
+        why = self.loader.refusal(name)
         if why is not None:
             raise RequestRejected(f"LoRA adapter '{name}' cannot be used: {why}", code="invalid_lora_adapter",
                                   param="model")
-        if self.source is None or not self.source.knows(name):
+        if not self.loader.knows(name):
             raise RequestRejected(f"no LoRA adapter named '{name}'", code="model_not_found", param="model")
         self._want(name)
         self.pending = True
@@ -340,21 +116,8 @@ class LoraManager:
         if entry is None:
             entry = self.entries[name] = _Entry(name)
         if entry.slot == 0 and entry.future is None:
-            entry.future = self._loader.submit(self._read, name)
+            entry.future = self.loader.submit(name)
         return entry
-
-    def _read(self, name: str) -> HostAdapter:
-        """The loader thread: fetch and read a folder; a bad one is remembered (refused at add from then on)."""
-        assert self.source is not None
-        folder = self.source.fetch(name)
-        try:
-            return read_adapter(Path(folder), self.layout, self.max_rank, self.dtype, pin=self.device.type == "cuda")
-        except AdapterError as e:
-            with self._lock:
-                self.failed[name] = str(e)
-                while len(self.failed) > REMEMBERED_FAILURES:
-                    self.failed.popitem(last=False)
-            raise
 
     def loading(self) -> list[Future]:
         return [e.future for e in self.entries.values() if e.future is not None and not e.future.done()]
@@ -451,13 +214,7 @@ class LoraManager:
                 del self.entries[old.name]
             self.evictions += 1
             log.info("LoRA: evicted %r from slot %d", old.name, slot)
-        for target in self.layout.shapes:
-            if target in host.a:
-                self.a[target][:, slot].copy_(host.a[target], non_blocking=True)
-                self.b[target][:, slot].copy_(host.b[target], non_blocking=True)
-            else:
-                self.a[target][:, slot].zero_()
-                self.b[target][:, slot].zero_()
+        self.stacks.write(slot, host)
         entry.future, entry.slot, entry.targets, entry.rank = None, slot, host.targets, host.rank
         self.slots[slot] = entry
         self.draining.discard(slot)
@@ -477,8 +234,7 @@ class LoraManager:
         no sequence is bound to it; a request naming it again loads it anew. A bad-folder verdict is forgotten
         too. Its prefix-cache pages stay until evicted (a name is one set of weights: see the module docstring).
         True if it was known."""
-        with self._lock:
-            known = self.failed.pop(name, None) is not None
+        known = self.loader.forget_refusal(name)
         entry = self.entries.pop(name, None)
         if entry is None:
             return known
@@ -531,52 +287,9 @@ class LoraManager:
             groups.append((slot, rows.get(slot, slice(*spans[slot][0])), rank))
         return groups
 
-    @contextmanager
     def applied(self, batch: LoraBatch):
-        """Run the forwards inside with `batch`'s deltas added to the target projections' outputs: their
-        `forward` is an instance attribute for that long (the class's otherwise, so base steps pay nothing)."""
-        patched = [(m, self._forwards[(t, i)], m.__dict__.get("forward"))
-                   for t in batch.targets for i, m in enumerate(self.layout.modules[t])]
-        self.batch = batch
-        for module, fn, _ in patched:
-            module.forward = fn
-        try:
-            yield
-        finally:
-            for module, _, before in patched:
-                if before is None:
-                    del module.forward
-                else:
-                    module.forward = before
-            self.batch = None
-
-    def _lora_forward(self, module: torch.nn.Linear, target: str, layer: int):
-        linear = torch.nn.functional.linear
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            out = linear(x, module.weight, module.bias)
-            batch = self.batch
-            assert batch is not None
-            flat_x = x.reshape(-1, x.shape[-1])
-            flat_out = out.view(-1, out.shape[-1])
-            a, b = self.a[target][layer], self.b[target][layer]
-            if batch.seg_indptr is not None:
-                gemm, n = self.segment_gemm, batch.segments
-                h = gemm.run(flat_x.contiguous(), a, n, True, seg_indptr=batch.seg_indptr,
-                             weight_indices=batch.weight_indices)
-                flat_out += gemm.run(h, b, n, True, seg_indptr=batch.seg_indptr, weight_indices=batch.weight_indices)
-                return out
-            for slot, rows, rank in batch.groups:
-                if not rank:
-                    continue
-                if isinstance(rows, slice):
-                    flat_out[rows] += (flat_x[rows] @ a[slot, :rank].T) @ b[slot, :, :rank].T
-                else:
-                    delta = (flat_x.index_select(0, rows) @ a[slot, :rank].T) @ b[slot, :, :rank].T
-                    flat_out.index_add_(0, rows, delta)
-            return out
-
-        return forward
+        """A context in whose forwards the target projections add `batch`'s deltas (lora_stacks.py)."""
+        return self.stacks.applied(batch)
 
     # ---- reporting
 
@@ -591,4 +304,4 @@ class LoraManager:
                 "lora_adapters": names}
 
     def close(self) -> None:
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self.loader.close()

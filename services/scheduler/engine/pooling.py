@@ -12,10 +12,17 @@ score reads the logits the step computes for the last prompt token, as a sampled
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from services.scheduler.engine.base import RequestRejected
+from services.scheduler.engine.base import RequestRejected, StepOutput
+from services.scheduler.engine.transfer import DeviceResult, to_device
 from shared.messages import Pooling
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.scheduler import Scheduled
+    from services.scheduler.engine.sequence import Seq
 
 TASKS = ("embed", "score")
 POOLINGS = ("last", "mean")
@@ -84,3 +91,71 @@ def float32_bytes(values: list[float]) -> bytes:
     import numpy as np
 
     return np.asarray(values, dtype="<f4").tobytes()
+
+
+# ---- in the paged engine's steps (launch.py launches them, resolve.py reads their results)
+
+
+def split_pooled(sampling: list[Seq], logits: torch.Tensor) -> tuple[list[Seq], torch.Tensor, list[Seq], DeviceResult]:
+    """Take the prefill-only sequences out of those that sample: the sequences that still sample and their
+    logits, and the others with their results (an embedding, or scores from their logits row) on their way
+    to the host, one transfer for all."""
+    keep = [j for j, s in enumerate(sampling) if s.pooling is None]
+    pooled = [s for s in sampling if s.pooling is not None]
+    values = []
+    for j, seq in enumerate(sampling):
+        p = seq.pooling
+        if p is not None:
+            values.append(embedding(p, seq.pool_sum, seq.prompt_len) if p.task == "embed" else scores(p, logits[j]))
+    if keep and len(keep) != len(sampling):
+        (index,) = to_device([keep], torch.int64, logits.device)
+        logits = logits.index_select(0, index)
+    return [sampling[j] for j in keep], logits, pooled, DeviceResult(values)
+
+
+def hidden_rows(rows: list[tuple[Scheduled, int]]) -> tuple[list[int], list[tuple[Seq, int, int, int]]]:
+    """The packed token indices whose final hidden states the embeddings of these rows pool, and per such
+    sequence (seq, its first index in them, how many, the prompt position pooled up to after this step):
+    last pooling reads its last prompt token, mean pooling every position of the chunk not summed before."""
+    idx: list[int] = []
+    spans = []
+    for sc, first in rows:
+        seq = sc.seq
+        p = seq.pooling
+        if p is None or p.task != "embed":
+            continue
+        c, n = seq.num_computed, sc.num_new
+        if p.pooling == "mean":
+            positions = range(max(c, seq.pooled_upto), c + n)
+        elif c + n == len(seq.tokens):
+            positions = range(c + n - 1, c + n)
+        else:
+            continue
+        if positions:
+            spans.append((seq, len(idx), len(positions), c + n))
+            idx.extend(first + q - c for q in positions)
+    return idx, spans
+
+
+def add_pooled(spans: list[tuple[Seq, int, int, int]], hidden: torch.Tensor) -> None:
+    """Add each sequence's hidden states of the step to its pooled state, on the device."""
+    for seq, at, k, upto in spans:
+        part = hidden[at:at + k].sum(0)
+        mean = seq.pools_every_token
+        seq.pool_sum = part if seq.pool_sum is None or not mean else seq.pool_sum + part
+        seq.pooled_upto = upto
+
+
+def pooled_outputs(pooled: list[Seq], result: DeviceResult) -> list[StepOutput]:
+    """The prefill-only requests' one output each: finished, with their embedding or scores."""
+    outputs = []
+    for seq, values in zip(pooled, result.wait(), strict=True):
+        p = seq.pooling
+        assert p is not None
+        out = StepOutput(seq.uid, 0, [], 0, "stop", cached_tokens=max(seq.cached_tokens, 0))
+        if p.task == "embed":
+            out.embedding = float32_bytes(values)
+        else:
+            out.scores = values
+        outputs.append(out)
+    return outputs

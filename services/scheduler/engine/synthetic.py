@@ -283,7 +283,7 @@ def build_synthetic_engine(settings, model_path: str) -> SyntheticEngine:
     """From the checkpoint's config and tokenizer only; its weights are never read."""
     from transformers import AutoConfig
 
-    from services.scheduler.engine.factory import eos_token_ids
+    from services.scheduler.engine.eos import eos_token_ids
     from shared.models import context_length, load_tokenizer
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)

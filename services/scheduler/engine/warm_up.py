@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.scheduler.engine.attention import RowSpec
-from services.scheduler.engine.kv_cache import SCRATCH_PAGE, pages_for
-from services.scheduler.engine.sampling import SampleRow
+from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache, pages_for
+from services.scheduler.engine.sampling import Sampler, SampleRow
 from shared.messages import SamplingParams
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.paged import EngineConfig, PagedEngine
+    from services.scheduler.engine.config import EngineConfig
+    from services.scheduler.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -70,40 +71,40 @@ def warm_up_batches(config: EngineConfig, on_cuda: bool, graph_sizes: Sequence[i
     return batches
 
 
-def run_warm_up(engine: PagedEngine) -> float:
-    """Run the warm-up batches on `engine`; return the seconds it took. Every shape runs where kernels are
-    compiled on first use: on CUDA, and wherever flashinfer attention serves (its fake on CPU, in tests)."""
+def run_warm_up(runner: ModelRunner, sampler: Sampler, kv: KVCache, config: EngineConfig, max_context: int) -> float:
+    """Run the warm-up batches on the engine's runner and sampler; return the seconds it took. Every shape runs
+    where kernels are compiled on first use: on CUDA, and wherever flashinfer attention serves (its fake on CPU,
+    in tests)."""
     start = time.perf_counter()
-    on_cuda = engine.kv.k[0].device.type == "cuda"
-    compiles = on_cuda or engine.runner.backend.name == "flashinfer"
-    graphs = engine.runner.graphs
-    batches = warm_up_batches(engine.config, compiles, graphs.sizes if graphs else (), engine.max_context)
-    generator = engine.sampler.generator
+    on_cuda = kv.k[0].device.type == "cuda"
+    compiles = on_cuda or runner.backend.name == "flashinfer"
+    graphs = runner.graphs
+    batches = warm_up_batches(config, compiles, graphs.sizes if graphs else (), max_context)
+    generator = sampler.generator
     state = generator.get_state()
     try:
         for batch in batches:
-            _run_batch(engine, batch)
+            _run_batch(runner, sampler, config.page_size, batch)
     finally:
         generator.set_state(state)
-        engine.kv.zero_pages([SCRATCH_PAGE])  # the torch backend needs it finite; warm-up wrote into it
+        kv.zero_pages([SCRATCH_PAGE])  # the torch backend needs it finite; warm-up wrote into it
     if on_cuda:
-        torch.cuda.synchronize(engine.kv.k[0].device)
+        torch.cuda.synchronize(kv.k[0].device)
     elapsed = time.perf_counter() - start
     log.info("warm-up: %d batch shapes (decode rows, prefill tokens) %s in %.1fs", len(batches),
              [(b.decodes, b.prefill) for b in batches], elapsed)
     return elapsed
 
 
-def _run_batch(engine: PagedEngine, batch: WarmUpBatch) -> None:
-    ps = engine.config.page_size
+def _run_batch(runner: ModelRunner, sampler: Sampler, ps: int, batch: WarmUpBatch) -> None:
     rows = [RowSpec([SCRATCH_PAGE], 0, 1) for _ in range(batch.decodes)]
     sample_idx = list(range(batch.decodes))
     if batch.prefill:
         rows.append(RowSpec([SCRATCH_PAGE] * pages_for(batch.prefill, ps), 0, batch.prefill))
         sample_idx.append(batch.decodes + batch.prefill - 1)
     ids = [0] * (batch.decodes + batch.prefill)
-    logits = engine.runner.forward(rows, ids, sample_idx)
-    if engine.lora is not None:
-        engine.runner.forward(rows, ids, sample_idx, adapters=[0] * len(rows))
+    logits = runner.forward(rows, ids, sample_idx)
+    if runner.lora is not None:  # the engine's adapters (config.py `make_lora`)
+        runner.forward(rows, ids, sample_idx, adapters=[0] * len(rows))
     for params in (WARM_UP_SAMPLING, *WARM_UP_MORE):
-        engine.sampler(logits, [SampleRow(params, 0, 0, [0], 1) for _ in sample_idx])
+        sampler(logits, [SampleRow(params, 0, 0, [0], 1) for _ in sample_idx])

@@ -12,7 +12,8 @@ import torch
 from services.scheduler.engine.attention import RowSpec
 from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE, KVCache, PagePool, pages_for
-from services.scheduler.engine.model_runner import ModelRunner, attention_geometry
+from services.scheduler.engine.model_geometry import attention_geometry
+from services.scheduler.engine.model_runner import ModelRunner
 from tests.unit.engine.util import clone_model, prompts
 
 ATOL = 1e-4

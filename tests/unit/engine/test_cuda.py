@@ -15,7 +15,8 @@ from services.scheduler.engine.attention import RowSpec
 from services.scheduler.engine.attention.torch_backend import TorchPagedAttention
 from services.scheduler.engine.base import EngineRequest
 from services.scheduler.engine.kv_cache import KVCache, PagePool, pages_for
-from services.scheduler.engine.model_runner import ModelRunner, attention_geometry
+from services.scheduler.engine.model_geometry import attention_geometry
+from services.scheduler.engine.model_runner import ModelRunner
 from tests.unit.engine.util import clone_model, drain, engine, greedy, prompts, tiny_model, tokens
 
 pytestmark = [
@@ -41,7 +42,7 @@ def model():
 
 
 def _runner(model, backend: str):
-    from services.scheduler.engine.paged import make_backend
+    from services.scheduler.engine.config import make_backend
 
     m = clone_model(model).to("cuda", torch.bfloat16)
     kv = KVCache(attention_geometry(m).kv_shape(PAGE), 64, torch.bfloat16, "cuda")
@@ -90,7 +91,7 @@ def test_engine_on_cuda_with_and_without_graphs(model):
 
 
 def test_workspace_starts_zeroed(model):
-    from services.scheduler.engine.paged import make_backend
+    from services.scheduler.engine.config import make_backend
 
     m = clone_model(model).to("cuda", torch.bfloat16)
     kv = KVCache(attention_geometry(m).kv_shape(PAGE), 4, torch.bfloat16, "cuda")

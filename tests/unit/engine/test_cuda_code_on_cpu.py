@@ -14,7 +14,7 @@ from services.scheduler.engine.attention import flashinfer_backend
 from services.scheduler.engine.base import EngineRequest
 from services.scheduler.engine.cuda_graph import DecodeGraphs
 from services.scheduler.engine.kv_cache import KVCache
-from services.scheduler.engine.model_runner import attention_geometry
+from services.scheduler.engine.model_geometry import attention_geometry
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tokens
 
 GRAPH_LOG = "services.scheduler.engine.cuda_graph"

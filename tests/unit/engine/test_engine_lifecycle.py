@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected
-from services.scheduler.engine.model_runner import UnsupportedModel
+from services.scheduler.engine.model_geometry import UnsupportedModel
 from shared.messages import SamplingParams
 from shared.pages import extend_digests
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tiny_model, tokens

@@ -121,7 +121,7 @@ def test_heartbeat_says_which_dtype_auto_chose(random_model_dir, tmp_path, monke
 
 
 def test_lora_settings_reach_the_engine_and_its_adapters_load(random_model_dir, demo_model, tmp_path):
-    from services.scheduler.engine.lora import AdapterFolders
+    from services.scheduler.engine.lora_weights import AdapterFolders
     from tests.unit.engine.util import make_adapter
 
     merged = make_adapter(demo_model, tmp_path / "a", seed=3, r=8, lora_alpha=16, target_modules=["q_proj", "up_proj"])
@@ -143,7 +143,7 @@ def test_cpu_kv_sizing_leaves_the_lora_slots_their_memory(monkeypatch, demo_mode
     with pytest.raises(RuntimeError, match="lower --max-loras"):
         kv_num_pages(s, 1024, 10**6, reserved=budget)
     lora = SchedulerSettings(max_loras=4, max_lora_rank=16)
-    from services.scheduler.engine.lora import LoraLayout, stack_bytes
+    from services.scheduler.engine.lora_weights import LoraLayout, stack_bytes
 
     assert factory.lora_bytes(lora, demo_model) == stack_bytes(LoraLayout.of(demo_model), 4, 16, torch.float32) > 0
     assert factory.lora_bytes(SchedulerSettings(), demo_model) == 0

@@ -154,7 +154,7 @@ def test_a_wrong_call_fails_against_the_signatures():
 def qwen06b_adapters(qwen06b_shape, tmp_path_factory):
     """Two adapters of the Qwen3-0.6B shape (rank 8 on q/v, rank 16 on every projection) and their merged
     references."""
-    from services.scheduler.engine.lora import AdapterFolders
+    from services.scheduler.engine.lora_weights import AdapterFolders
     from tests.unit.engine.util import make_adapter
 
     root = tmp_path_factory.mktemp("qwen-adapters")

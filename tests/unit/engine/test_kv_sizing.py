@@ -15,7 +15,7 @@ from services.scheduler.engine.factory import (
     build_paged_engine,
     kv_tokens_from_profile,
 )
-from services.scheduler.engine.model_runner import attention_geometry
+from services.scheduler.engine.model_geometry import attention_geometry
 from services.scheduler.engine.paged import PagedEngine
 from shared.settings import SchedulerSettings
 from tests.unit.engine.util import clone_model
@@ -101,9 +101,9 @@ def test_the_probe_engine_holds_the_lora_slots_when_it_is_measured(demo_model, m
     monkeypatch.setattr(factory, "MIN_MARGIN_BYTES", MiB)
     held = []
     real = PagedEngine.warm_up
-    monkeypatch.setattr(PagedEngine, "warm_up", lambda self: held.append(self.lora.nbytes) or real(self))
+    monkeypatch.setattr(PagedEngine, "warm_up", lambda self: held.append(self.lora.stacks.nbytes) or real(self))
     settings = SchedulerSettings(threads=1, page_size=8, max_running=4, chunk_size=32, max_loras=2)
     memory = FakeMemory(events, free_after=8 * MiB, transient=0)
     eng = build_paged_engine(settings, clone_model(demo_model), eos=set(), memory=memory)
-    assert held == [eng.lora.nbytes] * 2 and held[0] > 0
+    assert held == [eng.lora.stacks.nbytes] * 2 and held[0] > 0
     assert events[:4] == ["reset_peak", f"warm_up({PROBE_PAGES} pages)", "measure", "release"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.scheduler.engine.base import EngineRequest, RequestRejected
-from services.scheduler.engine.lora import AdapterFolders, stack_bytes
+from services.scheduler.engine.lora_weights import AdapterFolders, stack_bytes
 from shared.messages import SamplingParams
 from shared.pages import adapter_root, chain_digest, extend_digests
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, make_adapter, prompts, tokens
@@ -404,8 +404,8 @@ def test_evict_adapter_unloads_and_a_new_request_reloads(demo_model, source, ps,
 
 def test_slot_memory_is_what_the_stacks_take(demo_model, source):
     eng = _engine(demo_model, source, max_loras=3, max_lora_rank=12)  # rank padded to 16
-    stacks = sum(t.nbytes for t in [*eng.lora.a.values(), *eng.lora.b.values()])
-    assert stacks == eng.lora.nbytes == stack_bytes(eng.lora.layout, 3, 12, torch.float32)
+    stacks = sum(t.nbytes for t in [*eng.lora.stacks.a.values(), *eng.lora.stacks.b.values()])
+    assert stacks == eng.lora.stacks.nbytes == stack_bytes(eng.lora.layout, 3, 12, torch.float32)
     cfg = demo_model.config
     per_layer = (cfg.hidden_size * 3 + cfg.num_attention_heads * cfg.head_dim * 2 +
                  cfg.num_key_value_heads * cfg.head_dim * 4 + (cfg.hidden_size + cfg.intermediate_size) * 3)
@@ -467,7 +467,7 @@ def test_adapters_from_the_object_store(demo_model, adapters, ps, reference, tmp
     fetch_folder, on an event loop of its own thread, as the worker's) by the loader thread."""
     import asyncio
 
-    from services.scheduler.engine.lora import StoredAdapters
+    from services.scheduler.engine.lora_weights import StoredAdapters
     from shared.local_store import LocalStore
 
     store = LocalStore(tmp_path / "store", max_bytes=1 << 30, cache_dir=tmp_path / "cache")

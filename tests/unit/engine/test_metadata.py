@@ -71,7 +71,8 @@ def test_cpu_engine_never_imports_flashinfer(random_model_dir):
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        "from services.scheduler.engine.paged import EngineConfig, PagedEngine\n"
+        "from services.scheduler.engine.config import EngineConfig\n"
+        "from services.scheduler.engine.paged import PagedEngine\n"
         "from services.scheduler.engine.base import EngineRequest\n"
         "from shared.messages import SamplingParams\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(random_model_dir)!r})\n"

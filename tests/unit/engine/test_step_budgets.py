@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from services.scheduler.engine import transfer
 from services.scheduler.engine.attention import flashinfer_backend
 from services.scheduler.engine.base import EngineRequest
-from services.scheduler.engine.paged import make_backend
+from services.scheduler.engine.config import make_backend
 from shared.messages import SamplingParams
 from tests.unit.engine import fake_flashinfer
 from tests.unit.engine.util import clone_model, engine, prompts, tiny_model
@@ -204,7 +204,7 @@ def head64():
 
 @pytest.fixture()
 def warnings(caplog):
-    caplog.set_level(logging.WARNING, logger="services.scheduler.engine.paged")
+    caplog.set_level(logging.WARNING, logger="services.scheduler.engine.config")
     return lambda: [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
@@ -266,7 +266,7 @@ def test_the_sync_counter_sees_a_sync(model, monkeypatch):
     with pytest.MonkeyPatch.context() as counting:
         counter = SyncCounter(counting)
         eng.step()
-    assert any("paged.py" in s for s in counter.syncs) and counter.waits == 1
+    assert any("launch.py" in s for s in counter.syncs) and counter.waits == 1  # launch.py `score_prompts`
 
 
 # ---- LoRA adapters: a base-only step costs what it cost without them; adapter rows add no sync
@@ -274,7 +274,7 @@ def test_the_sync_counter_sees_a_sync(model, monkeypatch):
 
 @pytest.fixture(scope="module")
 def lora_source(model, tmp_path_factory):
-    from services.scheduler.engine.lora import AdapterFolders
+    from services.scheduler.engine.lora_weights import AdapterFolders
     from tests.unit.engine.util import make_adapter
 
     root = tmp_path_factory.mktemp("budget-adapters")

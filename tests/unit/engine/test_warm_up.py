@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from services.scheduler.engine.base import EngineRequest
+from services.scheduler.engine.config import EngineConfig
 from services.scheduler.engine.kv_cache import SCRATCH_PAGE
-from services.scheduler.engine.paged import EngineConfig
 from services.scheduler.engine.warm_up import WarmUpBatch, warm_up_batches
 from shared.messages import SamplingParams
 from tests.unit.engine.util import clone_model, drain, engine, greedy, hf_greedy, prompts, tokens

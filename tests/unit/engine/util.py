@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.engine.base import EngineRequest, StepOutput
-from services.scheduler.engine.paged import EngineConfig, PagedEngine
+from services.scheduler.engine.config import EngineConfig
+from services.scheduler.engine.paged import PagedEngine
 from shared.messages import SamplingParams
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

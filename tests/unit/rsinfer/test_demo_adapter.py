@@ -30,7 +30,7 @@ def base(random_model_dir):
 
 def card_of(model) -> LoraCard:
     """What a scheduler of this model declares (services/scheduler/registered_adapters.py `card`)."""
-    from services.scheduler.engine.lora import LoraLayout
+    from services.scheduler.engine.lora_weights import LoraLayout
 
     layout = LoraLayout.of(model)
     return LoraCard(16, layout.num_layers, {t: (s.in_features, s.out_features) for t, s in layout.shapes.items()})

@@ -38,7 +38,7 @@ from services.scheduler.engine.kv_cache import KVCache
 from services.scheduler.engine.transfer import event_done, record_event, wait_event
 
 if TYPE_CHECKING:
-    from services.scheduler.engine.model_runner import AttnGeometry
+    from services.scheduler.engine.model_geometry import AttnGeometry
 
 log = logging.getLogger(__name__)
 
