@@ -1,6 +1,6 @@
 """The scheduler's request book: the requests this scheduler runs, and what each engine step and each end means
 for Redis, returned as effects (services/scheduler/effects.py), never written here. Requests come in through
-admission (services/scheduler/admission.py).
+admission (services/scheduler/arrivals.py).
 
 It aborts requests in the engine (between steps); it never steps the engine and never touches Redis: what Redis
 said comes in as arguments (`Ends`), so tests/unit/scheduler/test_book.py runs it with the synthetic engine alone.

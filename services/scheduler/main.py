@@ -23,7 +23,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from services.scheduler.admission import Admission, Verdict
+from services.scheduler.arrivals import Admission, Verdict
 from services.scheduler.book import Ends, RequestBook
 from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish, raise_first_error, unapplied
 from services.scheduler.engine.base import Engine, StepOutput

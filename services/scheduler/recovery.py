@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from services.scheduler.admission import Found, Resumed
+from services.scheduler.arrivals import Found, Resumed
 from services.scheduler.book import Ends, RequestBook, Running
 from services.scheduler.effects import EffectWriter, Fail
 from shared import streams

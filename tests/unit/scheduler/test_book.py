@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from services.scheduler.admission import Admission, Found, Resumed, Verdict
+from services.scheduler.arrivals import Admission, Found, Resumed, Verdict
 from services.scheduler.book import Ends, RequestBook
 from services.scheduler.effects import (
     Ack,
