@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from services.api.errors import ApiError, redis_down
 from services.api.formats import Counts
 from services.api.metrics import Metrics
-from services.api.reply_hub import HubError, ReplyHub
+from services.api.reply_hub import HubError, Inbox, ReplyHub
 from shared import queued, streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
 from shared.redis_conn import barrier
@@ -164,44 +164,6 @@ async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return (False, None) if gone else (True, task.result())
-
-
-class Inbox:
-    """A request's reply entries, queued here as the reply hub (services/api/reply_hub.py) reads them off its
-    stream. Once `resume_at * 2` are queued the hub leaves the stream out of its reads until the request caught
-    up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this process's
-    memory. The hub's shard that reads it (`shard`) is set when the hub registers it."""
-
-    def __init__(self, uid: str, key: str, after: str = "0-0"):
-        self.uid, self.key = uid, key
-        self.last_id = after  # "0-0": from the beginning, so entries written before the read blocks are not missed
-        self.queue: asyncio.Queue[tuple[str, bytes] | HubError] = asyncio.Queue()
-        self.paused = False
-        self.failed = False
-        self.shard: Any = None
-        self.resume_at = 0
-
-    async def get(self) -> tuple[str, bytes]:
-        # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
-        # stream that is left out of reads.
-        if self.paused and self.queue.qsize() <= self.resume_at:
-            self.paused = False
-            await self.shard.wake()
-        item = await self.queue.get()
-        if isinstance(item, HubError):
-            raise item
-        return item
-
-    def drain(self) -> list[tuple[str, bytes]]:
-        """Everything already queued, without waiting (lets the caller coalesce entries into one chunk)."""
-        out = []
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if isinstance(item, HubError):
-                self.queue.put_nowait(item)
-                break
-            out.append(item)
-        return out
 
 
 async def leased(opening: Awaitable[ApiRequest], lease: Lease | None) -> ApiRequest:

@@ -20,8 +20,8 @@ from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
 from services.api.limits import too_large
-from services.api.reply_hub import HubError
-from services.api.request import Inbox, until_disconnect
+from services.api.reply_hub import HubError, Inbox
+from services.api.request import until_disconnect
 from services.api.schemas import BadRequest, Message, Tool, check_continuation, generation_prompt
 from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode

@@ -7,8 +7,7 @@ import uuid
 
 import pytest
 
-from services.api.reply_hub import HubLimits, ReplyHub
-from services.api.request import Inbox
+from services.api.reply_hub import HubLimits, Inbox, ReplyHub
 from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode
