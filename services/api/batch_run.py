@@ -37,7 +37,9 @@ from services.api.formats import Format
 from services.api.prefill import EmbeddingRequest
 from services.api.request import ApiRequest, RequestGroup, SingleRequest, leased
 from services.api.response_schemas import ResponseRequest
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, Submission
+from services.api.schemas.chat import ChatCompletionRequest
+from services.api.schemas.completions import CompletionRequest
+from services.api.schemas.submission import Submission
 from services.api.tenants import Tenant
 from shared import queued
 from shared.request_states import EndReason

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
+from services.api.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
 
 log = logging.getLogger(__name__)
 

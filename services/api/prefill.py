@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from services.api.errors import ApiError
 from services.api.formats import Counts, Format, Head
-from services.api.schemas import FORBID, TOKEN_PROMPTS, BadRequest, Budget, Stamp, Submission, one_of, submission
+from services.api.schemas.field_checks import FORBID, TOKEN_PROMPTS, BadRequest, one_of
+from services.api.schemas.submission import Budget, Stamp, Submission, submission
 from shared.messages import Pooling, ReplyEvent, SamplingParams
 
 if TYPE_CHECKING:

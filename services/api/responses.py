@@ -45,7 +45,8 @@ from services.api.request import EndedEarly
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
 from services.api.response_store import ResponseStore, Stored
-from services.api.schemas import BadRequest, Stamp, Submission
+from services.api.schemas.field_checks import BadRequest
+from services.api.schemas.submission import Stamp, Submission
 from services.api.service import ApiService
 from services.api.tenants import Tenant
 from shared.messages import SamplingParams
