@@ -14,7 +14,7 @@
    request its quota refuses leaves the queue count at once. Its jobs carry the tenant, its weight and a
    priority within its key's range (`leased`: every endpoint's jobs pass there).
 
-What it returns (`Admitted`) is all services/api/request.py needs to open the request. The Responses API
+What it returns (`Admitted`) is all services/api/request/ needs to open the request. The Responses API
 (services/api/responses.py) and batch lines (services/api/batches.py) are admitted by the same steps.
 """
 

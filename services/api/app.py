@@ -27,7 +27,7 @@ from services.api.errors import ApiError
 from services.api.files import Files
 from services.api.limits import Limits
 from services.api.prefill import EmbeddingRequest, ScoreRequest
-from services.api.request import bare_uid
+from services.api.request.api_request import bare_uid
 from services.api.response_schemas import ResponseRequest
 from services.api.responses import Responses
 from services.api.schemas.chat import ChatCompletionRequest

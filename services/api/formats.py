@@ -4,7 +4,7 @@ bodies sent, chat.completion(.chunk), text_completion, and SGLang's /generate (`
 A format is built from the request body (services/api/schemas/submission.py `Submission`; on reattach, from its record:
 `format_of_record`) and turns each batch of events into chunk dicts (`chunks`, `batch_chunks` with the events'
 reply entry ids), or all of them into one response (`add`, then `response`). The usage comes from the request
-as it answers (services/api/request.py `counts`), given to each call that shows it.
+as it answers (services/api/request/ `counts`), given to each call that shows it.
 
 Keys OpenAI's schema requires but allows to be null are sent as null (`logprobs`, `message.refusal`,
 each chunk's `finish_reason` until the last). Events that arrive together are coalesced into one chunk

@@ -54,7 +54,7 @@ class HubError(Exception):
 
 
 class Inbox:
-    """A request's reply entries, queued here as the hub reads them off its stream (services/api/request.py reads
+    """A request's reply entries, queued here as the hub reads them off its stream (services/api/request/ reads
     them). Once `resume_at * 2` are queued the hub leaves the stream out of its reads until the request caught
     up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this process's
     memory. The hub's shard that reads it (`shard`) is set when the hub registers it."""

@@ -69,7 +69,7 @@ class Stamp:
 @dataclass(frozen=True)
 class Submission:
     """What a body submits: its jobs (one per prompt), the format of its answer, and the fields of its record
-    that say how it is answered (services/api/request.py writes them with each job)."""
+    that say how it is answered (services/api/request/single.py writes them with each job)."""
 
     jobs: list[TokenizeJob]
     fmt: Format
@@ -77,7 +77,7 @@ class Submission:
     stream: bool
     label: str  # how it is answered, in the metrics: stream, full, generate
     # What the request stores beside its record (a stored response, services/api/responses.py): queued on the
-    # pipeline that opens it (services/api/request.py), in the same transaction, so nothing is stored for a
+    # pipeline that opens it (services/api/request/single.py), in the same transaction, so nothing is stored for a
     # request that was not opened.
     writes: Callable[[Any], None] | None = None
 

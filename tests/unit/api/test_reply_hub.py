@@ -28,7 +28,7 @@ async def hub_env(redis_server):
 
 
 async def subscribe(hub: ReplyHub, uid: str) -> Inbox:
-    """What a request does: its own inbox, registered with the hub (services/api/request.py)."""
+    """What a request does: its own inbox, registered with the hub (services/api/request/single.py)."""
     return await hub.subscribe(Inbox(uid, hub.keys.reply(uid)))
 
 
