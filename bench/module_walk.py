@@ -12,14 +12,14 @@ Figures per process: `stops` (functions entered), `modules` (distinct), `segment
 and `returns` (segments - modules: how often the reader comes back to a module already visited).
 
 The API also gets its `pass`: the modules services/api/service.py hands the request to, in order (README, "the
-path through the API reads as one pass"). Each step counts for the module the service entered to get there, so
-what a module does beneath it (admission's checks in schemas, limits, tenancy; the format's parsers) is folded
-into that module's one visit, and the service's own functions are the path itself, not stops on it. Before the
-service runs, the steps are the HTTP edge (services/api/http.py, app.py, the body's parsing); after it returned
-the SSE response (services/api/sse.py), the server runs that, and it pulls the replies and their chunks. Steps
-of the request's own tasks (the reply read and the disconnect watch the service races, services/api/request.py
-`until_disconnect`) count for their module; those of the process's tasks (the reply hub's reader) are listed
-apart, under `tasks`.
+path through the API reads as one pass"). Each step counts for the module the service entered to get there (a
+package of the API, services/api/request/, counting as one module), so what a module does beneath it (admission's
+checks in schemas, limits, tenancy; the format's parsers) is folded into that module's one visit, and the
+service's own functions are the path itself, not stops on it. Before the service runs, the steps are the HTTP edge
+(services/api/http.py, app.py, the body's parsing); after it returned the SSE response (services/api/sse.py), the
+server runs that, and it pulls the replies and their chunks. Steps of the request's own tasks (the reply read and
+the disconnect watch the service races, services/api/request/requests.py `until_disconnect`) count for their
+module; those of the process's tasks (the reply hub's reader) are listed apart, under `tasks`.
 """
 
 from __future__ import annotations
@@ -80,8 +80,15 @@ def segments_of(modules: list[str]) -> list[str]:
 EDGE = ("services.api.http", "services.api.app", "services.api.main", "rsinfer.")  # and the process's entry
 SERVICE = "services.api.service"
 # Tasks of the request's own, outside the service's stack: the response the server runs, the reply reads and the
-# disconnect watch the service races (services/api/request.py `until_disconnect`).
+# disconnect watch the service races (services/api/request/requests.py `until_disconnect`).
 OWN_TASKS = ("services.api.sse", "services.api.request")
+
+
+def pass_unit(module: str) -> str:
+    """What a module counts as in the pass: a package of the API (services/api/request/) is one step, whichever
+    of its modules runs, as the module it was split from was."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["services", "api"] else module
 
 
 def pass_module(module: str, callers: list[str]) -> str | None:
@@ -100,6 +107,7 @@ def pass_of(steps: list[tuple[str, str, list[str]]]) -> tuple[list[str], list[st
     before = True  # until the service is entered, what runs is the edge's (parsing the body)
     modules, tasks = [], []
     for m, _, callers in steps:
+        m, callers = pass_unit(m), [pass_unit(c) for c in callers]
         before = before and m != SERVICE and SERVICE not in callers
         module = "edge" if before else pass_module(m, callers)
         if module is None:

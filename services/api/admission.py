@@ -1,6 +1,6 @@
 """Whether a body is taken now, and what it submits, in one call (`Admission.admit`), before anything is queued:
 
-1. the body's own fields within the server's limits (its `checked`, services/api/schemas.py; a 400 naming one);
+1. the body's own fields within the server's limits (its `checked`, services/api/schemas/; a 400 naming one);
 2. the tenant's policy (services/api/tenancy.py; a 403): the model (and `lora_path`), a `priority` it sent,
    `background`;
 3. the base model and LoRA adapter its `model` names (services/api/adapters.py; 400, 404), the adapter allowed by
@@ -14,7 +14,7 @@
    request its quota refuses leaves the queue count at once. Its jobs carry the tenant, its weight and a
    priority within its key's range (`leased`: every endpoint's jobs pass there).
 
-What it returns (`Admitted`) is all services/api/request.py needs to open the request. The Responses API
+What it returns (`Admitted`) is all services/api/request/ needs to open the request. The Responses API
 (services/api/responses.py) and batch lines (services/api/batches.py) are admitted by the same steps.
 """
 
@@ -34,7 +34,7 @@ from services.api.errors import ApiError, redis_down
 from services.api.limits import jobs_fit_context, omitted_max_tokens
 from services.api.quotas import Lease
 from services.api.registry import Snapshot
-from services.api.schemas import Budget, Stamp, Submission
+from services.api.schemas.submission import Budget, Stamp, Submission
 from services.api.tenants import Tenant
 from shared import queued
 from shared.messages import SamplingParams, TokenizeJob
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class Body(Protocol):
-    """A generating body (services/api/schemas.py, services/api/prefill.py)."""
+    """A generating body (services/api/schemas/, services/api/prefill.py)."""
 
     model: str | None
     lora_path: str | None

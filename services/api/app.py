@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): endpoints of docs/design.md, "HTTP API". The routes, and the edge
 every request passes first: the key, the body's size and pace (`Guard`), JSON and its nesting (`parse_body`); a
-body then checks its own fields (services/api/schemas.py) and services/api/service.py answers it."""
+body then checks its own fields (services/api/schemas/) and services/api/service.py answers it."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ from services.api.errors import ApiError
 from services.api.files import Files
 from services.api.limits import Limits
 from services.api.prefill import EmbeddingRequest, ScoreRequest
-from services.api.request import bare_uid
+from services.api.request.api_request import bare_uid
 from services.api.response_schemas import ResponseRequest
 from services.api.responses import Responses
-from services.api.schemas import Budget, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.api.schemas.chat import ChatCompletionRequest
+from services.api.schemas.completions import CompletionRequest, GenerateRequest
+from services.api.schemas.submission import Budget
 from services.api.service import ApiService
 from services.api.sse import RAW_SEND
 from services.api.tenancy import TENANT, Tenancy

@@ -35,9 +35,14 @@ from services.api.errors import ApiError, as_api_error
 from services.api.files import content_key
 from services.api.formats import Format
 from services.api.prefill import EmbeddingRequest
-from services.api.request import ApiRequest, RequestGroup, SingleRequest, leased
+from services.api.request.api_request import ApiRequest
+from services.api.request.group import RequestGroup
+from services.api.request.requests import leased
+from services.api.request.single import SingleRequest
 from services.api.response_schemas import ResponseRequest
-from services.api.schemas import ChatCompletionRequest, CompletionRequest, Submission
+from services.api.schemas.chat import ChatCompletionRequest
+from services.api.schemas.completions import CompletionRequest
+from services.api.schemas.submission import Submission
 from services.api.tenants import Tenant
 from shared import queued
 from shared.request_states import EndReason

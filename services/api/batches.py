@@ -39,7 +39,7 @@ from services.api.batch_run import ENDED, STOPPING, BatchRun
 from services.api.errors import ApiError
 from services.api.files import Files
 from services.api.responses import Responses
-from services.api.schemas import FORBID
+from services.api.schemas.field_checks import FORBID
 from services.api.service import ApiService
 from services.api.tenants import Tenant
 from shared import streams

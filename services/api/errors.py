@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
+from services.api.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ BROKER_FULL_RETRY_S = 2
 
 def broker_full() -> ApiError:
     """Redis refused a write for memory (OOM, `maxmemory` with `noeviction`): backpressure. Nothing of the
-    request was queued (services/api/request.py writes it in one transaction)."""
+    request was queued (services/api/request/single.py writes it in one transaction)."""
     return ApiError(503, "the request broker (Redis) is full; retry shortly", code="broker_full",
                     retry_after=BROKER_FULL_RETRY_S)
 

@@ -1,10 +1,10 @@
 """Step 3 of a request's path (services/api/service.py `ApiService.answer`): ordered reply events -> the
 bodies sent, chat.completion(.chunk), text_completion, and SGLang's /generate (`GenerateFormat`).
 
-A format is built from the request body (services/api/schemas.py `Submission`; on reattach, from its record:
+A format is built from the request body (services/api/schemas/submission.py `Submission`; on reattach, from its record:
 `format_of_record`) and turns each batch of events into chunk dicts (`chunks`, `batch_chunks` with the events'
 reply entry ids), or all of them into one response (`add`, then `response`). The usage comes from the request
-as it answers (services/api/request.py `counts`), given to each call that shows it.
+as it answers (services/api/request/ `counts`), given to each call that shows it.
 
 Keys OpenAI's schema requires but allows to be null are sent as null (`logprobs`, `message.refusal`,
 each chunk's `finish_reason` until the last). Events that arrive together are coalesced into one chunk
@@ -305,7 +305,8 @@ class CompletionFormat(Format):
 
 class GenerateFormat(Format):
     """SGLang's /generate shape: text, output_ids and meta_info; a stream sends the whole body so far with
-    every batch, without event ids. One choice (schemas.GenerateRequest refuses `n` above 1)."""
+    every batch, without event ids. One choice (GenerateRequest, services/api/schemas/completions.py, refuses `n`
+    above 1)."""
 
     event_ids = False
 

@@ -10,7 +10,8 @@ services/api/app.py `Guard` and services/api/http.py).
   `stop_token_ids`, `logit_bias`, a structured-output constraint, `tools`, `chat_template_kwargs`. Prompts and
   messages are bounded by the body limit and by the model's context: text of more bytes than the context's
   tokens can stand for is refused here (`fits_context`), before it is queued; the tokenizer refuses the rest;
-- fan-out (services/api/schemas.py `Budget`): sequences (prompts x choices), completion tokens, logprob entries.
+- fan-out (services/api/schemas/submission.py `Budget`): sequences (prompts x choices), completion tokens,
+  logprob entries.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import orjson
 
 from services.api.errors import ApiError
-from services.api.schemas import Budget
+from services.api.schemas.submission import Budget
 from shared.messages import ChatMessage, SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 

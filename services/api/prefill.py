@@ -1,6 +1,6 @@
 """Prefill-only requests at the HTTP edge: `POST /v1/embeddings` (OpenAI's CreateEmbeddingRequest) and
 `POST /v1/score` (SGLang's ScoringRequest). Each input (an embedding's, or a score's query with one item) is one
-request through the tokenizer and a scheduler, like one prompt of a completion (services/api/request.py
+request through the tokenizer and a scheduler, like one prompt of a completion (services/api/request/group.py
 RequestGroup); the engine answers it after its prefill (shared/messages.py Pooling) straight into its reply
 stream, with no detokenize step. The bodies check every field against the server's limits
 (shared/settings.py ApiSettings `max_pooling_*`, `max_score_labels`) and what the schedulers report of the model
@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from services.api.errors import ApiError
 from services.api.formats import Counts, Format, Head
-from services.api.schemas import FORBID, TOKEN_PROMPTS, BadRequest, Budget, Stamp, Submission, one_of, submission
+from services.api.schemas.field_checks import FORBID, TOKEN_PROMPTS, BadRequest, one_of
+from services.api.schemas.submission import Budget, Stamp, Submission, submission
 from shared.messages import Pooling, ReplyEvent, SamplingParams
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The reply hub: one listener per API process multiplexing XREAD BLOCK over the reply streams of all
-its in-flight requests, feeding each request's inbox (services/api/request.py `Inbox`).
+its in-flight requests, feeding each request's inbox (`Inbox`).
 
 A request's inbox is woken into a blocked read through the shard's control stream. Reads are
 sharded over several connections once one XREAD would carry more than `shard_keys` keys (XREAD's cost
@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -29,9 +29,6 @@ from shared import slots, streams
 from shared.keys import Keys
 from shared.redis_conn import connect_single, is_cluster_client
 from shared.worker import stop_task
-
-if TYPE_CHECKING:
-    from services.api.request import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +51,44 @@ class HubLimits:
 
 class HubError(Exception):
     """The reply stream cannot be read (Redis unreachable)."""
+
+
+class Inbox:
+    """A request's reply entries, queued here as the hub reads them off its stream (services/api/request/ reads
+    them). Once `resume_at * 2` are queued the hub leaves the stream out of its reads until the request caught
+    up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this process's
+    memory. The hub's shard that reads it (`shard`) is set when the hub registers it."""
+
+    def __init__(self, uid: str, key: str, after: str = "0-0"):
+        self.uid, self.key = uid, key
+        self.last_id = after  # "0-0": from the beginning, so entries written before the read blocks are not missed
+        self.queue: asyncio.Queue[tuple[str, bytes] | HubError] = asyncio.Queue()
+        self.paused = False
+        self.failed = False
+        self.shard: Any = None
+        self.resume_at = 0
+
+    async def get(self) -> tuple[str, bytes]:
+        # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
+        # stream that is left out of reads.
+        if self.paused and self.queue.qsize() <= self.resume_at:
+            self.paused = False
+            await self.shard.wake()
+        item = await self.queue.get()
+        if isinstance(item, HubError):
+            raise item
+        return item
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        """Everything already queued, without waiting (lets the caller coalesce entries into one chunk)."""
+        out = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, HubError):
+                self.queue.put_nowait(item)
+                break
+            out.append(item)
+        return out
 
 
 class _Shard:

@@ -3,7 +3,7 @@
 A response is a chat request underneath: `instructions`, the conversation of `previous_response_id` (its stored
 items, services/api/responses.py) and `input` become the chat messages of one tokenize job, `tools` and
 `text.format` the chat request's tools and structured-output constraint. Every field OpenAI's SDK sends is
-honoured or refused with a 400 naming it; unknown fields are refused as everywhere else (services/api/schemas.py).
+honoured or refused with a 400 naming it; unknown fields are refused as everywhere else (services/api/schemas/).
 
 Items are kept as OpenAI shows them (`input_items`, a later `previous_response_id`): messages with text content
 parts, `function_call` and `function_call_output` items.
@@ -16,20 +16,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from services.api.schemas import (
-    FORBID,
-    BadRequest,
-    Budget,
-    Stamp,
-    Submission,
-    check_effort,
-    check_schema_name,
-    one_of,
-    refuse_unless,
-    response_format_constraint,
-    submission,
-    template_kwargs,
-)
+from services.api.schemas.chat import response_format_constraint, template_kwargs
+from services.api.schemas.field_checks import FORBID, BadRequest, check_effort, check_schema_name, one_of, refuse_unless
+from services.api.schemas.submission import Budget, Stamp, Submission, submission
 from shared.messages import ChatMessage, SamplingParams, ToolChoice
 
 if TYPE_CHECKING:

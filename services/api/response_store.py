@@ -5,7 +5,7 @@ before any other field is read (`READ`), so another tenant's request is answered
 `meta` (the fields its object echoes, how its answers are parsed, `prev`: the response it continues); `input`
 (its own input items only: a conversation is kept by reference, each response naming its predecessor, and read
 link by link); `final` (its final object, once it ended). It is written with the request that produces it, on the
-pipeline that opens it (services/api/request.py), after its tenant was admitted, and counted against its tenant's
+pipeline that opens it (services/api/request/single.py), after its tenant was admitted, and counted against its tenant's
 bounds (--max-stored-responses-per-tenant, --max-stored-response-bytes-per-tenant):
 
 - `reserve` (`RESERVE`, on the tenant's keys) drops what expired, refuses past a bound (a 400), else counts the

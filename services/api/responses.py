@@ -15,7 +15,7 @@ so:
 - `GET /v1/responses/{id}?stream=true&starting_after=N` re-reads the reply stream from its start and sends the
   events numbered after N (only for responses created with `background` and `stream`, as at OpenAI);
 - a `background` response runs to its end with nobody attached: its client leaving does not abort it (the
-  request's close policy, services/api/request.py), and the process that took it follows it to store its final
+  request's close policy, services/api/request/single.py), and the process that took it follows it to store its final
   object; if that process is gone, the next GET rebuilds it;
 - a response whose id never reached its client (its create answered with an error, or its client left before the
   answer) is deleted at once;
@@ -41,11 +41,12 @@ from services.api import errors
 from services.api.admission import Admitted
 from services.api.errors import ApiError
 from services.api.limits import fits_context
-from services.api.request import EndedEarly
+from services.api.request.early_end import EndedEarly
 from services.api.response_format import ResponseFormat
 from services.api.response_schemas import ResponseRequest, as_input, response_uid
 from services.api.response_store import ResponseStore, Stored
-from services.api.schemas import BadRequest, Stamp, Submission
+from services.api.schemas.field_checks import BadRequest
+from services.api.schemas.submission import Stamp, Submission
 from services.api.service import ApiService
 from services.api.tenants import Tenant
 from shared.messages import SamplingParams

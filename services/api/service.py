@@ -4,7 +4,7 @@ module once, in this order:
 
 1. admission (services/api/admission.py): one call decides whether the body is taken now and builds what it
    submits (limits, the tenant's policy and quota, the model's backlog, its uids, jobs, format and record);
-2. the request (services/api/request.py): opened (its record, tokenize job and inbox in one round trip per job)
+2. the request (services/api/request/): opened (its record, tokenize job and inbox in one round trip per job)
    or attached to; it yields its ordered replies, its early ends as HTTP errors;
 3. format (services/api/formats.py): events -> OpenAI chunk dicts, or the final response;
 4. bytes (services/api/sse.py): SSE events, the response start, keep-alives, the client leaving;
@@ -34,7 +34,8 @@ from services.api.limits import Limits
 from services.api.metrics import Metrics
 from services.api.registry import StageRegistry
 from services.api.reply_hub import HubLimits, ReplyHub
-from services.api.request import ApiRequest, Requests, until_disconnect
+from services.api.request.api_request import ApiRequest
+from services.api.request.requests import Requests, until_disconnect
 from services.api.sse import SSEResponse, answer_events, shutdown_events
 from services.api.tenancy import Tenancy
 from shared.heartbeats import Beating, Heartbeat

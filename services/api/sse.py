@@ -34,7 +34,7 @@ from shared.request_states import EndReason
 
 if TYPE_CHECKING:
     from services.api.formats import Counts, Format
-    from services.api.request import Batch
+    from services.api.request.api_request import Batch
 
 RAW_SEND = "rsinfer.raw_send"  # scope key: the server's own send (services/api/app.py Guard)
 HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -63,7 +63,7 @@ async def answer_events(first: tuple[list[dict], str | None], rest: AsyncIterato
     """A stream's events: the first batch's chunks (formatted while the response was held back), then each batch
     of ordered replies as it comes (`Format.batch_chunks`: entries up to `replay_until` are not sent again), the
     format's closing chunks (the usage if asked), and [DONE] where the format ends so. An end before the request
-    finished (services/api/request.py EndedEarly) is the format's failure chunks (the error's body)."""
+    finished (services/api/request/early_end.py EndedEarly) is the format's failure chunks (the error's body)."""
     frame = named_event if fmt.named_events else sse_event
     try:
         chunks, event_id = first

@@ -8,7 +8,7 @@ object, `ApiService.tenancy`:
 - `check_owner(tenant, record, uid)`: a 404, as if it did not exist, for another tenant's request (admins see all);
 - `admit(tenant, reserve=, uid=, deadline=)`: the quota's admission (services/api/quotas.py), a 429 with
   Retry-After and OpenAI's x-ratelimit-* headers past a limit; it returns the request's `Lease`, which the request
-  holds (services/api/request.py `hold`) and which lives as long as the request does, whoever follows it; a route
+  holds (services/api/request/single.py `hold`) and which lives as long as the request does, whoever follows it; a route
   answered within its handler (the tokenizer routes) takes `async with admitted(tenant)` instead.
 """
 

@@ -20,9 +20,10 @@ from redis.exceptions import RedisError
 
 from services.api.errors import ApiError, redis_down
 from services.api.limits import too_large
-from services.api.reply_hub import HubError
-from services.api.request import Inbox, until_disconnect
-from services.api.schemas import BadRequest, Message, Tool, check_continuation, generation_prompt
+from services.api.reply_hub import HubError, Inbox
+from services.api.request.requests import until_disconnect
+from services.api.schemas.chat import Message, Tool, check_continuation, generation_prompt
+from services.api.schemas.field_checks import BadRequest
 from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode
 from shared.redis_conn import barrier

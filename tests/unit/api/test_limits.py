@@ -12,8 +12,8 @@ import pytest
 from services.api.app import BodyReader, create_app
 from services.api.errors import ApiError
 from services.api.limits import Limits, depth_over, jobs_fit_context
-from services.api.request import StageFailed, ended_early
-from services.api.schemas import Budget
+from services.api.request.early_end import StageFailed, ended_early
+from services.api.schemas.submission import Budget
 from shared.messages import ChatMessage, Guided, ReplyError, SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 

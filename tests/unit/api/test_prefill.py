@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from services.api.errors import ApiError
 from services.api.limits import Limits
 from services.api.prefill import EmbeddingRequest, ScoreRequest
-from services.api.schemas import BadRequest, Stamp
+from services.api.schemas.field_checks import BadRequest
+from services.api.schemas.submission import Stamp
 from shared.messages import ReplyEvent
 from shared.settings import ApiSettings
 

@@ -1,4 +1,4 @@
-"""services/api/request.py: a request's replies in order (OrderedReplies: per-choice order, duplicates dropped,
+"""services/api/request/: a request's replies in order (OrderedReplies: per-choice order, duplicates dropped,
 gaps held until a peer fills them), read off its subscription; a group's merged."""
 
 from __future__ import annotations
@@ -10,7 +10,11 @@ import types
 import pytest
 
 from services.api.metrics import Metrics
-from services.api.request import EndedEarly, RequestGroup, RequestInfo, Requests, SingleRequest
+from services.api.request.api_request import RequestInfo
+from services.api.request.early_end import EndedEarly
+from services.api.request.group import RequestGroup
+from services.api.request.requests import Requests
+from services.api.request.single import SingleRequest
 from shared.keys import Keys
 from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, encode
 from shared.reply_order import OrderedReplies
@@ -18,8 +22,8 @@ from shared.settings import ApiSettings
 
 
 def shared(redis=None) -> types.SimpleNamespace:
-    """What requests share (services/api/request.py Requests), stubbed: no Redis but `redis` (a reattach's check
-    of a trimmed head), no hub but one that hands out the subscription given to `reader`."""
+    """What requests share (services/api/request/context.py RequestContext), stubbed: no Redis but `redis` (a
+    reattach's check of a trimmed head), no hub but one that hands out the subscription given to `reader`."""
     return types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda inbox: shared.sub), metrics=Metrics(None),
                                  redis=redis, keys=Keys("t"))
 

@@ -1,7 +1,7 @@
 """A request field that takes several shapes (a union: `prompt` is a string, a list of strings, a list of token
 ids or a list of lists of them) refuses a value of none of them with one sentence naming the field and the shapes
-(services/api/schemas.py `one_of`), not pydantic's error per member of the union ("prompt.str: Input should be a
-valid string"), which named a shape the client never meant."""
+(services/api/schemas/field_checks.py `one_of`), not pydantic's error per member of the union ("prompt.str: Input
+should be a valid string"), which named a shape the client never meant."""
 
 from __future__ import annotations
 
@@ -18,17 +18,19 @@ import services.api
 from services.api.errors import as_api_error
 from services.api.prefill import EmbeddingRequest, ScoreRequest
 from services.api.response_schemas import ResponseRequest
-from services.api.schemas import ChatCompletionRequest, CompletionRequest
+from services.api.schemas.chat import ChatCompletionRequest
+from services.api.schemas.completions import CompletionRequest
 
 PROMPTS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
 
 def _bodies() -> list[type[BaseModel]]:
-    """Every pydantic model of the API's modules: the request bodies and what they nest."""
+    """Every pydantic model of the API's modules (its packages' too, services/api/schemas/): the request bodies
+    and what they nest."""
     found = {}
-    for info in pkgutil.iter_modules(services.api.__path__):
-        module = importlib.import_module(f"services.api.{info.name}")
+    for info in pkgutil.walk_packages(services.api.__path__, "services.api."):
+        module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, BaseModel) and cls.__module__.startswith("services.api."):
                 found[f"{cls.__module__}.{cls.__qualname__}"] = cls
