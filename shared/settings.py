@@ -281,7 +281,7 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
                                "for it, and an adapter of a higher rank is refused when it loads")
 
 
-# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+# -- Draining (services/api/edge/admin.py): a pod-local control socket, never an HTTP route -----------------------
 class DrainSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
@@ -306,7 +306,7 @@ class ApiKeyFile(BaseSettings):
 
 
 class TenantSettings(BaseSettings):
-    """Named keys, their policies and the tenants' quotas (services/api/tenancy.py; docs/operator-guide.md,
+    """Named keys, their policies and the tenants' quotas (services/api/multitenancy/tenancy.py; docs/operator-guide.md,
     "Tenants")."""
 
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
@@ -346,7 +346,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
     # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
     # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
-    # is queued (services/api/limits.py; the HTTP server's in services/api/http.py).
+    # is queued (services/api/answer/limits.py; the HTTP server's in services/api/edge/http.py).
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body, counted as it arrives "
                                 "whatever the framing (chunked too): 413 past it")
     max_header_bytes: int = Field(64 << 10, ge=1024, description="largest request head (request line and "
@@ -407,7 +407,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                              "sentence-transformers config says, else normalized (as vLLM's pooling "
                                              "models do)")
 
-    # -- The Responses API (services/api/responses.py): what one stored response may hold, and for how long.
+    # -- The Responses API (services/api/responses_api/): what one stored response may hold, and for how long.
     response_ttl_s: int = Field(86400, ge=60, description="how long a stored response (`store`, the default) is "
                                 "kept after it was created or last ended: for GET, cancel, input_items and "
                                 "previous_response_id")
@@ -425,7 +425,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_response_chain: int = Field(256, ge=1, description="most responses one conversation chains through "
                                     "previous_response_id (each stores only its own input and output; the "
                                     "conversation is read link by link)")
-    # -- The Batch API (services/api/batches.py, services/api/files.py).
+    # -- The Batch API (services/api/batch_api/batches.py, services/api/batch_api/files.py).
     file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")
     batch_max_inflight: int = Field(8, ge=1, description="most requests of one batch running at once: the "

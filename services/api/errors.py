@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
+from services.api.answer.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
          410: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
-UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/app.py), for logs
+UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/edge/app.py), for logs
 
 
 @dataclass(eq=False)
@@ -86,7 +86,7 @@ BROKER_FULL_RETRY_S = 2
 
 def broker_full() -> ApiError:
     """Redis refused a write for memory (OOM, `maxmemory` with `noeviction`): backpressure. Nothing of the
-    request was queued (services/api/request/single.py writes it in one transaction)."""
+    request was queued (services/api/answer/request/single.py writes it in one transaction)."""
     return ApiError(503, "the request broker (Redis) is full; retry shortly", code="broker_full",
                     retry_after=BROKER_FULL_RETRY_S)
 
@@ -116,7 +116,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def as_api_error(exc: Exception) -> ApiError | None:
     """The HTTP error a body's own checks raised (what the handlers below answer), for work that has no HTTP
-    request of its own (a batch's lines, services/api/batches.py); None for anything else."""
+    request of its own (a batch's lines, services/api/batch_api/batches.py); None for anything else."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValidationError):
@@ -160,7 +160,7 @@ def install(app: FastAPI) -> None:
 
 def log_unexpected(scope: dict, exc: BaseException) -> None:
     """One line per unexpected error, with the request's uid and where it was raised, however many layers see
-    it (the 500 handler, then services/api/app.py `Guard`, as Starlette raises it again for the server)."""
+    it (the 500 handler, then services/api/edge/app.py `Guard`, as Starlette raises it again for the server)."""
     if getattr(exc, "_rsinfer_logged", False):
         return
     with contextlib.suppress(AttributeError):

@@ -1,4 +1,4 @@
-"""services/api/admin.py's control socket: an API process whose port is taken leaves the running one's socket
+"""services/api/edge/admin.py's control socket: an API process whose port is taken leaves the running one's socket
 alone, and each removes only what it made (its socket, and its directory once empty)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.api.admin import AdminSocket, admin_socket_path, call
+from services.api.edge.admin import AdminSocket, admin_socket_path, call
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""services/api/batch_runner.py's wait between turns: a parked batch that is due but cannot start (the runner or
-its tenant is full) waits for a run to end (or the next turn); it never makes the loop spin without yielding."""
+"""services/api/batch_api/batch_runner.py's wait between turns: a parked batch that is due but cannot start (the runner
+or its tenant is full) waits for a run to end (or the next turn); it never makes the loop spin without yielding."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from services.api.batch_runner import BatchRunner, Held
+from services.api.batch_api.batch_runner import BatchRunner, Held
 from shared.settings import ApiSettings
 
 
