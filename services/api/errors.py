@@ -19,8 +19,6 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.answer.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
-
 log = logging.getLogger(__name__)
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -28,6 +26,41 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          410: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/edge/app.py), for logs
+
+
+# Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
+UNSUPPORTED_EXTENSIONS = {
+    **dict.fromkeys(("guided_decoding_backend", "structured_outputs", "guided_whitespace_pattern"),
+                    "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
+                    "fields; the backend is llguidance"),
+    "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
+    **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
+                    "custom chat templates are not supported (chat_template_kwargs are)"),
+    "lora_request": "name a LoRA adapter as `model` (or in SGLang's `lora_path`); adapters are loaded with "
+                    "POST /v1/load_lora_adapter or --lora-modules",
+    **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
+                    "output"),
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
+    "return_hidden_states": "hidden states are not returned",
+    "prompt_logprobs": "prompt logprobs are not supported",
+}
+
+
+class BadRequest(ValueError):
+    """A request that is well-formed JSON but cannot be served as asked (-> 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ShapeError(ValueError):
+    """A union field given a value of none of its shapes: the refusal is one sentence naming the field and what it
+    takes (`as_api_error` adds the field's place in the body)."""
+
+    def __init__(self, shapes: str):
+        super().__init__(f"must be {shapes}")
+        self.shapes = shapes
 
 
 @dataclass(eq=False)

@@ -1,11 +1,10 @@
 """Whether a body is taken now, and what it submits, in one call (`Admission.admit`), before anything is queued:
 
 1. the body's own fields within the server's limits (its `checked`, services/api/answer/schemas/; a 400 naming one);
-2. the tenant's policy (services/api/multitenancy/tenancy.py; a 403): the model (and `lora_path`), a `priority` it sent,
-   `background`;
-3. the base model and LoRA adapter its `model` names (services/api/lora_api/adapters.py; 400, 404), the adapter allowed
-by
-   the key's `models` under its own name (a 403);
+2. the tenant's policy (services/api/multitenancy/tenancy.py; a 403): the model (and `lora_path`), a `priority` it
+   sent, `background`;
+3. the base model and LoRA adapter its `model` names (services/api/answer/adapter_target.py; 400, 404), the
+   adapter allowed by the key's `models` under its own name (a 403);
 4. room for it (`room`): not draining (503), Redis up (503), a known model (404), its fan-out within the limits
    and its jobs within --max-queued (400);
 5. its uids, minted here in the slots of the reply hub's shards that will read its replies
@@ -17,7 +16,7 @@ by
 
 What it returns (`Admitted`) is all services/api/answer/request/ needs to open the request. The Responses API
 (services/api/responses_api/responses.py) and batch lines (services/api/batch_api/batches.py) are admitted by
-the same steps.
+the same steps; a tokenizer query by the same steps as a request of one token (`admit_query`).
 """
 
 from __future__ import annotations
@@ -25,25 +24,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request as HttpRequest
 from redis.exceptions import RedisError
 
+from services.api.answer.adapter_target import AdapterTargets
 from services.api.answer.limits import jobs_fit_context, omitted_max_tokens
-from services.api.answer.schemas.submission import Budget, Stamp, Submission
+from services.api.answer.schemas.submission import Admitted, Budget, Stamp, Submission
 from services.api.errors import ApiError, redis_down
-from services.api.multitenancy.quotas import Lease
 from services.api.multitenancy.tenants import Tenant
 from services.api.operations.registry import Snapshot
 from shared import queued
 from shared.messages import SamplingParams, TokenizeJob
 
 if TYPE_CHECKING:
+    from services.api.answer.collaborators import ApiContext
     from services.api.answer.limits import Limits
-    from services.api.answer.service import ApiService
 
 
 class Body(Protocol):
@@ -59,20 +57,6 @@ class Body(Protocol):
     def submission(self, params: SamplingParams, stamp: Stamp) -> Submission: ...
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """A request that was taken: its submission (jobs with their tenant, record with its fields) and the lease of
-    its tenant's quota (None without one), which ends with the request."""
-
-    submission: Submission
-    lease: Lease | None
-
-    @property
-    def uid(self) -> str:
-        """Its first job's: the request's id in logs, its response's id."""
-        return self.submission.jobs[0].uid
-
-
 def sent_priority(body: Body) -> int | None:
     """The `priority` the client sent (None when it sent none: the job's default is brought within the key's
     range, services/api/multitenancy/tenancy.py `Tenancy.priority_of`)."""
@@ -80,9 +64,9 @@ def sent_priority(body: Body) -> int | None:
 
 
 class Admission:
-    def __init__(self, svc: ApiService):
-        self.svc = svc
-        self.settings, self.limits, self.stages, self.tenancy = svc.settings, svc.limits, svc.stages, svc.tenancy
+    def __init__(self, ctx: ApiContext):
+        self.ctx, self.targets = ctx, AdapterTargets(ctx)
+        self.settings, self.limits, self.stages, self.tenancy = ctx.settings, ctx.limits, ctx.stages, ctx.tenancy
 
     async def admit_from(self, http: HttpRequest, body: Body) -> Admitted:
         """`admit` for the tenant of the HTTP request's key (services/api/edge/app.py `Guard`)."""
@@ -94,7 +78,7 @@ class Admission:
         name = body.model or self.only_model()  # only /generate may leave the model out
         self.tenancy.authorize(tenant, name, lora_path=body.lora_path, priority=sent_priority(body),
                                background=getattr(body, "background", None))
-        model, adapter = await self.svc.adapters.target(name, body.lora_path)  # an adapter: its base model and it
+        model, adapter = await self.targets.target(name, body.lora_path)  # an adapter: its base model and it
         self.tenancy.authorize_adapter(tenant, adapter, "model" if body.lora_path is None else "lora_path")
         budget = body.budget(params)
         await self.room(model, budget)
@@ -102,6 +86,21 @@ class Admission:
         submission = body.submission(params, stamp)
         jobs_fit_context(submission.jobs, stamp.model_info, budget.prompts_param)
         return await self.leased(submission, tenant)
+
+    @contextlib.asynccontextmanager
+    async def admit_query(self, tenant: Tenant, name: str | None) -> AsyncIterator[str]:
+        """A tokenizer query (/tokenize, /detokenize, services/api/tokenize_api/) taken by the same steps as a
+        request of one token: the policy, the base model its `model` names (an adapter shares its base's tokenizer),
+        room (a draining server or an unknown model refuse it; a query is not counted in the model's queue: no
+        scheduler takes it, and the tokenizers read on past any backlog), then its tenant's quota (concurrency and
+        requests per minute), held while the query runs. Yields the model whose tokenizer answers it."""
+        name = name or self.only_model()
+        self.tenancy.authorize(tenant, name)
+        model, adapter = await self.targets.target(name)
+        self.tenancy.authorize_adapter(tenant, adapter)
+        await self.room(model, Budget(prompts=1, choices=1, max_tokens=1))
+        async with self.tenancy.admitted(tenant):
+            yield model
 
     async def leased(self, submission: Submission, tenant: Tenant) -> Admitted:
         """The submission as its tenant's (record fields, the jobs' turn in fair queueing), within its quota."""
@@ -114,7 +113,7 @@ class Admission:
             lease = await tenancy.admit(tenant, self.reserve(jobs), first.uid, max(j.deadline for j in jobs))
         except BaseException:
             with contextlib.suppress(RedisError, OSError):  # else they leave the count at their deadline
-                await queued.leave(self.svc.redis, self.svc.keys, first.model, [j.uid for j in jobs])
+                await queued.leave(self.ctx.redis, self.ctx.keys, first.model, [j.uid for j in jobs])
             raise
         return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), lease)
 
@@ -131,9 +130,9 @@ class Admission:
               ) -> Stamp:
         """What this process adds to the jobs of a request of `prompts` prompts for `model`, their uids minted
         now (one per prompt)."""
-        mint = new_uid or self.svc.hub.new_uid
+        mint = new_uid or self.ctx.hub.new_uid
         uids = iter([mint() for _ in range(prompts)])
-        return Stamp(model, self.svc.pod, self.settings.request_timeout_s, uids.__next__,
+        return Stamp(model, self.ctx.pod, self.settings.request_timeout_s, uids.__next__,
                      self.stages.snapshot.model_info(model), adapter)
 
     def only_model(self) -> str:
@@ -147,7 +146,7 @@ class Admission:
         """Refuse what cannot be taken now; a known model with no worker in some stage is accepted: its
         request waits in the model's streams, within its deadline, for workers (scale from zero). Every job
         of the request (one per prompt) counts against --max-queued."""
-        if self.svc.draining:
+        if self.ctx.drain.draining:
             raise ApiError(503, "this server is shutting down; retry on another", retry_after=1)
         snap = await self._fresh_if(lambda s: model not in s.models)  # it may have been declared since
         if not snap.redis_ok:
@@ -167,7 +166,7 @@ class Admission:
         """Count the request's jobs in their model's queue, atomically across API processes (shared/queued.py): a
         429 past the tenant's share of --max-queued, unless the queue has room to spare."""
         job, most = jobs[0], self.settings.max_queued
-        got = await queued.enter(self.svc.redis, self.svc.keys, jobs, most)
+        got = await queued.enter(self.ctx.redis, self.ctx.keys, jobs, most)
         if not got.admitted:
             raise ApiError(429, f"model `{job.model}` has {got.total} requests queued, {got.mine} of them yours, and "
                            f"this one adds {len(jobs)}; your share is {got.share} of {most} (--max-queued) while "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable
 
 import msgspec
@@ -27,99 +26,67 @@ from fastapi import Request as HttpRequest
 
 from services.api import errors
 from services.api.answer.admission import Admission, Admitted, Body
+from services.api.answer.collaborators import build_context
 from services.api.answer.formats import Format, format_of_record
-from services.api.answer.limits import Limits
-from services.api.answer.reply_hub import HubLimits, ReplyHub
 from services.api.answer.request.api_request import ApiRequest
-from services.api.answer.request.requests import Requests, until_disconnect
+from services.api.answer.request.requests import until_disconnect
 from services.api.answer.sse import SSEResponse, answer_events, shutdown_events
 from services.api.errors import ApiError
-from services.api.lora_api.adapters import Adapters
-from services.api.multitenancy.tenancy import Tenancy
-from services.api.operations.metrics import Metrics
-from services.api.operations.registry import StageRegistry
 from shared.heartbeats import Beating, Heartbeat
-from shared.keys import Keys
-from shared.redis_conn import connect
 from shared.request_states import EndReason
-from shared.request_store import RequestStore
 from shared.settings import ApiSettings
-from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
 
 class ApiService:
+    """The answer path (module doc) over the process's state (`ctx`, services/api/answer/collaborators.py), and that
+    state's start and close."""
+
     def __init__(self, settings: ApiSettings):
         self.settings = settings
-        self.limits = Limits(settings)
-        self.pod = settings.identity()
-        self.keys = Keys(settings.namespace)
-        self.redis = connect(settings.redis_url, max_connections=64, **settings.redis_options())
-        self.hub = ReplyHub(settings.redis_url, settings.redis_options(), self.redis, self.keys, self.pod,
-                            limits=HubLimits(settings.reply_shard_keys, outage_s=settings.broker_outage_s))
-        self.stages = StageRegistry(self.redis, self.keys, settings.heartbeat_ttl_s, settings.model_names())
-        self.metrics = Metrics(self.stages)
-        self.tenancy = Tenancy(settings, self.redis, self.keys, self.metrics.tenants)  # keys, ownership, quotas
-        self.tracer = Tracer("api", settings.otlp_endpoint)
-        self.adapters = Adapters(self)  # LoRA: which base model and adapter a request names
-        self.admission = Admission(self)
-        self.store = RequestStore(self.redis, self.keys, settings.request_ttl_s, settings.reply_maxlen)
-        self.requests = Requests(settings, self.store, self.hub, self.pod, tracer=self.tracer, metrics=self.metrics)
-        beating = Beating("api", self.pod, "", settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
-        self.heartbeat = Heartbeat(self.redis, self.keys, beating, self.heartbeat_load)
-        self._shutting_down = False  # SIGTERM (services/api/main.py): out of service for good
-        self._drained_until = 0.0  # a drain over the control socket (services/api/edge/admin.py), until then
+        self.ctx = ctx = build_context(settings)
+        self.requests = ctx.requests  # the requests this process follows (draining waits for them)
+        self.admission = Admission(ctx)
+        beating = Beating("api", ctx.pod, "", settings.heartbeat_interval_s, settings.heartbeat_ttl_s)
+        self.heartbeat = Heartbeat(ctx.redis, ctx.keys, beating, self.heartbeat_load)
         self.closing = asyncio.Event()  # set once open streams must end (shutdown after the grace period)
 
     @property
     def draining(self) -> bool:
-        """Out of service: `/ready` 503 and new requests 503 (open streams go on)."""
-        return self._shutting_down or time.monotonic() < self._drained_until
+        """Out of service (services/api/answer/drain.py): `/ready` 503 and new requests 503."""
+        return self.ctx.drain.draining
 
     @draining.setter
     def draining(self, value: bool) -> None:
-        self._shutting_down = value
+        self.ctx.drain.draining = value
 
     def drain_for(self, seconds: float) -> None:
-        """Out of service for `seconds` (the preStop hook; SIGTERM normally follows within them), then back in
-        service unless shutting down: a drain nobody followed up must not keep the pod unready for ever."""
-        first = not self.draining
-        self._drained_until = time.monotonic() + seconds
-        log.info("drained for %.0fs (%d requests in flight)", seconds, len(self.requests.inflight))
-        if first:
-            asyncio.get_running_loop().call_later(seconds + 0.05, self._drain_expired)
-
-    def _drain_expired(self) -> None:
-        if self._shutting_down:
-            return
-        if self.draining:  # drained again since: its own timer comes later
-            asyncio.get_running_loop().call_later(self._drained_until - time.monotonic() + 0.05,
-                                                  self._drain_expired)
-            return
-        log.warning("drain not followed by SIGTERM within its timeout: back in service")
+        self.ctx.drain.drain_for(seconds)
 
     def heartbeat_load(self) -> dict:
         """What this process's heartbeat reports (its `load` field)."""
-        return {"inflight": len(self.requests.inflight), "subscriptions": self.hub.subscriptions,
+        return {"inflight": len(self.requests.inflight), "subscriptions": self.ctx.hub.subscriptions,
                 "draining": self.draining}
 
     async def start(self) -> None:
-        await self.stages.refresh()
-        self.stages.start()
+        stages = self.ctx.stages
+        await stages.refresh()
+        stages.start()
         self.heartbeat.start()
-        self.tenancy.start()
-        log.info("api ready: pod=%s redis_ok=%s models=%s", self.pod, self.stages.snapshot.redis_ok,
-                 sorted(self.stages.snapshot.models))
+        self.ctx.tenancy.start()
+        log.info("api ready: pod=%s redis_ok=%s models=%s", self.ctx.pod, stages.snapshot.redis_ok,
+                 sorted(stages.snapshot.models))
 
     async def close(self) -> None:
-        await self.requests.close()
-        await self.tenancy.close()
+        ctx = self.ctx
+        await ctx.requests.close()
+        await ctx.tenancy.close()
         await self.heartbeat.stop()
-        await self.stages.stop()
-        await self.hub.close()
-        await self.redis.aclose()
-        self.tracer.shutdown()
+        await ctx.stages.stop()
+        await ctx.hub.close()
+        await ctx.redis.aclose()
+        ctx.tracer.shutdown()
 
     # -- one request's path: the request -> format -> bytes -> close -------------------------------------
     async def answer(self, http: HttpRequest, body: Body):

@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -48,7 +48,14 @@ from shared import queued
 from shared.request_states import EndReason
 
 if TYPE_CHECKING:
-    from services.api.batch_api.batches import Batches
+    from redis.asyncio import Redis
+
+    from services.api.answer.collaborators import ApiContext
+    from services.api.answer.service import ApiService
+    from services.api.batch_api.files import Files
+    from services.api.responses_api.responses import Responses
+    from shared.keys import Keys
+    from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,23 @@ BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": Comp
           "/v1/embeddings": EmbeddingRequest}
 POLL_S = 0.5
 RETRY = (429, 503)  # a line refused for these before it was submitted is tried again later
+
+
+class Batches(Protocol):
+    """What a run uses of the batches it belongs to (services/api/batch_api/batches.py `Batches`, which starts it):
+    their settings, Redis, files, the answer path, and a batch's failure and clean-up."""
+
+    s: ApiSettings
+    redis: Redis
+    keys: Keys
+    files: Files
+    responses: Responses
+    ctx: ApiContext
+    service: ApiService
+
+    async def fail(self, batch_id: str, message: str, code: str = ..., param: str | None = ...) -> None: ...
+
+    async def clean_up(self, batch_id: str) -> None: ...
 
 
 class BatchRun:
@@ -125,7 +149,7 @@ class BatchRun:
     async def room(self, model: str) -> bool:
         """Wait until the model's backlog lets one more line in; False once the batch is stopping."""
         while not self.stopping:
-            if self.b.svc.stages.snapshot.queued(model) <= self.b.s.batch_max_backlog:
+            if self.b.ctx.stages.snapshot.queued(model) <= self.b.s.batch_max_backlog:
                 return True
             await asyncio.sleep(POLL_S)
         return False
@@ -148,7 +172,7 @@ class BatchRun:
                 continue
             self.cancelled.add(index)
             for uid in uids:
-                await self.b.svc.store.abort_now(uid, EndReason.API, self.lines[index].model)
+                await self.b.ctx.store.abort_now(uid, EndReason.API, self.lines[index].model)
 
     # -- one line --------------------------------------------------------------------------------------------
     async def one(self, line: Line) -> bool:
@@ -167,7 +191,7 @@ class BatchRun:
         self.done[line.index] = Result(ok, len(row))
         self.finished += 1
         await self.b.redis.hincrby(self.key, "completed" if ok else "failed", 1)
-        self.b.svc.metrics.batch_lines.labels("ok" if ok else "error").inc()
+        self.b.ctx.metrics.batch_lines.labels("ok" if ok else "error").inc()
         if self.check_sizes():
             await self.stop()
         return True
@@ -249,7 +273,7 @@ class BatchRun:
         failed = len(self.lines) - sum(1 for line in self.lines if line.error is None) + len(self.done) - ok
         fields.update(status=end, completed=ok, failed=failed, **{f"{end}_at": int(time.time())})
         await self.b.redis.hset(self.key, mapping=fields)
-        self.b.svc.metrics.batches.labels(end).inc()
+        self.b.ctx.metrics.batches.labels(end).inc()
         await self.b.clean_up(self.id)
         log.info("batch=%s %s: %d ok, %d failed", self.id, end, ok, failed)
 
@@ -267,7 +291,7 @@ class LineRun:
 
     @property
     def tenant(self) -> Tenant:
-        return self.b.svc.tenancy.named(self.tenant_name)
+        return self.b.ctx.tenancy.named(self.tenant_name)
 
     async def answer(self, line: Line) -> tuple[bool, dict, float | None]:
         """The line's answer (200 and the body) or its HTTP error, as the endpoint would answer it, and, for a
@@ -279,7 +303,7 @@ class LineRun:
             opened = True
             self.running[line.index] = [j.uid for j in admitted.submission.jobs]
             try:
-                body = await self.b.svc.full_body(req, fmt)
+                body = await self.b.service.full_body(req, fmt)
             finally:
                 self.running.pop(line.index, None)
                 await req.close()
@@ -305,7 +329,8 @@ class LineRun:
         new_uid = self.uids(line.index)
         if line.url == "/v1/responses":
             return await self.b.responses.prepare(ResponseRequest.model_validate(line.body), self.tenant, new_uid)
-        admitted = await self.b.svc.admission.admit(BODIES[line.url].model_validate(line.body), self.tenant, new_uid)
+        body = BODIES[line.url].model_validate(line.body)
+        admitted = await self.b.service.admission.admit(body, self.tenant, new_uid)
         return admitted, admitted.submission.fmt
 
     def uids(self, index: int) -> Callable[[], str]:
@@ -324,11 +349,11 @@ class LineRun:
             raise
 
     async def submit(self, submission: Submission) -> ApiRequest:
-        priority = self.b.svc.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
+        priority = self.b.ctx.tenancy.priority_of(self.tenant, self.b.s.batch_priority)  # within its key's range
         jobs = [msgspec.structs.replace(j, background=True, priority=priority) for j in submission.jobs]
-        records = await self.b.svc.store.fields([j.uid for j in jobs], "status", "model")
+        records = await self.b.ctx.store.fields([j.uid for j in jobs], "status", "model")
         record = submission.record
-        requests = self.b.svc.requests
+        requests = self.b.ctx.requests
         members: list[SingleRequest] = []
         try:
             for job in jobs:
@@ -336,7 +361,7 @@ class LineRun:
                     members.append(await SingleRequest.open(requests, job, record, False, "batch",
                                                             writes=None if members else submission.writes))
                 else:
-                    members.append(await requests.attach(job.uid, await self.b.svc.store.record(job.uid), None))
+                    members.append(await requests.attach(job.uid, await self.b.ctx.store.record(job.uid), None))
         except BaseException:
             for m in members:
                 await m.close(EndReason.REJECTED)

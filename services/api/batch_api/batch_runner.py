@@ -53,7 +53,7 @@ class Held:
 class BatchRunner:
     def __init__(self, batches: Batches):
         self.b, self.s = batches, batches.s
-        self.member = streams.Member(GROUP, batches.svc.pod)
+        self.member = streams.Member(GROUP, batches.ctx.pod)
         self.held: dict[str, Held] = {}  # batch id -> its entry
         self.grouped: set[str] = set()  # work streams whose group exists
         self.cursors: dict[str, str] = {}  # XAUTOCLAIM cursor of each work stream
@@ -84,10 +84,10 @@ class BatchRunner:
             try:
                 await self.sleep()
                 await self.reap()
-                if self.b.svc.draining:
+                if self.b.ctx.drain.draining:
                     self.let_go_parked()
                 await self.touch()
-                if self.b.svc.draining:
+                if self.b.ctx.drain.draining:
                     continue
                 if time.monotonic() - swept > self.s.batch_sweep_s:
                     swept = time.monotonic()

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
+from services.api.answer.collaborators import ApiContext
 from services.api.answer.schemas.field_checks import FORBID
 from services.api.answer.service import ApiService
 from services.api.batch_api.batch_lines import ENDPOINTS, BadInput, LineLimits, parse_lines
@@ -40,7 +41,6 @@ from services.api.batch_api.batch_output import delete_results
 from services.api.batch_api.batch_run import ENDED, STOPPING, BatchRun
 from services.api.batch_api.files import Files
 from services.api.errors import ApiError
-from services.api.lora_api.adapters import Adapters
 from services.api.multitenancy.tenants import Tenant
 from services.api.responses_api.responses import Responses
 from shared import streams
@@ -104,9 +104,9 @@ def decoded(raw: dict) -> dict[str, str]:
 class Batches:
     """The routes' work, and a run of a batch (services/api/batch_api/batch_run.py) for the runner."""
 
-    def __init__(self, svc: ApiService, adapters: Adapters, responses: Responses, files: Files):
-        self.svc, self.adapters, self.responses, self.files = svc, adapters, responses, files
-        self.s, self.redis, self.keys = svc.settings, svc.redis, svc.keys
+    def __init__(self, ctx: ApiContext, service: ApiService, responses: Responses, files: Files):
+        self.ctx, self.service, self.responses, self.files = ctx, service, responses, files
+        self.s, self.redis, self.keys = ctx.settings, ctx.redis, ctx.keys
 
     # -- the routes ------------------------------------------------------------------------------------------
     async def create(self, body: CreateBatch, tenant: Tenant) -> dict[str, Any]:
@@ -114,11 +114,11 @@ class Batches:
             raise ApiError(400, f"`endpoint` must be one of {', '.join(ENDPOINTS)}", param="endpoint")
         if body.completion_window not in WINDOW_S:
             raise ApiError(400, "`completion_window` must be 24h", param="completion_window")
-        if self.svc.tenancy.on and not tenant.policy.background:  # a batch's lines run in the background
+        if self.ctx.tenancy.on and not tenant.policy.background:  # a batch's lines run in the background
             raise ApiError(403, "this key may not run batches (its policy has no `background`)",
                            param="input_file_id", code="background_not_allowed")
-        self.svc.limits.record_fields(None, None, body.metadata)
-        await self.svc.tenancy.admit_action(tenant, "run batches")
+        self.ctx.limits.record_fields(None, None, body.metadata)
+        await self.ctx.tenancy.admit_action(tenant, "run batches")
         meta = await self.files.meta(body.input_file_id, tenant, "input_file_id")
         if meta["purpose"] != "batch":
             raise ApiError(400, "the input file's purpose must be batch", param="input_file_id")
@@ -150,7 +150,7 @@ class Batches:
     async def hash(self, batch_id: str, tenant: Tenant) -> dict[str, str]:
         """The batch, if it is `tenant`'s (another tenant's is not found)."""
         h = decoded(await self.redis.hgetall(self.keys.batch(batch_id))) if len(batch_id) <= 64 else {}
-        if not h or not self.svc.tenancy.owns(tenant, h):
+        if not h or not self.ctx.tenancy.owns(tenant, h):
             raise not_found(batch_id)
         return h
 
@@ -172,7 +172,7 @@ class Batches:
             for i in ids[:limit]:
                 pipe.hgetall(self.keys.batch(i))
             found = await pipe.execute()
-        page = [batch_object(h) for h in map(decoded, found) if h and self.svc.tenancy.owns(tenant, h)]
+        page = [batch_object(h) for h in map(decoded, found) if h and self.ctx.tenancy.owns(tenant, h)]
         scanned = ids[:limit]  # the cursor moves past what was read (a batch whose hash expired included)
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": scanned[-1] if scanned else None, "has_more": len(ids) > limit}
@@ -192,7 +192,7 @@ class Batches:
         h = decoded(await self.redis.hgetall(self.keys.batch(batch_id)))
         if not h or h["status"] in ENDED:
             return None
-        tenancy = self.svc.tenancy
+        tenancy = self.ctx.tenancy
         live = h["status"] not in STOPPING and time.time() <= float(h["expires_at"])
         if live and tenancy.on and tenancy.suspended(tenancy.named(h.get("tenant", ""))):
             return Parked(PARK_MAX_S, False)
@@ -205,7 +205,7 @@ class Batches:
             return None
         del data
         run = BatchRun(self, h, lines)
-        self.svc.metrics.batches_running.inc()
+        self.ctx.metrics.batches_running.inc()
         try:
             await run.start()
             parked = await run.feed()
@@ -215,14 +215,14 @@ class Batches:
             await run.finalize()
             return None
         finally:
-            self.svc.metrics.batches_running.dec()
+            self.ctx.metrics.batches_running.dec()
 
     async def fail(self, batch_id: str, message: str, code: str = "invalid_file",
                    param: str | None = "input_file_id") -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": param, "line": None}]}
         await self.redis.hset(self.keys.batch(batch_id), mapping={
             "status": "failed", "failed_at": int(time.time()), "errors": orjson.dumps(errors).decode()})
-        self.svc.metrics.batches.labels("failed").inc()
+        self.ctx.metrics.batches.labels("failed").inc()
         log.info("batch=%s failed: %s", batch_id, message)
 
     async def clean_up(self, batch_id: str) -> None:

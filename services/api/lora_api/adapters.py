@@ -1,13 +1,13 @@
-"""LoRA adapters at the HTTP edge: which base model and adapter a request's `model` (or SGLang's `lora_path`)
-names, vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`, the adapters' cards in
-`/v1/models`, `--lora-modules` at start, and the schedulers' adapter counts on `/metrics`.
+"""LoRA adapters: vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (routed by
+services/api/edge/routes.py), the adapters' cards in `/v1/models`, `--lora-modules` at start, and the schedulers'
+adapter counts on `/metrics`. Which base model and adapter a request names is the answer path's
+(services/api/answer/adapter_target.py).
 
-The registry is in Redis (shared/adapter_registry.py), so every API process and scheduler sees the same adapters: a
-request's adapter is looked up there (one HMGET) when its `model` is not a base model, so an adapter loaded
-or unloaded through another API process is seen at once. A load checks the folder first (shared/lora_folder.py:
-its config and its safetensors header, against the projections and the rank the model's schedulers declared),
-so a bad folder is a 400 naming the field, and never reaches a scheduler. The routes are guarded by the API key
-like every other (tenants and admin roles are another issue's).
+The registry is in Redis (shared/adapter_registry.py), so every API process and scheduler sees the same adapters: an
+adapter loaded or unloaded through another API process is seen at once. A load checks the folder first
+(shared/lora_folder.py: its config and its safetensors header, against the projections and the rank the model's
+schedulers declared), so a bad folder is a 400 naming the field, and never reaches a scheduler. The routes are
+guarded by the API key like every other (tenants and admin roles are another issue's).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
 from redis.exceptions import RedisError
@@ -44,7 +42,7 @@ from shared.lora_folder import (
 from shared.messages import AdapterRecord
 
 if TYPE_CHECKING:
-    from services.api.answer.service import ApiService
+    from services.api.answer.collaborators import ApiContext
 
 log = logging.getLogger(__name__)
 
@@ -71,43 +69,9 @@ class UnloadLoraAdapter(BaseModel):
 
 
 class Adapters:
-    def __init__(self, svc: ApiService):
-        self.svc, self.settings = svc, svc.settings
+    def __init__(self, ctx: ApiContext):
+        self.ctx, self.settings = ctx, ctx.settings
         self._store = None
-
-    # -- a request's adapter ------------------------------------------------------------------------------
-    async def target(self, model: str, lora_path: str | None = None) -> tuple[str, str | None]:
-        """(the base model, the adapter or None) that a request's `model` and `lora_path` (SGLang's: an adapter's
-        name) name. A `model` that is neither a base model nor an adapter is left to admission (its 404)."""
-        snap = self.svc.stages.snapshot
-        if model in snap.models:
-            if lora_path is None:
-                return model, None
-            record = await self._record(lora_path, "lora_path")
-            if record.base != model:
-                raise ApiError(400, f"LoRA adapter `{lora_path}` adapts `{record.base}`, not `{model}`",
-                               param="lora_path")
-            return model, record.name
-        if len(model) > self.settings.max_lora_name_chars:
-            return model, None
-        try:
-            found = await registry.lookup(self.svc.redis, self.svc.keys, [model])
-        except (RedisError, OSError):  # admission answers for an unreachable Redis (503)
-            return model, None
-        record = found.get(model)
-        if record is None:
-            return model, None
-        if lora_path is not None and lora_path != model:
-            raise ApiError(400, f"`model` names LoRA adapter `{model}` and `lora_path` names `{lora_path}`: name one",
-                           param="lora_path")
-        return record.base, record.name
-
-    async def _record(self, name: str, param: str) -> AdapterRecord:
-        found = await registry.lookup(self.svc.redis, self.svc.keys, [name]) if len(name) <= (
-            self.settings.max_lora_name_chars) else {}
-        if name not in found:
-            raise ApiError(404, f"no LoRA adapter named `{name}`", param=param, code="model_not_found")
-        return found[name]
 
     # -- load and unload ----------------------------------------------------------------------------------
     def _refuse_oversized(self, **values: str | None) -> None:
@@ -126,10 +90,10 @@ class Adapters:
         problem = registry.name_problem(body.lora_name, self.settings.max_lora_name_chars)
         if problem:
             raise ApiError(400, problem, param="lora_name")
-        snap = self.svc.stages.snapshot
+        snap = self.ctx.stages.snapshot
         base = body.base_model_name or self._only_model(snap)
         if base not in snap.models:
-            snap = await self.svc.stages.refresh()
+            snap = await self.ctx.stages.refresh()
         if base not in snap.models:
             raise ApiError(404, f"no served model `{base}` for LoRA adapter `{body.lora_name}` to adapt",
                            param="base_model_name", code="model_not_found")
@@ -146,7 +110,7 @@ class Adapters:
         if body.load_inplace:
             mode = "config"
         try:
-            written, now = await registry.register(self.svc.redis, self.svc.keys, record, self.settings.max_adapters,
+            written, now = await registry.register(self.ctx.redis, self.ctx.keys, record, self.settings.max_adapters,
                                                    mode)
         except registry.RegistryFull as e:
             raise ApiError(400, str(e), param="lora_name", code="too_many_adapters") from None
@@ -159,7 +123,7 @@ class Adapters:
 
     async def unload(self, body: UnloadLoraAdapter) -> AdapterRecord:
         self._refuse_oversized(lora_name=body.lora_name)
-        gone = await registry.unregister(self.svc.redis, self.svc.keys, body.lora_name)
+        gone = await registry.unregister(self.ctx.redis, self.ctx.keys, body.lora_name)
         if gone is None:
             raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
                            code="model_not_found")
@@ -225,7 +189,7 @@ class Adapters:
 
     # -- /v1/models ---------------------------------------------------------------------------------------
     async def cards(self, snap: Snapshot) -> list[dict]:
-        records = await registry.registered(self.svc.redis, self.svc.keys)
+        records = await registry.registered(self.ctx.redis, self.ctx.keys)
         return [self.card(snap, r) for _, r in sorted(records.items())]
 
     async def model_card(self, snap: Snapshot, name: str) -> dict | None:
@@ -234,7 +198,7 @@ class Adapters:
             return snap.model_card(name)
         if len(name) > self.settings.max_lora_name_chars:
             return None
-        record = (await registry.lookup(self.svc.redis, self.svc.keys, [name])).get(name)
+        record = (await registry.lookup(self.ctx.redis, self.ctx.keys, [name])).get(name)
         return self.card(snap, record) if record is not None else None
 
     @staticmethod
@@ -305,27 +269,3 @@ def card_for(card: dict, admin: bool) -> dict:
     folder, the adapter's folder or object), anyone else's with names only (`root`: the card's own name, as
     vLLM's is for a model served by name)."""
     return card if admin else {**card, "root": card["id"]}
-
-
-def install(app: FastAPI, svc: ApiService) -> Adapters:
-    """The adapter routes and metrics on `app`; the returned object (the service's) resolves requests' adapters."""
-    adapters = svc.adapters
-    svc.metrics.registry.register(LoraCollector(svc.stages))
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        from services.api.edge.app import parse_body
-
-        body = await parse_body(request, LoadLoraAdapter, svc.limits)
-        await adapters.load(body)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        from services.api.edge.app import parse_body
-
-        body = await parse_body(request, UnloadLoraAdapter, svc.limits)
-        await adapters.unload(body)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    return adapters

@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 
 from services.api import errors
 from services.api.answer.admission import Admitted
+from services.api.answer.collaborators import ApiContext
 from services.api.answer.limits import fits_context
 from services.api.answer.request.early_end import EndedEarly
 from services.api.answer.response_format import ResponseFormat
@@ -140,9 +141,9 @@ class ResponseBody:
 class Responses:
     """The routes' work (services/api/edge/app.py `add_response_routes` parses and calls it)."""
 
-    def __init__(self, svc: ApiService):
-        self.svc, self.max_chain = svc, svc.settings.max_response_chain
-        self.store = ResponseStore(svc.redis, svc.keys, svc.settings, svc.metrics.responses)
+    def __init__(self, ctx: ApiContext, service: ApiService):
+        self.ctx, self.service, self.max_chain = ctx, service, ctx.settings.max_response_chain
+        self.store = ResponseStore(ctx.redis, ctx.keys, ctx.settings, ctx.metrics.responses)
         self.followers: set[asyncio.Task] = set()  # background responses this process follows to their end
 
     async def close(self) -> None:
@@ -154,14 +155,14 @@ class Responses:
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
-        tenant = self.svc.tenancy.tenant_of(http)
+        tenant = self.ctx.tenancy.tenant_of(http)
         admitted, fmt = await self.prepare(body, tenant)
         http.scope[errors.UID] = admitted.uid
         background = bool(body.background and not body.stream)
         answer = None
         try:
             answer = await (self.start_background(admitted, fmt, tenant) if background else
-                            self.svc.answer_admitted(http, admitted))
+                            self.service.answer_admitted(http, admitted))
         finally:
             if answer is None and body.store is not False:
                 await self.forget(fmt.uid, tenant)  # its id never reached the client
@@ -176,7 +177,7 @@ class Responses:
         opened; `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
         history = await self.conversation(body.previous_response_id, tenant)
         prepared = ResponseBody(body, tenant, history, body.input_items(), self.store)
-        admitted = await self.svc.admission.admit(prepared, tenant, new_uid)
+        admitted = await self.service.admission.admit(prepared, tenant, new_uid)
         fmt = admitted.submission.fmt
         assert isinstance(fmt, ResponseFormat)
         if prepared.stored:
@@ -201,7 +202,7 @@ class Responses:
 
     async def start_background(self, admitted: Admitted, fmt: ResponseFormat, tenant: Tenant) -> dict:
         """Submit it (its lease taken), answer at once (queued), and follow it here to store its final object."""
-        req = await self.svc.requests.open(admitted, "background")
+        req = await self.ctx.requests.open(admitted, "background")
 
         async def follow() -> None:
             try:
@@ -220,7 +221,7 @@ class Responses:
         """The final object once the request ended: `failed` with the error if a stage refused it, it ran past
         its deadline or its answer past --max-response-bytes."""
         try:
-            return await self.svc.full_body(req, fmt)
+            return await self.service.full_body(req, fmt)
         except ApiError as e:
             if isinstance(e, EndedEarly) and e.reason == EndReason.BROKER_UNAVAILABLE:
                 raise  # not how the response ended: Redis is out of reach
@@ -247,7 +248,7 @@ class Responses:
             turns.append([*link.json("input"), *as_input(final["output"])])
             out.links.append((uid, link.owner))
             out.size += len(link.fields["input"] or b"") + len(link.fields["final"] or b"")
-            if out.size > self.store.max_bytes or sum(map(len, turns)) > self.svc.settings.max_response_items:
+            if out.size > self.store.max_bytes or sum(map(len, turns)) > self.ctx.settings.max_response_items:
                 raise too_long(response_id, "holds more than --max-stored-response-bytes or --max-response-items")
             uid = link.json("meta").get("prev")
         out.items = [item for turn in reversed(turns) for item in turn]
@@ -277,7 +278,7 @@ class Responses:
         stored); None while it runs."""
         if final:
             return final
-        record = await self.svc.store.record(uid)
+        record = await self.ctx.store.record(uid)
         if not record:  # the request's keys expired before its final object was stored
             return {**format_of_doc(meta, uid).obj("failed"),
                     "error": {"code": "server_error", "message": "response_expired: the response's output "
@@ -290,7 +291,7 @@ class Responses:
         """The final object from the reply stream, read to its end (then stored); None if it does not end within
         REBUILD_S (an aborted request no worker has picked up yet)."""
         fmt = format_of_doc(meta, uid)
-        req = await self.svc.requests.attach(uid, record, None)
+        req = await self.ctx.requests.attach(uid, record, None)
         try:
             async with asyncio.timeout(REBUILD_S):
                 final = await self.ended(req, fmt)
@@ -302,14 +303,14 @@ class Responses:
         return final
 
     async def retrieve(self, http: HttpRequest, response_id: str, stream: bool, starting_after: int | None):
-        doc = await self.doc(response_id, self.svc.tenancy.tenant_of(http), "meta", "final")
+        doc = await self.doc(response_id, self.ctx.tenancy.tenant_of(http), "meta", "final")
         uid, meta = doc.uid, doc.json("meta")
         if stream:
             return await self.resume(http, doc, starting_after)
         final = await self.final(uid, meta, doc.owner, doc.json("final"))
         if final is not None:
             return final
-        status = (await self.svc.store.field([uid], "status"))[uid]
+        status = (await self.ctx.store.field([uid], "status"))[uid]
         return format_of_doc(meta, uid).obj("queued" if status in NOT_SCHEDULED else "in_progress")
 
     async def resume(self, http: HttpRequest, doc: Stored, starting_after: int | None):
@@ -318,14 +319,14 @@ class Responses:
         if not meta.get("resumable"):
             raise ApiError(400, "only responses created with `background` and `stream` can be streamed again",
                            param="stream")
-        record = await self.svc.store.record(uid)
+        record = await self.ctx.store.record(uid)
         if not record:
             raise ApiError(410, f"the events of `resp_{uid}` expired (--request-ttl-s)", param="response_id",
                            code="reply_expired")
         fmt = format_of_doc(meta, uid)
         fmt.skip_through = -1 if starting_after is None else starting_after
         fmt.on_end = lambda final: self.store.finish(uid, doc.owner, final)
-        return await self.svc.stream(http, self.svc.requests.attach(uid, record, None), fmt)
+        return await self.service.stream(http, self.ctx.requests.attach(uid, record, None), fmt)
 
     # -- end -------------------------------------------------------------------------------------------------
     async def cancel(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
@@ -336,18 +337,18 @@ class Responses:
             raise ApiError(400, "only background responses can be cancelled", param="response_id")
         if doc.fields["final"]:
             return doc.json("final")
-        record = await self.svc.store.record(uid)
+        record = await self.ctx.store.record(uid)
         if record and record.get("status") not in TERMINAL:
-            await self.svc.store.abort_now(uid, EndReason.API, record.get("model"))
+            await self.ctx.store.abort_now(uid, EndReason.API, record.get("model"))
         final = (await self.final(uid, meta, doc.owner) if not record else
                  await self.rebuild(uid, meta, doc.owner, record))
         return final or format_of_doc(meta, uid).obj("cancelled")
 
     async def delete(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
         doc = await self.doc(response_id, tenant)
-        record = await self.svc.store.record(doc.uid)
+        record = await self.ctx.store.record(doc.uid)
         if record and record.get("status") not in TERMINAL:
-            await self.svc.store.abort_now(doc.uid, EndReason.API, record.get("model"))
+            await self.ctx.store.abort_now(doc.uid, EndReason.API, record.get("model"))
         await self.store.delete(doc.uid, doc.owner)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

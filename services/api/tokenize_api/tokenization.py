@@ -18,6 +18,7 @@ from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.exceptions import RedisError
 
+from services.api import errors
 from services.api.answer.limits import too_large
 from services.api.answer.reply_hub import HubError, Inbox
 from services.api.answer.request.requests import until_disconnect
@@ -30,7 +31,8 @@ from shared.redis_conn import barrier
 from shared.request_states import EndReason
 
 if TYPE_CHECKING:
-    from services.api.answer.service import ApiService
+    from services.api.answer.admission import Admission
+    from services.api.answer.collaborators import ApiContext
 
 log = logging.getLogger(__name__)
 Answer = TokenizerAnswer | ReplyError
@@ -68,8 +70,8 @@ class TokenizeRequest(BaseModel):
         check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         return self
 
-    def checked(self, svc: ApiService) -> None:
-        s = svc.settings
+    def checked(self, ctx: ApiContext) -> None:
+        s = ctx.settings
         if self.messages is not None and len(self.messages) > s.max_tokenize_messages:
             raise too_large("messages", f"{len(self.messages)} messages; at most {s.max_tokenize_messages} "
                             "(--max-tokenize-messages)")
@@ -79,7 +81,7 @@ class TokenizeRequest(BaseModel):
         if chars > s.max_tokenize_chars:
             raise too_large("messages" if self.messages else "prompt", f"the text to tokenize is {chars} "
                             f"characters; at most {s.max_tokenize_chars} (--max-tokenize-chars)")
-        svc.limits.chat_fields([t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+        ctx.limits.chat_fields([t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
                                self.chat_template_kwargs)
 
     def fields(self) -> dict[str, Any]:
@@ -100,8 +102,8 @@ class DetokenizeRequest(BaseModel):
     model: str | None = Field(None, min_length=1)
     tokens: list[int]
 
-    def checked(self, svc: ApiService) -> None:
-        most = svc.settings.max_detokenize_tokens
+    def checked(self, ctx: ApiContext) -> None:
+        most = ctx.settings.max_detokenize_tokens
         if len(self.tokens) > most:
             raise too_large("tokens", f"{len(self.tokens)} tokens; at most {most} (--max-detokenize-tokens)")
 
@@ -120,29 +122,29 @@ class TokenizerCall:
     """One query, from its submission to its end: its record, job and reply subscription go in one transaction;
     it ends once (`close`), aborting the query everywhere unless it was answered."""
 
-    def __init__(self, svc: ApiService, query: TokenizerQuery, record: dict[str, str] | None = None):
+    def __init__(self, ctx: ApiContext, query: TokenizerQuery, record: dict[str, str] | None = None):
         """`record`: what else its record says (its tenant)."""
-        self.svc, self.query, self.uid, self.record = svc, query, query.uid, record or {}
+        self.ctx, self.query, self.uid, self.record = ctx, query, query.uid, record or {}
         self.sub: Inbox | None = None
         self.queued = False
         self.status: str = EndReason.CLIENT_GONE  # why it ended, until it is answered
         self.started = time.monotonic()
 
     async def open(self) -> None:
-        svc, q = self.svc, self.query
+        ctx, q = self.ctx, self.query
         try:
-            async with svc.redis.pipeline(transaction=True) as pipe:
-                svc.store.create(pipe, q.uid, q.deadline, model=q.model, pod=svc.pod, kind=q.op,
+            async with ctx.redis.pipeline(transaction=True) as pipe:
+                ctx.store.create(pipe, q.uid, q.deadline, model=q.model, pod=ctx.pod, kind=q.op,
                                  created_at=f"{q.created_at:.3f}", **self.record)
                 barrier(pipe)  # the record exists before a tokenizer can read the query (on a cluster too)
-                streams.add(pipe, svc.keys.tokenize(q.model), q)
-                self.sub = svc.hub.register(Inbox(q.uid, svc.keys.reply(q.uid)), wake_in=pipe)
+                streams.add(pipe, ctx.keys.tokenize(q.model), q)
+                self.sub = ctx.hub.register(Inbox(q.uid, ctx.keys.reply(q.uid)), wake_in=pipe)
                 await pipe.execute()
         except (RedisError, OSError):
             self.status = EndReason.BROKER_UNAVAILABLE
             raise
         self.queued = True
-        svc.metrics.inflight.labels(q.model).inc()
+        ctx.metrics.inflight.labels(q.model).inc()
 
     async def answer(self) -> Answer:
         """The tokenizer's reply; ApiError 504 past the deadline, 503 when Redis is unreachable."""
@@ -165,26 +167,26 @@ class TokenizerCall:
     async def close(self, status: str | None = None) -> None:
         """Leave the hub, abort the query unless it was answered (or refused), count it; shielded."""
         status = status or self.status
-        metrics = self.svc.metrics
+        metrics = self.ctx.metrics
         with anyio.CancelScope(shield=True):
             if self.sub is not None:
-                self.svc.hub.unsubscribe(self.sub)
+                self.ctx.hub.unsubscribe(self.sub)
             if self.queued:
                 metrics.inflight.labels(self.query.model).dec()
             if self.queued and status not in ANSWERED:
                 log.info("uid=%s ended early: %s", self.uid, status)
                 try:
-                    await self.svc.store.abort_now(self.uid, status, None)  # no scheduler holds it: no notice
+                    await self.ctx.store.abort_now(self.uid, status, None)  # no scheduler holds it: no notice
                 except (RedisError, OSError) as e:
                     log.warning("uid=%s could not set abort flag: %s", self.uid, e)
             metrics.requests.labels(self.query.model, self.query.op, status).inc()
             metrics.duration.labels(self.query.model).observe(time.monotonic() - self.started)
 
 
-async def ask(svc: ApiService, http: HttpRequest, query: TokenizerQuery, record: dict[str, str] | None = None
+async def ask(ctx: ApiContext, http: HttpRequest, query: TokenizerQuery, record: dict[str, str] | None = None
               ) -> dict | None:
     """Submit a query and answer its client (None if it left first); `record`: what else its record says."""
-    call = TokenizerCall(svc, query, record)
+    call = TokenizerCall(ctx, query, record)
     try:
         await call.open()
         log.info("uid=%s queued for %s (%s)", query.uid, query.model, query.op)
@@ -198,3 +200,18 @@ async def ask(svc: ApiService, http: HttpRequest, query: TokenizerQuery, record:
         return response(query.op, answer)
     finally:
         await call.close()
+
+
+async def query(ctx: ApiContext, admission: Admission, http: HttpRequest, body: TokenizeRequest | DetokenizeRequest,
+                op: str) -> dict | None:
+    """A /tokenize or /detokenize body: checked, admitted like a request of one token
+    (services/api/answer/admission.py `admit_query`), then asked of the model's tokenizer stage (`ask`) within its
+    tenant's quota."""
+    body.checked(ctx)
+    tenant = ctx.tenancy.tenant_of(http)
+    async with admission.admit_query(tenant, body.model) as model:
+        now = time.time()
+        q = TokenizerQuery(uid=ctx.hub.new_uid(), model=model, pod=ctx.pod, created_at=now,
+                           deadline=now + ctx.settings.request_timeout_s, op=op, **body.fields())
+        http.scope[errors.UID] = q.uid
+        return await ask(ctx, http, q, ctx.tenancy.record_fields(tenant))

@@ -12,7 +12,7 @@ from shared.settings import ApiSettings
 
 
 async def test_a_due_parked_batch_that_cannot_start_waits_for_a_run_to_end():
-    r = BatchRunner(SimpleNamespace(s=ApiSettings(batch_claim_idle_s=30), svc=SimpleNamespace(pod="api-0")))
+    r = BatchRunner(SimpleNamespace(s=ApiSettings(batch_claim_idle_s=30), ctx=SimpleNamespace(pod="api-0")))
     r.held["b1"] = Held("t", "k", "1-0", "b1", due=time.monotonic() - 5)  # due, but the runner is full
     waiting = asyncio.create_task(r.sleep())
     for _ in range(20):

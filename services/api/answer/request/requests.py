@@ -21,7 +21,7 @@ from shared import queued
 from shared.messages import TokenizeJob
 
 if TYPE_CHECKING:
-    from services.api.answer.admission import Admitted
+    from services.api.answer.schemas.submission import Admitted
     from services.api.multitenancy.quotas import Lease
 
 

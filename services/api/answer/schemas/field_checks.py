@@ -1,6 +1,7 @@
 """What every request body's fields share (services/api/answer/schemas/, services/api/pooling_api/prefill.py,
-services/api/responses_api/response_schemas.py): the refusals (`BadRequest`, a union's `ShapeError`), a known field
-refused unless it asks for nothing, and the checks of the values more than one body takes."""
+services/api/responses_api/response_schemas.py): the refusals (`BadRequest`, a union's `ShapeError`; both in
+services/api/errors.py), a known field refused unless it asks for nothing, and the checks of the values more than
+one body takes."""
 
 from __future__ import annotations
 
@@ -11,51 +12,19 @@ from typing import Any
 
 from pydantic import ConfigDict, ValidationError, WrapValidator
 
+from services.api.errors import BadRequest, ShapeError
+
 FORBID = ConfigDict(extra="forbid")
 # OpenAI's ReasoningEffort and json_schema `name` (a-z, A-Z, 0-9, underscores and dashes, at most 64): both are
 # echoed (the Responses object shows them), so a value OpenAI's schema refuses is refused here too.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-# Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
-UNSUPPORTED_EXTENSIONS = {
-    **dict.fromkeys(("guided_decoding_backend", "structured_outputs", "guided_whitespace_pattern"),
-                    "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
-                    "fields; the backend is llguidance"),
-    "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
-    **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
-                    "custom chat templates are not supported (chat_template_kwargs are)"),
-    "lora_request": "name a LoRA adapter as `model` (or in SGLang's `lora_path`); adapters are loaded with "
-                    "POST /v1/load_lora_adapter or --lora-modules",
-    **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
-                    "output"),
-    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
-    "return_hidden_states": "hidden states are not returned",
-    "prompt_logprobs": "prompt logprobs are not supported",
-}
-
 
 def refuse_unless(value: Any, allowed: tuple, field: str, why: str) -> None:
     """A known field we cannot honour is accepted only at a value that asks for nothing."""
     if value not in allowed:
         raise BadRequest(f"`{field}` is not supported: {why}", field)
-
-
-class BadRequest(ValueError):
-    """A request that is well-formed JSON but cannot be served as asked (-> 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ShapeError(ValueError):
-    """A union field given a value of none of its shapes: the refusal is one sentence naming the field and what it
-    takes (services/api/errors.py adds the field's place in the body)."""
-
-    def __init__(self, shapes: str):
-        super().__init__(f"must be {shapes}")
-        self.shapes = shapes
 
 
 def one_of(shapes: str) -> WrapValidator:
