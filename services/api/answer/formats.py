@@ -208,8 +208,8 @@ class Format:
 
 
 class ChatFormat(Format):
-    """`parse` ({"reasoning": format, "tools": format}, services/api/edge/app.py `answer_parsing`) splits each
-    answer into `reasoning_content`, `content` and `tool_calls` (services/api/answer/parsers.py)."""
+    """`parse` ({"reasoning": format, "tools": format}, services/api/answer/schemas/chat.py `answer_parsing`) splits
+    each answer into `reasoning_content`, `content` and `tool_calls` (services/api/answer/parsers.py)."""
 
     object_chunk = "chat.completion.chunk"
     object_full = "chat.completion"

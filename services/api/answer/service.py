@@ -1,6 +1,6 @@
-"""The API process's state, and the one path every generating request's answer takes (`ApiService.answer`; a
-reattaching client's, `ApiService.reattach`), after the edge (services/api/edge/app.py) parsed its body, entering each
-module once, in this order:
+"""The one path every generating request's answer takes (`ApiService.answer`; a reattaching client's,
+`ApiService.reattach`), after the edge (services/api/edge/) parsed its body, entering each module once, in this
+order:
 
 1. admission (services/api/answer/admission.py): one call decides whether the body is taken now and builds what it
    submits (limits, the tenant's policy and quota, the model's backlog, its uids, jobs, format and record);
@@ -12,7 +12,8 @@ module once, in this order:
 
 Every request it opens is closed in `finally` (non-stream) or when its response ends for any reason
 (stream: the `SSEResponse`), so client disconnects, deadlines and errors all release the request's state
-here and abort it in every stage.
+here and abort it in every stage. The process's state it runs on is `ApiService.ctx`
+(services/api/answer/collaborators.py), which the feature APIs are given too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tenants at the API (docs/operator-guide.md, "Tenants"): who a request comes from, what its key's policy lets
 it do, whose requests it may see, and its quotas, shared by every API process through Redis. Every route asks one
-object, `ApiService.tenancy`:
+object, `ApiContext.tenancy` (services/api/answer/collaborators.py):
 
 - `tenant_of(request)`: the tenant services/api/edge/app.py `Guard` found for the request's key (`OPEN` without keys);
 - `authorize(tenant, model, lora_path=, priority=, background=)`: a 403 naming the field the policy does not allow

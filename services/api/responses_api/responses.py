@@ -139,7 +139,7 @@ class ResponseBody:
 
 
 class Responses:
-    """The routes' work (services/api/edge/app.py `add_response_routes` parses and calls it)."""
+    """The routes' work (services/api/edge/routes.py `add_response_routes` parses and calls it)."""
 
     def __init__(self, ctx: ApiContext, service: ApiService):
         self.ctx, self.service, self.max_chain = ctx, service, ctx.settings.max_response_chain
