@@ -16,7 +16,7 @@ path through the API reads as one pass"). Each step counts for the module the se
 package of the API, services/api/answer/request/, counting as one module), so what a module does beneath it (admission's
 checks in schemas, limits, tenancy; the format's parsers) is folded into that module's one visit, and the
 service's own functions are the path itself, not stops on it. Before the service runs, the steps are the HTTP edge
-(services/api/edge/http.py, app.py, the body's parsing); after it returned the SSE response
+(services/api/edge/: http.py, app.py, routes.py, the body's parsing); after it returned the SSE response
 (services/api/answer/sse.py), the server runs that, and it pulls the replies and their chunks. Steps of the request's
 own tasks (the reply read and the disconnect watch the service races, services/api/answer/request/requests.py
 `until_disconnect`) count for their module; those of the process's tasks (the reply hub's reader) are listed apart,
@@ -78,7 +78,7 @@ def segments_of(modules: list[str]) -> list[str]:
     return out
 
 
-EDGE = ("services.api.edge.http", "services.api.edge.app", "services.api.main", "rsinfer.")  # and the process's entry
+EDGE = ("services.api.edge.", "services.api.main", "rsinfer.")  # the HTTP edge, and the process's entry
 SERVICE = "services.api.answer.service"
 # Tasks of the request's own, outside the service's stack: the response the server runs, the reply reads and the
 # disconnect watch the service races (services/api/answer/request/requests.py `until_disconnect`).

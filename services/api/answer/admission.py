@@ -32,7 +32,8 @@ from redis.exceptions import RedisError
 
 from services.api.answer.adapter_target import AdapterTargets
 from services.api.answer.limits import jobs_fit_context, omitted_max_tokens
-from services.api.answer.schemas.submission import Admitted, Budget, Stamp, Submission
+from services.api.answer.request.requests import Admitted
+from services.api.answer.schemas.submission import Budget, Stamp, Submission
 from services.api.errors import ApiError, redis_down
 from services.api.multitenancy.tenants import Tenant
 from services.api.operations.registry import Snapshot

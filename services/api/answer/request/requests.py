@@ -1,12 +1,13 @@
-"""The requests of this API process (`Requests`): a body's jobs opened as one request, or a request submitted
-by any API process attached to; the tenant's lease each holds; and the race of a request's work against its client
-leaving."""
+"""The requests of this API process (`Requests`): a body's jobs opened as one request, once admitted (`Admitted`,
+services/api/answer/admission.py), or a request submitted by any API process attached to; the tenant's lease each
+holds; and the race of a request's work against its client leaving."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -21,8 +22,22 @@ from shared import queued
 from shared.messages import TokenizeJob
 
 if TYPE_CHECKING:
-    from services.api.answer.schemas.submission import Admitted
+    from services.api.answer.schemas.submission import Submission
     from services.api.multitenancy.quotas import Lease
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that was taken: its submission (jobs with their tenant, record with its fields) and the lease of
+    its tenant's quota (None without one), which ends with the request."""
+
+    submission: Submission
+    lease: Lease | None
+
+    @property
+    def uid(self) -> str:
+        """Its first job's: the request's id in logs, its response's id."""
+        return self.submission.jobs[0].uid
 
 
 async def until_disconnect(request: HttpRequest, work: Awaitable[Any]) -> tuple[bool, Any]:

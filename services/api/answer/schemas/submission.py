@@ -1,19 +1,16 @@
 """What a body gives admission (services/api/answer/admission.py): what it asks the engines for (`Budget`), and what
 it submits (`Submission`) once the server stamped it (`Stamp`); and what its `checked` asks of the server's limits
-(`FieldLimits`); and what admission returns for a body it took (`Admitted`)."""
+(`FieldLimits`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from services.api.answer.formats import Format
 from shared.messages import SamplingParams, TokenizeJob
-
-if TYPE_CHECKING:
-    from services.api.multitenancy.quotas import Lease
 
 
 class FieldLimits(Protocol):
@@ -93,17 +90,3 @@ def submission(jobs: list[TokenizeJob], fmt: Format, kind: str, stream: bool | N
     if jobs[0].adapter:  # the LoRA adapter the client named as `model` (a reattached stream says it too)
         record["adapter"] = jobs[0].adapter
     return Submission(jobs, fmt, record, bool(stream), label or ("stream" if stream else "full"))
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A request that was taken: its submission (jobs with their tenant, record with its fields) and the lease of
-    its tenant's quota (None without one), which ends with the request."""
-
-    submission: Submission
-    lease: Lease | None
-
-    @property
-    def uid(self) -> str:
-        """Its first job's: the request's id in logs, its response's id."""
-        return self.submission.jobs[0].uid
