@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.api.answer.service import ApiService
+    from services.api.answer.collaborators import ApiContext
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ class AdminSocket:
     """The socket, and what it leaves: a process removes only its own socket (never that of another API process
     on the port, whose start failed), and the directory it made, when empty."""
 
-    def __init__(self, svc: ApiService, path: Path, drain_timeout_s: float, own_dir: bool = False):
-        self.svc, self.path, self.drain_timeout_s, self.own_dir = svc, path, drain_timeout_s, own_dir
+    def __init__(self, ctx: ApiContext, path: Path, drain_timeout_s: float, own_dir: bool = False):
+        self.ctx, self.path, self.drain_timeout_s, self.own_dir = ctx, path, drain_timeout_s, own_dir
         self.server: asyncio.AbstractServer | None = None
         self.inode: int | None = None  # of the socket file this process bound
 
@@ -101,8 +101,8 @@ class AdminSocket:
             request = json.loads(line or b"{}")
             op = request.get("op") if isinstance(request, dict) else None
             if op == "drain":
-                self.svc.drain_for(self.drain_timeout_s)
-                reply = {"draining": True, "inflight": len(self.svc.requests.inflight), "for_s": self.drain_timeout_s}
+                self.ctx.drain.drain_for(self.drain_timeout_s)
+                reply = {"draining": True, "inflight": len(self.ctx.requests.inflight), "for_s": self.drain_timeout_s}
             else:
                 reply = {"error": f"unknown op {op!r}; known: drain"}
         except (ValueError, TimeoutError, asyncio.LimitOverrunError) as e:

@@ -112,7 +112,7 @@ class Guard:
 def create_app(settings: ApiSettings) -> Guard:
     svc = ApiService(settings)
     ctx = svc.ctx
-    control = AdminSocket(svc, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s,
+    control = AdminSocket(ctx, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s,
                           own_dir=not settings.admin_socket)
 
     @asynccontextmanager

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _service() -> SimpleNamespace:
-    return SimpleNamespace(requests=SimpleNamespace(inflight={}), drain_for=lambda s: None)
+    return SimpleNamespace(requests=SimpleNamespace(inflight={}), drain=SimpleNamespace(drain_for=lambda s: None))
 
 
 async def test_a_second_process_does_not_take_a_live_socket(tmp_path: Path):
