@@ -76,11 +76,8 @@ class Admission:
     async def admit(self, body: Body, tenant: Tenant, new_uid: Callable[[], str] | None = None) -> Admitted:
         """`new_uid`: where the jobs' uids come from, if not the reply hub (a batch line's are its own)."""
         params = body.checked(self.limits)
-        name = body.model or self.only_model()  # only /generate may leave the model out
-        self.tenancy.authorize(tenant, name, lora_path=body.lora_path, priority=sent_priority(body),
-                               background=getattr(body, "background", None))
-        model, adapter = await self.targets.target(name, body.lora_path)  # an adapter: its base model and it
-        self.tenancy.authorize_adapter(tenant, adapter, "model" if body.lora_path is None else "lora_path")
+        model, adapter = await self.target(tenant, body.model, body.lora_path, priority=sent_priority(body),
+                                           background=getattr(body, "background", None))
         budget = body.budget(params)
         await self.room(model, budget)
         stamp = self.stamp(model, adapter, budget.prompts, new_uid)
@@ -95,13 +92,21 @@ class Admission:
         room (a draining server or an unknown model refuse it; a query is not counted in the model's queue: no
         scheduler takes it, and the tokenizers read on past any backlog), then its tenant's quota (concurrency and
         requests per minute), held while the query runs. Yields the model whose tokenizer answers it."""
-        name = name or self.only_model()
-        self.tenancy.authorize(tenant, name)
-        model, adapter = await self.targets.target(name)
-        self.tenancy.authorize_adapter(tenant, adapter)
+        model, _ = await self.target(tenant, name)
         await self.room(model, Budget(prompts=1, choices=1, max_tokens=1))
         async with self.tenancy.admitted(tenant):
             yield model
+
+    async def target(self, tenant: Tenant, name: str | None, lora_path: str | None = None, *,
+                     priority: int | None = None, background: bool | None = None) -> tuple[str, str | None]:
+        """Steps 2 and 3 (module doc): the tenant's policy, then the base model and the adapter (or None) that
+        `name` and `lora_path` name, the adapter allowed under its own name. Only /generate and the tokenizer
+        queries may leave the model out (the server's only one)."""
+        name = name or self.only_model()
+        self.tenancy.authorize(tenant, name, lora_path=lora_path, priority=priority, background=background)
+        model, adapter = await self.targets.target(name, lora_path)  # an adapter: its base model and it
+        self.tenancy.authorize_adapter(tenant, adapter, "model" if lora_path is None else "lora_path")
+        return model, adapter
 
     async def leased(self, submission: Submission, tenant: Tenant) -> Admitted:
         """The submission as its tenant's (record fields, the jobs' turn in fair queueing), within its quota."""
