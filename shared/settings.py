@@ -20,12 +20,16 @@ DEMO_MODEL_NAME = "rsinfer-demo"
 PROCESS_START = f"{os.getpid()}.{secrets.token_hex(2)}"
 
 
-# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
-class SecretFiles(BaseSettings):
-    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
-    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
+class EnvSettings(BaseSettings):
+    """The base of every settings class: fields read from `RSINFER_<NAME>` too, frozen once parsed."""
 
     model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
+
+
+# -- Secrets from files: a flag's value shows in `ps`, a file's does not -----------------------------------------
+class SecretFiles(EnvSettings):
+    """`<secret>_file` settings: the secret is read from that file (trailing newline dropped), e.g. a mounted
+    Secret or one `rsinfer up` wrote, so that it shows neither in `ps` nor in the environment."""
 
     redis_password_file: str = Field("", description="file holding the Redis password (instead of --redis-password, "
                                      "which `ps` shows)")
@@ -45,8 +49,6 @@ class SecretFiles(BaseSettings):
 class RedisSettings(SecretFiles):
     """The Redis every process talks through and the namespace of its keys: all that `rsinfer inspect` needs."""
 
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL every stage talks through")
     redis_password: str | None = Field(None, description="Redis password (overrides one in the URL)")
     redis_tls_ca: str | None = Field(None, description="CA bundle for rediss:// URLs")
@@ -64,10 +66,8 @@ class RedisSettings(SecretFiles):
         return opts
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(EnvSettings):
     """Who a worker is and how long its heartbeat says it lives (its processes and `rsinfer healthcheck`)."""
-
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     worker_id: str = Field("", description="this process's name (e.g. the pod's); its id in heartbeats and "
                            "consumer groups is <name>@<start>, unique per process start (default name: host)")
@@ -83,8 +83,6 @@ class WorkerSettings(BaseSettings):
 
 
 class CommonSettings(RedisSettings, WorkerSettings):
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
     log_level: str = Field("INFO", description="logging level")
     heartbeat_interval_s: float = Field(1.0, description="seconds between heartbeats")
     request_ttl_s: int = Field(600, description="TTL of every per-request key, refreshed while it lives")
@@ -93,12 +91,10 @@ class CommonSettings(RedisSettings, WorkerSettings):
                                       "http://otel-collector:4318); none = tracing off")
 
 
-class StorageSettings(BaseSettings):
+class StorageSettings(EnvSettings):
     """Where file contents (Batch API input, output and error files) and LoRA adapter folders live
     (shared/storage.py): mixed into the settings of the API, which stores files, and of the scheduler, which
     fetches adapters. Every process that shares files must name the same store."""
-
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     storage_url: str = Field("", description="object storage: file:///dir (a directory every process that "
                              "shares files can read and write) or s3://bucket/prefix; empty = "
@@ -128,12 +124,10 @@ class StorageSettings(BaseSettings):
         return url
 
 
-class AdapterSettings(BaseSettings):
+class AdapterSettings(EnvSettings):
     """The LoRA adapter registry (shared/adapter_registry.py): mixed into the settings of the API, which registers
     adapters (`POST /v1/load_lora_adapter`), and of the scheduler, which serves them; `--lora-modules` registers some at
     start (either process may be given them)."""
-
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
 
     lora_modules: str = Field("", json_schema_extra={"nargs": "+"}, description="LoRA adapters registered at "
                               "start, separated by spaces: `name=path` (a PEFT folder every scheduler and API "
@@ -169,9 +163,7 @@ class AdapterSettings(BaseSettings):
 
 
 # -- Worker liveness (shared/liveness.py): a local file, so that a Redis outage never fails a liveness probe --
-class LivenessSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
+class LivenessSettings(EnvSettings):
     liveness_file: str = Field("", description="file a stage worker touches while its loop moves, which `rsinfer "
                                "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
 
@@ -282,9 +274,7 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
 
 
 # -- Draining (services/api/edge/admin.py): a pod-local control socket, never an HTTP route -----------------------
-class DrainSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
+class DrainSettings(EnvSettings):
     admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
                               "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
     drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
@@ -298,19 +288,12 @@ class DrainCommand(DrainSettings):
                       "socket is named after it)")
 
 
-class ApiKeyFile(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
-    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
-                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
-
-
-class TenantSettings(BaseSettings):
+class TenantSettings(EnvSettings):
     """Named keys, their policies and the tenants' quotas (services/api/multitenancy/tenancy.py; docs/operator-guide.md,
     "Tenants")."""
 
-    model_config = SettingsConfigDict(env_prefix="RSINFER_", extra="ignore", frozen=True)
-
+    api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
+                              "--api-key, which `ps` shows; or RSINFER_API_KEY)")
     api_keys_file: str = Field("", description="YAML or JSON file of API keys, each with its tenant and policy "
                                "(docs/operator-guide.md, \"Tenants\"); re-read when it changes, so keys rotate "
                                "without a restart")
@@ -326,7 +309,7 @@ class TenantSettings(BaseSettings):
                                  "ended (one pipeline for all of them)")
 
 
-class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, ApiKeyFile, TenantSettings):
+class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSettings, TenantSettings):
     host: str = Field("0.0.0.0", description="address the API listens on")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     api_key: str | None = Field(None, description="bearer key clients must send; none = open")
@@ -425,6 +408,8 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_response_chain: int = Field(256, ge=1, description="most responses one conversation chains through "
                                     "previous_response_id (each stores only its own input and output; the "
                                     "conversation is read link by link)")
+    max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
+                                    "input and the conversation of its previous_response_id")
     # -- The Batch API (services/api/batch_api/batches.py, services/api/batch_api/files.py).
     file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")
@@ -447,9 +432,6 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                       "uploads and its batches' output and error files): past it a 403")
     max_file_bytes_per_tenant: int = Field(16 << 30, ge=1, description="most bytes one tenant's stored files "
                                            "hold together: past it a 403 (an output file past it fails its batch)")
-
-    max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
-                                    "input and the conversation of its previous_response_id")
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))

@@ -1,8 +1,8 @@
 """Redis Streams, the commands: the only module that calls XADD, XREAD, XREADGROUP, XACK, XAUTOCLAIM, XCLAIM,
-XPENDING, XINFO, XGROUP and XTRIM, and the Lua scripts that combine them. Each function here is one command, one
-pipeline of the same command over several streams, or one script; on a pipeline it is queued. What to do with
-the entries is the layers above: shared/consumer_group.py (a consumer group with lanes, claims, touch,
-hand-back and dead letters) and shared/faststream_glue.py (FastStream as the tokenizer's and detokenizer's
+XPENDING, XINFO, XGROUP and XTRIM, and the Lua scripts that combine them (shared/data/*.lua). Each function here
+is one command, one pipeline of the same command over several streams, or one script; on a pipeline it is queued.
+What to do with the entries is the layers above: shared/consumer_group.py (a consumer group with lanes, claims,
+touch, hand-back and dead letters) and shared/faststream_glue.py (FastStream as the tokenizer's and detokenizer's
 consume loop: it reads through FastStream's own calls, and writes and acknowledges through these).
 
 Every entry is one field, `data`, holding the JSON of one message of shared/messages.py, so `redis-cli
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -43,6 +44,12 @@ def as_str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def _script(name: str) -> str:
+    """The Lua script shared/data/<name>.lua, without its comment lines (EVAL sends the text on every call)."""
+    text = (Path(__file__).parent / "data" / f"{name}.lua").read_text()
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("--"))
+
+
 # -- writing ---------------------------------------------------------------------------------------------------
 def add(target: Target, key: str, msg: msgspec.Struct, maxlen: int | None = None) -> Any:
     """XADD one message. On a pipeline it is queued; on a client it returns an awaitable of the id."""
@@ -59,103 +66,14 @@ def add_fields(target: Target, key: str, fields: dict[str, Any], maxlen: int | N
     return target.xadd(key, fields, maxlen=maxlen, approximate=True)
 
 
-# One call appends one entry to each of many streams (and refreshes the TTLs asked for): a detokenizer's read
-# writes an entry to the reply stream of every request in it, and as separate pipelined XADDs the client's
-# command packing and reply parsing cost it more CPU than everything else it does per token.
-_APPEND = """
-local maxlen, ttl = ARGV[1], ARGV[2]
-for i = 1, #KEYS do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'data', ARGV[1 + 2 * i])
-  if ARGV[2 + 2 * i] == '1' then redis.call('EXPIRE', KEYS[i], ttl) end
-end
-return #KEYS
-"""
-
-
-_TOUCH = """
-local mine, lost = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then table.insert(mine, ARGV[i]) else table.insert(lost, ARGV[i]) end
-end
-if #mine > 5 then
-  table.insert(mine, 'JUSTID')
-  redis.call(unpack(mine))
-end
-return lost
-"""
-
-
-# XACK of those of the ids the consumer still holds: an entry a peer claimed stays the peer's to end.
-_ACK_OWN = """
-local mine = {'XACK', KEYS[1], ARGV[1]}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then table.insert(mine, ARGV[i]) end
-end
-if #mine == 3 then return 0 end
-return redis.call(unpack(mine))
-"""
-
-
-# Reads the streams named in KEYS in order, up to ARGV[3] new entries in all: a scheduler's own stream before the
-# shared one, never more than its engine has room for. Streams whose group is missing are returned apart, for the
-# caller to recreate.
-_READ_IN_ORDER = """
-local got, missing, left = {}, {}, tonumber(ARGV[3])
-for i = 1, #KEYS do
-  if left <= 0 then break end
-  local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', KEYS[i], '>')
-  if type(r) == 'table' and r.err then
-    table.insert(missing, KEYS[i])
-  elseif r then
-    table.insert(got, r[1])
-    left = left - #r[1][2]
-  end
-end
-return {got, missing}
-"""
-
-# KEYS: a stream, a key that lives and dies with it, a set; ARGV: the group, the stream's member in the set.
-_END_IF_DRAINED = """
-local function after(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
-  return am > bm or (am == bm and as > bs)
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-  if last then
-    local delivered = nil
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-      local f = {}
-      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-      if f['name'] == ARGV[1] then
-        if f['pending'] > 0 then return 0 end
-        delivered = f['last-delivered-id']
-      end
-    end
-    if not delivered or after(last[1], delivered) then return 0 end
-  end
-  redis.call('DEL', KEYS[1])
-end
-redis.call('DEL', KEYS[2])
-redis.call('SREM', KEYS[3], ARGV[2])
-return 1
-"""
-
-
-_DELETE_IF_EMPTY = """
-local deleted = {}
-for i = 2, #ARGV do
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[i]) == 0 then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[i])
-    table.insert(deleted, ARGV[i])
-  end
-end
-return deleted
-"""
+# The Lua scripts that combine stream commands live beside this module (shared/data/*.lua), each with the
+# why of it in its comments.
+_APPEND = _script("append")
+_TOUCH = _script("touch_own")
+_ACK_OWN = _script("ack_own")
+_READ_IN_ORDER = _script("read_in_order")
+_END_IF_DRAINED = _script("end_if_drained")
+_DELETE_IF_EMPTY = _script("delete_consumers_if_empty")
 
 
 class Appender:

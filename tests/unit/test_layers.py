@@ -5,7 +5,8 @@ XACK goes through its barrier.
 
 ruff's banned-API rule (TID251) sees imports and module attributes, not a method called on a Redis client or
 pipeline, so this walks the syntax trees: a call of a stream command's method, an `execute_command("X...")`,
-or a Lua script (any string literal) that calls an X command is an offence outside the layer."""
+or a Lua script (any string literal, or a .lua file) that calls an X command is an offence outside the layer. The
+layer's own scripts are shared/data/*.lua, which shared/streams.py loads."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ("services", "shared", "rsinfer")
-LAYER = {"shared/streams.py"}
+LAYER = {"shared/streams.py", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "shared/data").glob("*.lua"))}
 
 # redis-py's method names for the stream commands (every Redis command that starts with X is one).
 STREAM_METHODS = frozenset({
@@ -54,8 +55,19 @@ def stream_commands(source: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def lua_stream_commands(script: str) -> list[tuple[int, str]]:
+    """(line, command) of every stream command a Lua script file calls."""
+    return [(n, "lua " + call.group(0).split("(")[1].strip(" '\"").lower())
+            for n, line in enumerate(script.splitlines(), 1) for call in LUA_STREAM_CALL.finditer(line)]
+
+
+def commands_of(path: Path) -> list[tuple[int, str]]:
+    text = path.read_text()
+    return lua_stream_commands(text) if path.suffix == ".lua" else stream_commands(text)
+
+
 def _package_files() -> list[Path]:
-    return sorted(p for top in PACKAGE for p in (ROOT / top).rglob("*.py"))
+    return sorted(p for top in PACKAGE for pattern in ("*.py", "*.lua") for p in (ROOT / top).rglob(pattern))
 
 
 def _offences() -> list[tuple[str, int, str]]:
@@ -63,7 +75,7 @@ def _offences() -> list[tuple[str, int, str]]:
     for path in _package_files():
         rel = path.relative_to(ROOT).as_posix()
         if rel not in LAYER:
-            offences += [(rel, line, command) for line, command in stream_commands(path.read_text())]
+            offences += [(rel, line, command) for line, command in commands_of(path)]
     return offences
 
 
@@ -85,8 +97,8 @@ def test_the_walk_covers_the_package_and_finds_the_layer_itself():
     files = {p.relative_to(ROOT).as_posix() for p in _package_files()}
     assert files >= LAYER
     assert {"services/scheduler/main.py", "shared/consumer_group.py", "rsinfer/cli.py"} <= files
-    in_layer = {command for _, command in stream_commands((ROOT / "shared/streams.py").read_text())}
-    assert {"xadd", "xack", "xreadgroup", "xautoclaim", "lua xadd"} <= in_layer
+    in_layer = {command for path in LAYER for _, command in commands_of(ROOT / path)}
+    assert {"xadd", "xack", "xreadgroup", "xautoclaim", "lua xadd", "lua xpending"} <= in_layer
 
 
 def test_stream_commands_are_issued_only_by_the_streams_layer():
