@@ -68,7 +68,7 @@ POLL_S = 0.5
 RETRY = (429, 503)  # a line refused for these before it was submitted is tried again later
 
 
-class Batches(Protocol):
+class BatchOwner(Protocol):
     """What a run uses of the batches it belongs to (services/api/batch_api/batches.py `Batches`, which starts it):
     their settings, Redis, files, the answer path, and a batch's failure and clean-up."""
 
@@ -88,7 +88,7 @@ class Batches(Protocol):
 class BatchRun:
     """One run of one batch by this process."""
 
-    def __init__(self, batches: Batches, h: dict[str, str], lines: list[Line]):
+    def __init__(self, batches: BatchOwner, h: dict[str, str], lines: list[Line]):
         self.b, self.h, self.lines = batches, h, lines
         self.id, self.endpoint, self.tenant_name = h["id"], h["endpoint"], h.get("tenant", "")
         self.key = batches.keys.batch(self.id)
@@ -285,7 +285,7 @@ class LineRun:
     """One line of a batch run as its endpoint runs a body (services/api/answer/admission.py), under its tenant's policy
     and quota as the keys say at that line."""
 
-    def __init__(self, batches: Batches, batch_id: str, tenant_name: str):
+    def __init__(self, batches: BatchOwner, batch_id: str, tenant_name: str):
         self.b, self.id, self.tenant_name = batches, batch_id, tenant_name
         self.running: dict[int, list[str]] = {}  # line -> its requests' uids
 
