@@ -65,7 +65,7 @@ def ttft(reply: Reply) -> float | None:
 
 
 def queued(r: redis.Redis, keys: Keys, model: str) -> int:
-    """The streams' part of the API's backlog figure (services/api/registry.py `queued`)."""
+    """The streams' part of the API's backlog figure (services/api/operations/registry.py `queued`)."""
     def group(key: str, name: str) -> dict:
         try:
             return next((g for g in r.xinfo_groups(key) if g["name"] in (name, name.encode())), {})

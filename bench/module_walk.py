@@ -11,15 +11,16 @@ functions of the idle window are taken out of the request's, so what is left is 
 Figures per process: `stops` (functions entered), `modules` (distinct), `segments` (runs of one module in the walk)
 and `returns` (segments - modules: how often the reader comes back to a module already visited).
 
-The API also gets its `pass`: the modules services/api/service.py hands the request to, in order (README, "the
+The API also gets its `pass`: the modules services/api/answer/service.py hands the request to, in order (README, "the
 path through the API reads as one pass"). Each step counts for the module the service entered to get there (a
-package of the API, services/api/request/, counting as one module), so what a module does beneath it (admission's
+package of the API, services/api/answer/request/, counting as one module), so what a module does beneath it (admission's
 checks in schemas, limits, tenancy; the format's parsers) is folded into that module's one visit, and the
 service's own functions are the path itself, not stops on it. Before the service runs, the steps are the HTTP edge
-(services/api/http.py, app.py, the body's parsing); after it returned the SSE response (services/api/sse.py), the
-server runs that, and it pulls the replies and their chunks. Steps of the request's own tasks (the reply read and
-the disconnect watch the service races, services/api/request/requests.py `until_disconnect`) count for their
-module; those of the process's tasks (the reply hub's reader) are listed apart, under `tasks`.
+(services/api/edge/: http.py, app.py, routes.py, the body's parsing); after it returned the SSE response
+(services/api/answer/sse.py), the server runs that, and it pulls the replies and their chunks. Steps of the request's
+own tasks (the reply read and the disconnect watch the service races, services/api/answer/request/requests.py
+`until_disconnect`) count for their module; those of the process's tasks (the reply hub's reader) are listed apart,
+under `tasks`.
 """
 
 from __future__ import annotations
@@ -77,18 +78,19 @@ def segments_of(modules: list[str]) -> list[str]:
     return out
 
 
-EDGE = ("services.api.http", "services.api.app", "services.api.main", "rsinfer.")  # and the process's entry
-SERVICE = "services.api.service"
+EDGE = ("services.api.edge.", "services.api.main", "rsinfer.")  # the HTTP edge, and the process's entry
+SERVICE = "services.api.answer.service"
 # Tasks of the request's own, outside the service's stack: the response the server runs, the reply reads and the
-# disconnect watch the service races (services/api/request/requests.py `until_disconnect`).
-OWN_TASKS = ("services.api.sse", "services.api.request")
+# disconnect watch the service races (services/api/answer/request/requests.py `until_disconnect`).
+OWN_TASKS = ("services.api.answer.sse", "services.api.answer.request")
 
 
 def pass_unit(module: str) -> str:
-    """What a module counts as in the pass: a package of the API (services/api/request/) is one step, whichever
-    of its modules runs, as the module it was split from was."""
+    """What a module counts as in the pass: a module of one of the API's layers (services/api/<layer>/), a package
+    of it (services/api/answer/request/) being one step, whichever of its modules runs, as the module it was split
+    from was."""
     parts = module.split(".")
-    return ".".join(parts[:3]) if parts[:2] == ["services", "api"] else module
+    return ".".join(parts[:4]) if parts[:2] == ["services", "api"] else module
 
 
 def pass_module(module: str, callers: list[str]) -> str | None:

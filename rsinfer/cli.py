@@ -194,7 +194,7 @@ def _hash_key(args: argparse.Namespace) -> int:
     import hashlib
     import secrets
 
-    from services.api.tenants import PBKDF2_ITERATIONS, SaltedHash, key_problem
+    from services.api.multitenancy.tenants import PBKDF2_ITERATIONS, SaltedHash, key_problem
 
     if not PBKDF2_ITERATIONS[0] <= args.iterations <= PBKDF2_ITERATIONS[1]:
         print(f"rsinfer hash-key: --iterations: {PBKDF2_ITERATIONS[0]} to {PBKDF2_ITERATIONS[1]}", file=sys.stderr)

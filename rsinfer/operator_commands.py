@@ -12,8 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from services.api.admin import admin_socket_path
-from services.api.admin import call as admin_call
+from services.api.edge.admin import admin_socket_path
+from services.api.edge.admin import call as admin_call
 from shared import streams
 from shared.heartbeats import declared_models, live_workers
 from shared.keys import STAGES, Keys
@@ -186,7 +186,8 @@ def aligned(rows: list[list[str]]) -> list[str]:
 
 
 async def _usage_lines(redis, keys: Keys) -> list[str]:
-    """Each tenant's usage (services/api/tenancy.py): requests, prompt, cached and generated tokens so far."""
+    """Each tenant's usage (services/api/multitenancy/tenancy.py): requests, prompt, cached and generated tokens so
+    far."""
     usage: dict[str, dict[str, str]] = {}
     for field, value in (await redis.hgetall(keys.usage())).items():
         tenant, _, counter = field.decode().rpartition(":")
@@ -218,7 +219,7 @@ async def _adapter_lines(redis, keys: Keys, workers: list) -> list[str]:
 
 
 async def _batch_lines(redis, keys: Keys, newest: int = 20) -> list[str]:
-    """The newest batches (services/api/batches.py) with their status and counts."""
+    """The newest batches (services/api/batch_api/batches.py) with their status and counts."""
     ids = [i.decode() for i in await redis.zrevrange(keys.batches(), 0, newest - 1)]
     rows = [(i, await redis.hgetall(keys.batch(i))) for i in ids]
     rows = [(i, {k.decode(): v.decode() for k, v in h.items()}) for i, h in rows if h]
@@ -272,7 +273,7 @@ async def heartbeat_fresh(settings: ProbeSettings, role: str) -> tuple[bool, str
 
 
 def drain(settings: DrainCommand, wait: float) -> int:
-    """Drain the API process of this pod through its control socket (services/api/admin.py): it turns unready
+    """Drain the API process of this pod through its control socket (services/api/edge/admin.py): it turns unready
     and refuses new requests for --drain-timeout-s, unless SIGTERM comes first; then keep the hook running for
     `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open
     the socket (one of this pod, as this user) can drain it: there is no HTTP route for it."""

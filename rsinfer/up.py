@@ -21,7 +21,7 @@ from rsinfer import local
 from rsinfer.launcher import SINGLE_THREAD, Launcher, ProcessDied, serving
 from rsinfer.logs import setup_logging
 from rsinfer.redis_server import RedisServer
-from services.api.tenants import KeyFileError, check_keys
+from services.api.multitenancy.tenants import KeyFileError, check_keys
 from shared.models import resolve_model
 from shared.settings import (
     ApiSettings,

@@ -3,7 +3,7 @@ folder is, in one Redis hash (`rsinfer:adapters`, `Keys.adapters`: field = name,
 so that every API process and every scheduler sees the same adapters.
 
 The API registers and unregisters them (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
-services/api/adapters.py) and resolves a request's `model`; schedulers resolve the names of the requests they
+services/api/lora_api/adapters.py) and resolves a request's `model`; schedulers resolve the names of the requests they
 admit and serve the folders (services/scheduler/registered_adapters.py); `--lora-modules` registers some at start
 on either.
 Each registration has a new `version`: the engine knows an adapter by `name@version` (`AdapterRecord.identity`),

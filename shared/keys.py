@@ -114,9 +114,9 @@ class Keys:
         return f"{self.namespace}:req:{{{uid}}}"
 
     def response(self, uid: str) -> str:
-        """A stored response of the Responses API (services/api/response_store.py), a hash under the request's
-        hash tag: `tenant` (its owner, read before anything else), `meta` (the fields its object echoes, how its
-        answers are parsed, the response it continues), `input` (its own input items) and, once it ended,
+        """A stored response of the Responses API (services/api/responses_api/response_store.py), a hash under the
+        request's hash tag: `tenant` (its owner, read before anything else), `meta` (the fields its object echoes, how
+        its answers are parsed, the response it continues), `input` (its own input items) and, once it ended,
         `final` (its final object), each JSON."""
         return f"{self.namespace}:response:{{{uid}}}"
 
@@ -126,7 +126,8 @@ class Keys:
         return f"{self.namespace}:file:{{{file_id}}}"
 
     def batch(self, batch_id: str) -> str:
-        """A batch of the Batch API (hash: status, endpoint, files, counts, timestamps; services/api/batches.py)."""
+        """A batch of the Batch API (hash: status, endpoint, files, counts, timestamps;
+        services/api/batch_api/batches.py)."""
         return f"{self.namespace}:batch:{{{batch_id}}}"
 
     def batches(self) -> str:
@@ -196,8 +197,8 @@ class Keys:
         `tag` puts it in the slot of the reply streams that shard reads."""
         return f"{self.namespace}:ctl:{{{tag}}}:{pod}:{shard}"
 
-    # -- tenants (services/api/tenancy.py): every key of one tenant's quota carries the tag `{t:<tenant>}`, so the
-    # admission script's keys share a hash slot on a cluster
+    # -- tenants (services/api/multitenancy/tenancy.py): every key of one tenant's quota carries the tag
+    # `{t:<tenant>}`, so the admission script's keys share a hash slot on a cluster
     def quota_slots(self, tenant: str) -> str:
         """Sorted set of the tenant's concurrency leases: member = the lease id (a request uid), score = the unix
         time it expires at unless its API process refreshes it (a crashed process's leases expire)."""
@@ -210,7 +211,8 @@ class Keys:
 
     def stored_responses(self, tenant: str) -> str:
         """Sorted set of a tenant's stored responses: member = the uid, score = the unix time it expires at (a
-        reservation not yet written expires sooner); pruned as it is read (services/api/response_store.py)."""
+        reservation not yet written expires sooner); pruned as it is read
+        (services/api/responses_api/response_store.py)."""
         return f"{self.namespace}:stored:{{t:{tenant}}}"
 
     def stored_response_bytes(self, tenant: str) -> str:

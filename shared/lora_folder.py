@@ -2,8 +2,8 @@
 the header of its adapter_model.safetensors (tensor names, shapes and dtypes; no weight is read).
 
 The engine (services/scheduler/engine/lora.py) reads a folder with these checks before it reads the weights; the
-API (services/api/adapters.py) runs them when an adapter is loaded (`POST /v1/load_lora_adapter`), against what the
-model's schedulers declared of the projections adapters may target (`LoraCard`, in their `model_info`), so that a
+API (services/api/lora_api/adapters.py) runs them when an adapter is loaded (`POST /v1/load_lora_adapter`), against what
+the model's schedulers declared of the projections adapters may target (`LoraCard`, in their `model_info`), so that a
 bad folder is a 400 naming the field at load, not a failure of the requests that name it.
 """
 

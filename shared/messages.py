@@ -326,7 +326,7 @@ Reply = ReplyEvent | ReplyError | ReplyFence | ReplyCheckpoint
 
 
 class BatchWork(msgspec.Struct, frozen=True, tag_field="kind", tag="batch", omit_defaults=True):
-    """api -> every api's batch runner (rsinfer:batch-work): a batch to run (services/api/batches.py)."""
+    """api -> every api's batch runner (rsinfer:batch-work): a batch to run (services/api/batch_api/batches.py)."""
 
     batch_id: str
     v: int = VERSION

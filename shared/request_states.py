@@ -28,7 +28,7 @@ NOT_SCHEDULED = frozenset({Status.QUEUED, Status.TOKENIZED})  # no scheduler has
 
 class Finish(StrEnum):
     """A choice's finish reason between the stages (shared/messages.py `TokenDelta.finish`,
-    `ReplyEvent.finish_reason`); the API shows OpenAI's (services/api/formats.py adds `tool_calls`)."""
+    `ReplyEvent.finish_reason`); the API shows OpenAI's (services/api/answer/formats.py adds `tool_calls`)."""
 
     STOP = "stop"  # an end-of-sequence token, a stop token or a stop string
     LENGTH = "length"  # max_tokens, or the context

@@ -41,7 +41,7 @@ def _field(v: Any) -> str | int | float:
 
 async def prune_inflight(redis: Redis, keys: Keys) -> int:
     """Drop from the index of requests in flight those PRUNE_AFTER_S past their deadline, whose end was lost
-    (each API process, once a second: services/api/registry.py); how many."""
+    (each API process, once a second: services/api/operations/registry.py); how many."""
     return int(await redis.zremrangebyscore(keys.inflight(), "-inf", time.time() - PRUNE_AFTER_S))
 
 
@@ -88,7 +88,7 @@ class RequestStore:
 
     def count_generated(self, pipe: Pipeline, uid: str, tokens: int) -> None:
         """A choice ended after `tokens` tokens: record field `generated_tokens` sums every choice's, which is what
-        its tenant's quota is charged (services/api/quotas.py), whoever followed the request."""
+        its tenant's quota is charged (services/api/multitenancy/quotas.py), whoever followed the request."""
         if tokens:
             pipe.hincrby(self.keys.request(uid), "generated_tokens", tokens)
 

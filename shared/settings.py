@@ -273,7 +273,7 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
                                "for it, and an adapter of a higher rank is refused when it loads")
 
 
-# -- Draining (services/api/admin.py): a pod-local control socket, never an HTTP route -----------------------
+# -- Draining (services/api/edge/admin.py): a pod-local control socket, never an HTTP route -----------------------
 class DrainSettings(EnvSettings):
     admin_socket: str = Field("", description="UNIX socket `rsinfer drain` (the preStop hook) talks to; empty = "
                               "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
@@ -289,7 +289,7 @@ class DrainCommand(DrainSettings):
 
 
 class TenantSettings(EnvSettings):
-    """Named keys, their policies and the tenants' quotas (services/api/tenancy.py; docs/operator-guide.md,
+    """Named keys, their policies and the tenants' quotas (services/api/multitenancy/tenancy.py; docs/operator-guide.md,
     "Tenants")."""
 
     api_key_file: str = Field("", description="file holding the bearer key clients must send (instead of "
@@ -329,7 +329,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
     # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
     # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
-    # is queued (services/api/limits.py; the HTTP server's in services/api/http.py).
+    # is queued (services/api/answer/limits.py; the HTTP server's in services/api/edge/http.py).
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body, counted as it arrives "
                                 "whatever the framing (chunked too): 413 past it")
     max_header_bytes: int = Field(64 << 10, ge=1024, description="largest request head (request line and "
@@ -390,7 +390,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                              "sentence-transformers config says, else normalized (as vLLM's pooling "
                                              "models do)")
 
-    # -- The Responses API (services/api/responses.py): what one stored response may hold, and for how long.
+    # -- The Responses API (services/api/responses_api/): what one stored response may hold, and for how long.
     response_ttl_s: int = Field(86400, ge=60, description="how long a stored response (`store`, the default) is "
                                 "kept after it was created or last ended: for GET, cancel, input_items and "
                                 "previous_response_id")
@@ -410,7 +410,7 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                     "conversation is read link by link)")
     max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
                                     "input and the conversation of its previous_response_id")
-    # -- The Batch API (services/api/batches.py, services/api/files.py).
+    # -- The Batch API (services/api/batch_api/batches.py, services/api/batch_api/files.py).
     file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")
     batch_max_inflight: int = Field(8, ge=1, description="most requests of one batch running at once: the "

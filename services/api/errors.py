@@ -19,15 +19,48 @@ from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.api.schemas.field_checks import UNSUPPORTED_EXTENSIONS, BadRequest, ShapeError
-
 log = logging.getLogger(__name__)
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
          410: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
-UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/app.py), for logs
+UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/edge/app.py), for logs
+
+
+# Extensions other servers accept that rsinfer does not (yet): refused with what they are, not just "unknown".
+UNSUPPORTED_EXTENSIONS = {
+    **dict.fromkeys(("guided_decoding_backend", "structured_outputs", "guided_whitespace_pattern"),
+                    "structured outputs take `response_format`, `regex`, `json`, `ebnf` or vLLM's `guided_*` "
+                    "fields; the backend is llguidance"),
+    "structural_tag": "structural tags are not supported; tools with tool_choice \"required\" are constrained",
+    **dict.fromkeys(("chat_template", "documents", "mm_processor_kwargs"),
+                    "custom chat templates are not supported (chat_template_kwargs are)"),
+    "lora_request": "name a LoRA adapter as `model` (or in SGLang's `lora_path`); adapters are loaded with "
+                    "POST /v1/load_lora_adapter or --lora-modules",
+    **dict.fromkeys(("include_stop_str_in_output", "no_stop_trim"), "stop strings are always removed from the "
+                    "output"),
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer joins them",
+    "return_hidden_states": "hidden states are not returned",
+    "prompt_logprobs": "prompt logprobs are not supported",
+}
+
+
+class BadRequest(ValueError):
+    """A request that is well-formed JSON but cannot be served as asked (-> 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ShapeError(ValueError):
+    """A union field given a value of none of its shapes: the refusal is one sentence naming the field and what it
+    takes (`as_api_error` adds the field's place in the body)."""
+
+    def __init__(self, shapes: str):
+        super().__init__(f"must be {shapes}")
+        self.shapes = shapes
 
 
 @dataclass(eq=False)
@@ -86,7 +119,7 @@ BROKER_FULL_RETRY_S = 2
 
 def broker_full() -> ApiError:
     """Redis refused a write for memory (OOM, `maxmemory` with `noeviction`): backpressure. Nothing of the
-    request was queued (services/api/request/single.py writes it in one transaction)."""
+    request was queued (services/api/answer/request/single.py writes it in one transaction)."""
     return ApiError(503, "the request broker (Redis) is full; retry shortly", code="broker_full",
                     retry_after=BROKER_FULL_RETRY_S)
 
@@ -116,7 +149,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def as_api_error(exc: Exception) -> ApiError | None:
     """The HTTP error a body's own checks raised (what the handlers below answer), for work that has no HTTP
-    request of its own (a batch's lines, services/api/batches.py); None for anything else."""
+    request of its own (a batch's lines, services/api/batch_api/batches.py); None for anything else."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValidationError):
@@ -160,7 +193,7 @@ def install(app: FastAPI) -> None:
 
 def log_unexpected(scope: dict, exc: BaseException) -> None:
     """One line per unexpected error, with the request's uid and where it was raised, however many layers see
-    it (the 500 handler, then services/api/app.py `Guard`, as Starlette raises it again for the server)."""
+    it (the 500 handler, then services/api/edge/app.py `Guard`, as Starlette raises it again for the server)."""
     if getattr(exc, "_rsinfer_logged", False):
         return
     with contextlib.suppress(AttributeError):

@@ -9,9 +9,9 @@ import sys
 
 import uvicorn
 
-from services.api.app import create_app
-from services.api.http import edge_protocol
-from services.api.tenants import KeyFileError, check_keys
+from services.api.edge.app import create_app
+from services.api.edge.http import edge_protocol
+from services.api.multitenancy.tenants import KeyFileError, check_keys
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class DrainingServer(uvicorn.Server):
 def run(settings: ApiSettings) -> int:
     # Long keep-alive by default (--keep-alive-s 120): load generators and proxies reuse connections; 5 s broke
     # reused ones (docs/design.md, "Measured facts behind the design"). The head's deadline and size and the
-    # connection limit are the protocol's (services/api/http.py).
+    # connection limit are the protocol's (services/api/edge/http.py).
     try:  # before anything starts: one line naming the entry and field, not a traceback
         check_keys(settings.api_keys_file, settings.api_key)
     except KeyFileError as e:

@@ -68,7 +68,7 @@ class TokenizerWorker(PushWorker[Entry]):
                                      default_max_tokens(model_path, settings.default_max_tokens))
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         # max_token_bytes: the most bytes of text one token stands for, so the API bounds a prompt by the context
-        # before it stores anything of it (services/api/responses.py)
+        # before it stores anything of it (services/api/responses_api/responses.py)
         self.model_info = {"root": model_path, "max_model_len": self.encoder.max_context, **self.encoder.parsers,
                            "max_token_bytes": self.encoder.max_prompt_bytes // self.encoder.max_context}
         if self.encoder.default_max_tokens:  # what the API reserves for a request without max_tokens

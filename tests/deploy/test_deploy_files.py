@@ -208,8 +208,8 @@ def test_dashboard_worker_metrics_are_what_a_worker_registers():
 def test_dashboard_metrics_are_defined_by_the_api():
     source = ROOT / "services" / "api" / "metrics.py"
     if not source.exists():
-        pytest.skip("services/api/metrics.py does not exist yet")
+        pytest.skip("services/api/operations/metrics.py does not exist yet")
     text = source.read_text()
     for metric in METRICS:
         base = metric.removesuffix("_total")  # prometheus_client adds _total to counters
-        assert f'"{base}"' in text, f"{metric} is not defined in services/api/metrics.py"
+        assert f'"{base}"' in text, f"{metric} is not defined in services/api/operations/metrics.py"

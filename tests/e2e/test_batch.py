@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from services.api.batch_lines import line_uid
+from services.api.batch_api.batch_lines import line_uid
 from tests.s3_server import CLIENT_ENV
 from tests.support.helpers import wait_for
 from tests.support.stack import LIFECYCLE_ENV, MODEL, new_stack, start_replicas

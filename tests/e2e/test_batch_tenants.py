@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from services.api.batch_lines import line_uid
+from services.api.batch_api.batch_lines import line_uid
 from tests.support.helpers import wait_for
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack, start_replicas
 

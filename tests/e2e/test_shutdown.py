@@ -17,7 +17,7 @@ import pytest
 
 from rsinfer.launcher import api_ready
 from rsinfer.redis_server import free_port
-from services.api.admin import admin_socket_path
+from services.api.edge.admin import admin_socket_path
 from tests.support.helpers import engines_idle, live_names, wait_for
 from tests.support.stack import LIFECYCLE_ENV
 from tests.support.streaming import Streamer, body, reference

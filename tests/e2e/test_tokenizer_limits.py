@@ -49,7 +49,7 @@ def test_a_huge_prompt_is_refused_at_once_and_does_not_delay_the_next_request(st
     assert err["code"] == "context_length_exceeded" and "bytes" in err["message"], err
     assert out["huge_s"] < 5.0, out["huge_s"]  # most of it is the API reading and parsing 4 MiB
     assert err["param"] == "prompt"
-    # refused by the API (services/api/limits.py fits_context) before anything of it was queued: no record
+    # refused by the API (services/api/answer/limits.py fits_context) before anything of it was queued: no record
     r = stack.redis()
     assert not [k for k in r.scan_iter(match=stack.keys.request_pattern())
                 if "bytes" in (r.hget(k, "error") or "") and "cannot fit" in (r.hget(k, "error") or "")]

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from rsinfer.redis_server import free_port
-from services.api.admin import admin_socket_path
+from services.api.edge.admin import admin_socket_path
 from shared.keys import Keys
 from tests.support.helpers import wait_for
 from tests.support.streaming import Streamer

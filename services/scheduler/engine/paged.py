@@ -172,7 +172,8 @@ class PagedEngine:
         return self.lora.resident() if self.lora is not None else []
 
     def pooling_card(self) -> dict:
-        """What the API checks a prefill-only request against before it queues it (services/api/prefill.py)."""
+        """What the API checks a prefill-only request against before it queues it
+        (services/api/pooling_api/prefill.py)."""
         return {"vocab_size": self.runner.vocab_size, "hidden_size": self.hidden_size,
                 "matryoshka_dimensions": self.truncation or None}
 

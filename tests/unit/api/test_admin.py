@@ -1,4 +1,4 @@
-"""services/api/admin.py's control socket: an API process whose port is taken leaves the running one's socket
+"""services/api/edge/admin.py's control socket: an API process whose port is taken leaves the running one's socket
 alone, and each removes only what it made (its socket, and its directory once empty)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.api.admin import AdminSocket, admin_socket_path, call
+from services.api.edge.admin import AdminSocket, admin_socket_path, call
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _service() -> SimpleNamespace:
-    return SimpleNamespace(requests=SimpleNamespace(inflight={}), drain_for=lambda s: None)
+    return SimpleNamespace(requests=SimpleNamespace(inflight={}), drain=SimpleNamespace(drain_for=lambda s: None))
 
 
 async def test_a_second_process_does_not_take_a_live_socket(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""services/api/batch_lines.py: a batch's input file read the same way by every runner."""
+"""services/api/batch_api/batch_lines.py: a batch's input file read the same way by every runner."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.api.batch_lines import BadInput, LineLimits, invalid_line, line_uid, output_line, parse_lines
+from services.api.batch_api.batch_lines import BadInput, LineLimits, invalid_line, line_uid, output_line, parse_lines
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

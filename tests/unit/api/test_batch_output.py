@@ -1,11 +1,11 @@
-"""services/api/batch_output.py on a real local object store: a batch's output file is written by streaming its
-line results, with a bounded number of them (so of bytes) in memory whatever the number of lines."""
+"""services/api/batch_api/batch_output.py on a real local object store: a batch's output file is written by streaming
+its line results, with a bounded number of them (so of bytes) in memory whatever the number of lines."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.api.batch_output import READ_AHEAD, delete_results, ordered_rows, result_key, stored_results
+from services.api.batch_api.batch_output import READ_AHEAD, delete_results, ordered_rows, result_key, stored_results
 from shared.local_store import LocalStore
 from tests.support.helpers import async_wait_for
 

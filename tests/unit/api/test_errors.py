@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.api.edge.http import raw_response
 from services.api.errors import ApiError
-from services.api.http import raw_response
 
 
 @pytest.mark.parametrize(("status", "retry"), [

@@ -1,4 +1,5 @@
-"""services/api/files.py against a real redis-server and a local object store: contents outlive no metadata."""
+"""services/api/batch_api/files.py against a real redis-server and a local object store: contents outlive no
+metadata."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
-from services.api.files import Files, content_key
-from services.api.tenancy import Tenancy
-from services.api.tenants import OPEN
+from services.api.batch_api.files import Files, content_key
+from services.api.multitenancy.tenancy import Tenancy
+from services.api.multitenancy.tenants import OPEN
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.settings import ApiSettings
@@ -40,8 +41,8 @@ async def test_a_tenants_files_and_bytes_are_counted_released_and_expire(redis_s
 
     import pytest
 
+    from services.api.batch_api.files import FileQuota
     from services.api.errors import ApiError
-    from services.api.files import FileQuota
 
     redis = connect(redis_server.url)
     keys = Keys(f"q{uuid.uuid4().hex[:8]}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.api.formats import ChatFormat, CompletionFormat, Head
+from services.api.answer.formats import ChatFormat, CompletionFormat, Head
 from shared.messages import ReplyEvent, TokenLogprob
 from shared.reply_order import OrderedReplies
 

@@ -1,12 +1,12 @@
 """The API's guard, and draining: no HTTP request takes a pod out of service, whoever sends it (the preStop hook
-drains through the pod-local control socket, services/api/admin.py; tests/e2e/test_shutdown.py)."""
+drains through the pod-local control socket, services/api/edge/admin.py; tests/e2e/test_shutdown.py)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from services.api.app import create_app
+from services.api.edge.app import create_app
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)

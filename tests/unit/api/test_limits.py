@@ -1,4 +1,4 @@
-"""services/api/limits.py and the edge's body reader: what one request may ask for, each limit a setting."""
+"""services/api/answer/limits.py and the edge's body reader: what one request may ask for, each limit a setting."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import httpx
 import orjson
 import pytest
 
-from services.api.app import BodyReader, create_app
+from services.api.answer.limits import Limits, depth_over, jobs_fit_context
+from services.api.answer.request.early_end import StageFailed, ended_early
+from services.api.answer.schemas.submission import Budget
+from services.api.edge.app import BodyReader, create_app
 from services.api.errors import ApiError
-from services.api.limits import Limits, depth_over, jobs_fit_context
-from services.api.request.early_end import StageFailed, ended_early
-from services.api.schemas.submission import Budget
 from shared.messages import ChatMessage, Guided, ReplyError, SamplingParams, TokenizeJob
 from shared.settings import ApiSettings
 

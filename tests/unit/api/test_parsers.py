@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from services.api.parsers import AnswerParser, Parsed
+from services.api.answer.parsers import AnswerParser, Parsed
 
 QWEN3_THINK_AND_CALLS = (
     "<think>\nOkay, the user wants the weather in Paris and the local time. I should call get_weather with "
@@ -86,7 +86,7 @@ def test_held_back_text_is_released_as_soon_as_it_cannot_be_a_marker():
 
 
 def streamed_final(text: str, cuts: tuple[int, ...], reasoning: bool, tools: str | None) -> Parsed:
-    """As a stream's format feeds a choice: its last piece with `final` (services/api/formats.py ChatFormat)."""
+    """As a stream's format feeds a choice: its last piece with `final` (services/api/answer/formats.py ChatFormat)."""
     parser, out = AnswerParser(reasoning, tools), Parsed()
     pieces = list(itertools.pairwise((0, *cuts, len(text))))
     for k, (a, b) in enumerate(pieces):

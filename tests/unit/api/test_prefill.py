@@ -1,5 +1,5 @@
-"""The prefill-only bodies (services/api/prefill.py): their inputs as jobs, their limits and refusals naming the
-field, and their answers from the engine's reply events."""
+"""The prefill-only bodies (services/api/pooling_api/prefill.py): their inputs as jobs, their limits and refusals naming
+the field, and their answers from the engine's reply events."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from services.api.answer.limits import Limits
+from services.api.answer.schemas.field_checks import BadRequest
+from services.api.answer.schemas.submission import Stamp
 from services.api.errors import ApiError
-from services.api.limits import Limits
-from services.api.prefill import EmbeddingRequest, ScoreRequest
-from services.api.schemas.field_checks import BadRequest
-from services.api.schemas.submission import Stamp
+from services.api.pooling_api.prefill import EmbeddingRequest, ScoreRequest
 from shared.messages import ReplyEvent
 from shared.settings import ApiSettings
 

@@ -1,5 +1,6 @@
-"""The quota's admission script and leases (services/api/quotas.py) against a real redis-server: the decision,
-the 429's headers, a lease that lives as long as its request, the slots of a crashed process, the token bucket."""
+"""The quota's admission script and leases (services/api/multitenancy/quotas.py) against a real redis-server: the
+decision, the 429's headers, a lease that lives as long as its request, the slots of a crashed process, the token
+bucket."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.api.errors import ApiError
-from services.api.quotas import Lease, Quotas
-from services.api.tenancy import Tenancy
-from services.api.tenants import Policy, Tenant
+from services.api.multitenancy.quotas import Lease, Quotas
+from services.api.multitenancy.tenancy import Tenancy
+from services.api.multitenancy.tenants import Policy, Tenant
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.settings import ApiSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from services.api.registry import StageRegistry
+from services.api.operations.registry import StageRegistry
 from shared import streams
 from shared.heartbeats import Beating, Heartbeat
 from shared.keys import STAGES, Keys

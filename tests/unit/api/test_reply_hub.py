@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from services.api.reply_hub import HubLimits, Inbox, ReplyHub
+from services.api.answer.reply_hub import HubLimits, Inbox, ReplyHub
 from shared import slots, streams
 from shared.keys import Keys
 from shared.messages import ReplyEvent, decode
@@ -28,7 +28,7 @@ async def hub_env(redis_server):
 
 
 async def subscribe(hub: ReplyHub, uid: str) -> Inbox:
-    """What a request does: its own inbox, registered with the hub (services/api/request/single.py)."""
+    """What a request does: its own inbox, registered with the hub (services/api/answer/request/single.py)."""
     return await hub.subscribe(Inbox(uid, hub.keys.reply(uid)))
 
 

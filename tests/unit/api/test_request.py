@@ -1,4 +1,4 @@
-"""services/api/request/: a request's replies in order (OrderedReplies: per-choice order, duplicates dropped,
+"""services/api/answer/request/: a request's replies in order (OrderedReplies: per-choice order, duplicates dropped,
 gaps held until a peer fills them), read off its subscription; a group's merged."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import types
 
 import pytest
 
-from services.api.metrics import Metrics
-from services.api.request.api_request import RequestInfo
-from services.api.request.early_end import EndedEarly
-from services.api.request.group import RequestGroup
-from services.api.request.requests import Requests
-from services.api.request.single import SingleRequest
+from services.api.answer.request.api_request import RequestInfo
+from services.api.answer.request.early_end import EndedEarly
+from services.api.answer.request.group import RequestGroup
+from services.api.answer.request.requests import Requests
+from services.api.answer.request.single import SingleRequest
+from services.api.operations.metrics import Metrics
 from shared.keys import Keys
 from shared.messages import ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, encode
 from shared.reply_order import OrderedReplies
@@ -22,7 +22,7 @@ from shared.settings import ApiSettings
 
 
 def shared(redis=None) -> types.SimpleNamespace:
-    """What requests share (services/api/request/context.py RequestContext), stubbed: no Redis but `redis` (a
+    """What requests share (services/api/answer/request/context.py RequestContext), stubbed: no Redis but `redis` (a
     reattach's check of a trimmed head), no hub but one that hands out the subscription given to `reader`."""
     return types.SimpleNamespace(hub=types.SimpleNamespace(register=lambda inbox: shared.sub), metrics=Metrics(None),
                                  redis=redis, keys=Keys("t"))

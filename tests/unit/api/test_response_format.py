@@ -1,4 +1,4 @@
-"""services/api/response_format.py: reply events -> the Responses API's events and objects, checked against the
+"""services/api/answer/response_format.py: reply events -> the Responses API's events and objects, checked against the
 official SDK's own types; numbering is a pure function of the reply events, whatever the reads' batching."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from services.api.response_format import ResponseFormat
-from services.api.response_schemas import ResponseRequest
+from services.api.answer.response_format import ResponseFormat
+from services.api.responses_api.response_schemas import ResponseRequest
 from shared.messages import ReplyEvent
 
 EVENTS = TypeAdapter(ResponseStreamEvent)

@@ -1,6 +1,6 @@
-"""services/api/response_store.py against a real redis-server: a tenant's count of stored responses follows what
-Redis holds (reserved, written, ended, deleted, expired), its bounds refuse with a 400, and another tenant's read
-gets the owner's name back and nothing of the document; on a standalone Redis and on a Redis Cluster."""
+"""services/api/responses_api/response_store.py against a real redis-server: a tenant's count of stored responses
+follows what Redis holds (reserved, written, ended, deleted, expired), its bounds refuse with a 400, and another
+tenant's read gets the owner's name back and nothing of the document; on a standalone Redis and on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from services.api.errors import ApiError
-from services.api.response_store import READ, TOTAL, ResponseStore
+from services.api.responses_api.response_store import READ, TOTAL, ResponseStore
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.settings import ApiSettings

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.api.schemas.chat import ChatCompletionRequest
-from services.api.schemas.completions import CompletionRequest, GenerateRequest
-from services.api.schemas.field_checks import BadRequest
-from services.api.schemas.submission import Stamp
+from services.api.answer.schemas.chat import ChatCompletionRequest
+from services.api.answer.schemas.completions import CompletionRequest, GenerateRequest
+from services.api.answer.schemas.field_checks import BadRequest
+from services.api.answer.schemas.submission import Stamp
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -1,5 +1,5 @@
-"""The keys file (services/api/tenants.py): parsing, hashing, rotation by re-reading, and the policy's decisions
-(services/api/tenancy.py `Tenancy.authorize`, `owns`)."""
+"""The keys file (services/api/multitenancy/tenants.py): parsing, hashing, rotation by re-reading, and the policy's
+decisions (services/api/multitenancy/tenancy.py `Tenancy.authorize`, `owns`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from services.api.errors import ApiError
-from services.api.tenancy import Tenancy
-from services.api.tenants import (
+from services.api.multitenancy.tenancy import Tenancy
+from services.api.multitenancy.tenants import (
     MAX_DERIVING,
     OPEN,
     KeyCheckBusy,

@@ -9,9 +9,9 @@ import types
 import httpx
 import pytest
 
-from services.api.app import create_app
+from services.api.answer.sse import SSEResponse
+from services.api.edge.app import create_app
 from services.api.errors import UID
-from services.api.sse import SSEResponse
 from shared.settings import ApiSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,7 +28,7 @@ async def test_a_500_is_one_log_line_with_the_uid(caplog):
     app = create_app(ApiSettings(redis_url=DEAD_REDIS))
     svc = app.service
 
-    async def admit(*_a, **_k):  # taken, with its uid (services/api/admission.py), no Redis needed
+    async def admit(*_a, **_k):  # taken, with its uid (services/api/answer/admission.py), no Redis needed
         return types.SimpleNamespace(uid="u-1", submission=types.SimpleNamespace(stream=False, fmt=None))
 
     async def open_request(*_a, **_k):

@@ -1,6 +1,6 @@
 """A request field that takes several shapes (a union: `prompt` is a string, a list of strings, a list of token
 ids or a list of lists of them) refuses a value of none of them with one sentence naming the field and the shapes
-(services/api/schemas/field_checks.py `one_of`), not pydantic's error per member of the union ("prompt.str: Input
+(services/api/answer/schemas/field_checks.py `one_of`), not pydantic's error per member of the union ("prompt.str: Input
 should be a valid string"), which named a shape the client never meant."""
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import pytest
 from pydantic import BaseModel, ValidationError, create_model
 
 import services.api
+from services.api.answer.schemas.chat import ChatCompletionRequest
+from services.api.answer.schemas.completions import CompletionRequest
 from services.api.errors import as_api_error
-from services.api.prefill import EmbeddingRequest, ScoreRequest
-from services.api.response_schemas import ResponseRequest
-from services.api.schemas.chat import ChatCompletionRequest
-from services.api.schemas.completions import CompletionRequest
+from services.api.pooling_api.prefill import EmbeddingRequest, ScoreRequest
+from services.api.responses_api.response_schemas import ResponseRequest
 
 PROMPTS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
 
 def _bodies() -> list[type[BaseModel]]:
-    """Every pydantic model of the API's modules (its packages' too, services/api/schemas/): the request bodies
+    """Every pydantic model of the API's modules (its packages' too, services/api/answer/schemas/): the request bodies
     and what they nest."""
     found = {}
     for info in pkgutil.walk_packages(services.api.__path__, "services.api."):

@@ -1,0 +1,1 @@
+"""What the operator sees: the registry of stages and models (heartbeats), and the metrics."""

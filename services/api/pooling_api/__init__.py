@@ -1,0 +1,1 @@
+"""The prefill-only APIs: `POST /v1/embeddings` and `POST /v1/score`."""

@@ -1,0 +1,1 @@
+"""vLLM's /tokenize and /detokenize, answered by the model's tokenizer stage."""
