@@ -30,7 +30,7 @@ from shared.messages import ChatMessage, SamplingParams, ToolChoice
 
 if TYPE_CHECKING:
     from services.api.answer.limits import Limits
-    from services.api.answer.response_format import ResponseFormat
+    from services.api.responses_api.response_format import ResponseFormat
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9_-]{1,128}$")
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -42,12 +42,12 @@ from services.api.answer.admission import Admitted
 from services.api.answer.collaborators import ApiContext
 from services.api.answer.limits import fits_context
 from services.api.answer.request.early_end import EndedEarly
-from services.api.answer.response_format import ResponseFormat
 from services.api.answer.schemas.field_checks import BadRequest
 from services.api.answer.schemas.submission import Stamp, Submission
 from services.api.answer.service import ApiService
 from services.api.errors import ApiError
 from services.api.multitenancy.tenants import Tenant
+from services.api.responses_api.response_format import ResponseFormat
 from services.api.responses_api.response_schemas import ResponseRequest, as_input, response_uid
 from services.api.responses_api.response_store import ResponseStore, Stored
 from shared.messages import SamplingParams

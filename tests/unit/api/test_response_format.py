@@ -1,5 +1,5 @@
-"""services/api/answer/response_format.py: reply events -> the Responses API's events and objects, checked against the
-official SDK's own types; numbering is a pure function of the reply events, whatever the reads' batching."""
+"""services/api/responses_api/response_format.py: reply events -> the Responses API's events and objects, checked
+against the official SDK's own types; numbering is a pure function of the reply events, whatever the reads' batching."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from services.api.answer.response_format import ResponseFormat
+from services.api.responses_api.response_format import ResponseFormat
 from services.api.responses_api.response_schemas import ResponseRequest
 from shared.messages import ReplyEvent
 
