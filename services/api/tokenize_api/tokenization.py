@@ -25,9 +25,7 @@ from services.api.answer.request.requests import until_disconnect
 from services.api.answer.schemas.chat import Message, Tool, check_continuation, generation_prompt
 from services.api.answer.schemas.field_checks import BadRequest
 from services.api.errors import ApiError, redis_down
-from shared import streams
 from shared.messages import ReplyError, TokenizerAnswer, TokenizerQuery, decode
-from shared.redis_conn import barrier
 from shared.request_states import EndReason
 
 if TYPE_CHECKING:
@@ -133,13 +131,7 @@ class TokenizerCall:
     async def open(self) -> None:
         ctx, q = self.ctx, self.query
         try:
-            async with ctx.redis.pipeline(transaction=True) as pipe:
-                ctx.store.create(pipe, q.uid, q.deadline, model=q.model, pod=ctx.pod, kind=q.op,
-                                 created_at=f"{q.created_at:.3f}", **self.record)
-                barrier(pipe)  # the record exists before a tokenizer can read the query (on a cluster too)
-                streams.add(pipe, ctx.keys.tokenize(q.model), q)
-                self.sub = ctx.hub.register(Inbox(q.uid, ctx.keys.reply(q.uid)), wake_in=pipe)
-                await pipe.execute()
+            self.sub = await ctx.requests.submit(q, {"kind": q.op, **self.record})
         except (RedisError, OSError):
             self.status = EndReason.BROKER_UNAVAILABLE
             raise

@@ -10,9 +10,12 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from services.api.answer.reply_hub import ReplyHub
-from services.api.answer.request.api_request import ApiRequest
+from services.api.answer.reply_hub import Inbox, ReplyHub
+from services.api.answer.request.api_request import ApiRequest, Writes
 from services.api.operations.metrics import Metrics
+from shared import streams
+from shared.messages import TokenizeJob, TokenizerQuery
+from shared.redis_conn import barrier
 from shared.request_states import TERMINAL, EndReason
 from shared.request_store import RequestStore
 from shared.settings import ApiSettings
@@ -35,6 +38,30 @@ class RequestContext:
         self.idle = asyncio.Event()  # set while `inflight` is empty
         self.idle.set()
         self.awaiting_reattach: dict[asyncio.Task, str] = {}  # delayed aborts -> uid
+
+    async def submit(self, msg: TokenizeJob | TokenizerQuery, record: dict, writes: Writes | None = None) -> Inbox:
+        """Write a request's record (`record`: its fields beside its model, pod and creation time), `writes` (what
+        its submission stores beside the record), its message on its model's tokenize stream, and subscribe to its
+        reply stream, waking the reply reader: one transaction, one round trip. Nothing is left behind (nor
+        subscribed) if Redis fails: the error is raised."""
+        sub = None
+        try:
+            # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
+            # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
+            async with self.redis.pipeline(transaction=True) as pipe:
+                self.store.create(pipe, msg.uid, msg.deadline, model=msg.model, pod=self.pod,
+                                  created_at=f"{msg.created_at:.3f}", **record)
+                if writes is not None:
+                    writes(pipe)
+                barrier(pipe)  # the record exists before a tokenizer can read the message (on a cluster too)
+                streams.add(pipe, self.keys.tokenize(msg.model), msg)
+                sub = self.hub.register(Inbox(msg.uid, self.keys.reply(msg.uid)), wake_in=pipe)
+                await pipe.execute()
+        except BaseException:
+            if sub is not None:
+                self.hub.unsubscribe(sub)
+            raise
+        return sub
 
     def opened(self, req: ApiRequest) -> None:
         self.inflight[req.uid] = req

@@ -30,7 +30,6 @@ from services.api.answer.request.early_end import DeadlineExceeded, StageFailed,
 from services.api.errors import ApiError
 from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
-from shared.redis_conn import barrier
 from shared.reply_order import OrderedReplies
 from shared.request_states import LEFT_RUNNING, STAGE_ENDED, EndReason
 from shared.tracing import NO_SPAN, Span
@@ -89,27 +88,13 @@ class SingleRequest:
                                 stream=stream)
         if span.traceparent:
             job = msgspec.structs.replace(job, trace=span.traceparent)
-        info, sub = RequestInfo.of_job(job), None
         try:
-            # A transaction (on a standalone Redis; a cluster's pipeline stops at the barrier when what precedes
-            # it failed): a Redis at its maxmemory refuses all of it or none, never a job without its record.
-            async with ctx.redis.pipeline(transaction=True) as pipe:
-                ctx.store.create(pipe, job.uid, job.deadline, model=job.model, pod=ctx.pod,
-                                 created_at=f"{job.created_at:.3f}", background=int(job.background), attached=1,
-                                 **record)
-                if writes is not None:
-                    writes(pipe)
-                barrier(pipe)  # the record exists before a tokenizer can read the job (on a cluster too)
-                streams.add(pipe, ctx.keys.tokenize(job.model), job)
-                sub = ctx.hub.register(Inbox(job.uid, ctx.keys.reply(job.uid)), wake_in=pipe)
-                await pipe.execute()
+            sub = await ctx.submit(job, {"background": int(job.background), "attached": 1, **record}, writes)
         except BaseException as e:
-            if sub is not None:
-                ctx.hub.unsubscribe(sub)
             span.end(error=repr(e))
             raise
-        req = cls(ctx, info, label=label, span=span, resume_window=ctx.settings.resume_window_s if stream else 0.0,
-                  sub=sub)
+        resume_window = ctx.settings.resume_window_s if stream else 0.0
+        req = cls(ctx, RequestInfo.of_job(job), label=label, span=span, resume_window=resume_window, sub=sub)
         req.times_first_token = record.get("kind") not in TOKENLESS_KINDS
         ctx.opened(req)
         ctx.metrics.inflight.labels(job.model).inc()
