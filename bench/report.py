@@ -153,10 +153,14 @@ CPU_GOALS_US = {"api": 30.0, "detokenizer": 20.0}  # CPU µs per generated token
 
 def rows(r: dict) -> list[Row]:
     """One row per measured figure with its goal from issue 11 (where it sets one)."""
+    from bench import report_rates  # it imports this module's Row
+
     return [*pipeline_rows(r), *cpu_rows(r), *merged_rows(_get(r, "merged", default={})),
             *synthetic_rows(_get(r, "synthetic", default={})), *streams_10k_rows(_get(r, "streams_10k", default={})),
             *prefix_rows(_get(r, "prefix_routing", default={})),
-            *transformers_rows(_get(r, "vs_transformers", default={}))]
+            *transformers_rows(_get(r, "vs_transformers", default={})),
+            *report_rates.gpurate_rows(_get(r, "gpurate", default={})),
+            *report_rates.guidellm_rows(_get(r, "guidellm", default={}))]
 
 
 def pipeline_rows(r: dict) -> list[Row]:
@@ -524,6 +528,10 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, *, ho
                   "| command | calls | per token |", "|---|---|---|"]
         lines += [f"| {k} | {v:,} | {v / tokens:.3f} |" for k, v in cmds.items()]
     lines += prefix_section(_get(r, "prefix_routing", default={}))
+    from bench import report_rates  # it imports this module's Row
+
+    lines += report_rates.gpurate_section(_get(r, "gpurate", default={}))
+    lines += report_rates.guidellm_section(_get(r, "guidellm", default={}))
     lines += host_section(host or {})
     lines += lora_section(lora or {})
     lines += lora_routing_section(lora_routing or {})
@@ -570,6 +578,8 @@ METHOD = [
     "by itself; the page keeps its last results from `bench/results/lora-step.json`).",
     "- **LoRA routing**: `bench/lora_routing.py`, described with its table above (not part of `make bench` either; "
     "its last results are in `bench/results/lora-routing.json`).",
+    "- **GPU step rate** and **guidellm sweeps**: described with their tables above (sections `gpurate` and "
+    "`guidellm`).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "
     "(a chunk may carry several tokens when the API coalesces).",
 ]
@@ -632,7 +642,10 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
         ax.set(ylabel="output tokens/s", title="demo model, 2 CPUs")
         fig.tight_layout()
         made.append(_save(fig, out_dir / "throughput.png", plt))
-    return made
+    from bench import report_rates  # it imports this module's Row
+
+    guidellm = report_rates.guidellm_plot(_get(r, "guidellm", default={}), out_dir, plt)
+    return made + ([guidellm] if guidellm else [])
 
 
 def _save(fig, path: Path, plt) -> Path:
