@@ -17,7 +17,7 @@ from bench.harness import BenchStack, completion_body, run_load
 STEP_MS = 5.0
 STREAMS = 256
 TOKENS = 256
-WAVES = {"quick": 2, "full": 4}  # requests = STREAMS x waves
+WAVES = {"quick": 4, "full": 8}  # requests = STREAMS x waves
 PLUMBING = ("api", "tokenizer", "scheduler", "detokenizer", "redis")  # every process but the load generator
 Say = Callable[[str], None]
 

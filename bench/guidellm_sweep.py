@@ -27,7 +27,11 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 64, 64
 MAX_CONCURRENCY = 64  # the throughput step's concurrency: rsinfer's default max_running
 SIZES = {"quick": {"sweep_size": 4, "step_s": 5}, "full": {"sweep_size": 8, "step_s": 20}}
 ENDPOINT = "/v1/chat/completions"  # transformers serve has no /v1/completions
-# transformers serve ignores ignore_eos: a generation config without EOS, as the `transformers` section sends
+# Every answer OUTPUT_TOKENS long, greedy. guidellm adds `ignore_eos` (and `stop`) to a request only when its
+# data sets output tokens, and transformers serve answers 422 to a field it does not know: so the data leaves
+# them out, the backend's max_tokens caps each answer, and each server gets its own way of ignoring EOS (for
+# transformers serve, a generation config without EOS, as the `transformers` section sends).
+RSINFER_BODY = {"ignore_eos": True, "temperature": 0}
 TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 Say = Callable[[str], None]
 
@@ -53,11 +57,11 @@ class Server:
 def command(exe: Path, server: Server, processor: str, out: Path, size: dict) -> list[str]:
     """`guidellm run` of one sweep against `server`, its JSON report written to `out`."""
     backend = {"kind": "openai_http", "target": server.url, "model": server.model, "request_format": ENDPOINT,
-               "timeout": 120}
+               "max_tokens": OUTPUT_TOKENS, "timeout": 120}
     if server.extra_body:
         backend["extras"] = {"body": server.extra_body}
     profile = {"kind": "sweep", "sweep_size": size["sweep_size"], "max_concurrency": MAX_CONCURRENCY}
-    data = {"kind": "synthetic_text", "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
+    data = {"kind": "synthetic_text", "prompt_tokens": PROMPT_TOKENS}
     return [str(exe), "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
             "--data", json.dumps(data), "--constraint", json.dumps({"kind": "max_duration", "seconds": size["step_s"]}),
             "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": processor}),
@@ -141,7 +145,7 @@ def section(target, mode: str, say: Say, transformers: tuple[Callable, Callable]
         say(f"  rsinfer stack up (logs {stack.log_dir}); guidellm sweep, {size['sweep_size']} steps of "
             f"{size['step_s']} s")
         run_load(stack.urls, [completion_body(target.name, [20 + i] * 16, 8) for i in range(8)], 8)  # warm-up
-        out["rsinfer"] = sweep(exe, Server(stack.urls[0], target.name), target.model_dir, size)
+        out["rsinfer"] = sweep(exe, Server(stack.urls[0], target.name, RSINFER_BODY), target.model_dir, size)
     _say_steps(say, "rsinfer", out["rsinfer"])
     available, server = transformers
     why = available()

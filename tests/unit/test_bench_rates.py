@@ -57,9 +57,11 @@ def test_the_guidellm_command_names_the_server_sweep_data_and_output(tmp_path):
     opts = {cmd[i]: json.loads(cmd[i + 1]) for i in range(2, len(cmd) - 1, 2)}
     assert cmd[:2] == ["guidellm", "run"] and cmd[-1] == "--disable-progress"
     assert opts["--backend"] == {"kind": "openai_http", "target": "http://127.0.0.1:1", "model": "m",
-                                 "request_format": "/v1/chat/completions", "timeout": 120, "extras": {"body": {"x": 1}}}
+                                 "request_format": "/v1/chat/completions", "max_tokens": 64, "timeout": 120,
+                                 "extras": {"body": {"x": 1}}}
     assert opts["--profile"]["kind"] == "sweep" and opts["--profile"]["sweep_size"] == 4
-    assert opts["--data"] == {"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": 64}
+    # no output tokens in the data: guidellm would add ignore_eos, which transformers serve refuses (422)
+    assert opts["--data"] == {"kind": "synthetic_text", "prompt_tokens": 64}
     assert opts["--constraint"] == {"kind": "max_duration", "seconds": 5}
     assert opts["--tokenizer"] == {"kind": "huggingface_auto", "model": "/models/demo"}
     assert opts["--output"] == {"kind": "json", "path": str(tmp_path / "r.json")}
