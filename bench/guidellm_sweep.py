@@ -21,18 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import BenchStack, ChatLoad, completion_body, run_load
+from bench.harness import TRANSFORMERS_BODY, BenchStack, ChatLoad, completion_body, run_load
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 64
-MAX_CONCURRENCY = 64  # the throughput step's concurrency: rsinfer's default max_running
-SIZES = {"quick": {"sweep_size": 4, "step_s": 5}, "full": {"sweep_size": 8, "step_s": 20}}
+# The throughput step's concurrency, as the `transformers` section's: at 64, transformers serve on one thread
+# finishes few 64-token answers within a quick step
+MAX_CONCURRENCY = 32
+SIZES = {"quick": {"sweep_size": 4, "step_s": 6}, "full": {"sweep_size": 8, "step_s": 20}}
 ENDPOINT = "/v1/chat/completions"  # transformers serve has no /v1/completions
 # Every answer OUTPUT_TOKENS long, greedy. guidellm adds `ignore_eos` (and `stop`) to a request only when its
 # data sets output tokens, and transformers serve answers 422 to a field it does not know: so the data leaves
-# them out, the backend's max_tokens caps each answer, and each server gets its own way of ignoring EOS (for
-# transformers serve, a generation config without EOS, as the `transformers` section sends).
+# them out, the backend's max_tokens caps each answer, and each server gets its own way of ignoring EOS
+# (transformers serve: harness.TRANSFORMERS_BODY, as the `transformers` section sends).
 RSINFER_BODY = {"ignore_eos": True, "temperature": 0}
-TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 Say = Callable[[str], None]
 
 

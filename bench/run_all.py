@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import gpurate, guidellm_sweep, prefix_routing, report  # noqa: E402
 from bench.harness import (  # noqa: E402
+    TRANSFORMERS_BODY,
     BenchStack,
     ChatLoad,
     completion_body,
@@ -257,8 +258,6 @@ def measured_load(stack: BenchStack, urls: list[str], bodies: list[bytes], concu
 
 
 RSINFER_BODY = {"ignore_eos": True}
-# transformers' generation_config field replaces the model's: no EOS, so every answer has max_tokens tokens
-TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 
 
 def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int,

@@ -62,7 +62,7 @@ def test_the_guidellm_command_names_the_server_sweep_data_and_output(tmp_path):
     assert opts["--profile"]["kind"] == "sweep" and opts["--profile"]["sweep_size"] == 4
     # no output tokens in the data: guidellm would add ignore_eos, which transformers serve refuses (422)
     assert opts["--data"] == {"kind": "synthetic_text", "prompt_tokens": 64}
-    assert opts["--constraint"] == {"kind": "max_duration", "seconds": 5}
+    assert opts["--constraint"] == {"kind": "max_duration", "seconds": 6}
     assert opts["--tokenizer"] == {"kind": "huggingface_auto", "model": "/models/demo"}
     assert opts["--output"] == {"kind": "json", "path": str(tmp_path / "r.json")}
 
@@ -171,3 +171,14 @@ def test_a_failed_or_skipped_server_shows_why():
     lines = "\n".join(report_rates.guidellm_section(gl))
     assert "| rsinfer | skipped: guidellm exited 1: boom |" in lines
     assert "| transformers | skipped: no command |" in lines
+
+
+def test_transformers_serve_is_asked_for_answers_that_no_eos_ends():
+    # transformers serve ignores ignore_eos and merges generation_config into the model's key by key: without an
+    # EOS no token has, the demo model's greedy answers ended after ~6 of 64 tokens (measured: 99 tokens for 16
+    # requests, 1,024 with it)
+    from bench import harness, run_all
+
+    config = json.loads(harness.TRANSFORMERS_BODY["generation_config"])
+    assert config["do_sample"] is False and all(t < 0 for t in config["eos_token_id"])
+    assert run_all.TRANSFORMERS_BODY is harness.TRANSFORMERS_BODY is guidellm_sweep.TRANSFORMERS_BODY
