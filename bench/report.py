@@ -570,7 +570,8 @@ METHOD = [
     "API's peak RSS is VmHWM from `/proc/<pid>/status`; ITL is the gap between SSE chunks.",
     "- **vs transformers**: `transformers serve --continuous-batching` (OMP_NUM_THREADS=1) and rsinfer, both "
     "driven by the official `openai` AsyncOpenAI client: streamed chat completions, 64 tokens each "
-    "(transformers with a generation config without EOS, rsinfer with `ignore_eos`), each warmed up, both servers "
+    "(transformers with a generation config whose EOS no token has, rsinfer with `ignore_eos`), each warmed up, "
+    "both servers "
     "up at once (each idles near 0% CPU) and their runs interleaved; median of the runs.",
     "- **Prefix-aware routing**: `bench/prefix_routing.py`, described with its table above; each configuration "
     "runs on a fresh stack after one warm-up request, `--repeat` times (the summary rows take medians), so its TTFT "

@@ -85,8 +85,10 @@ def guidellm_section(gl: dict) -> list[str]:
              f"{cfg.get('max_concurrency', '?')} concurrent, then constant rates between the two) on synthetic prompts "
              f"of {cfg.get('prompt_tokens', '?')} tokens and {cfg.get('output_tokens', '?')} output tokens (the demo "
              f"model's tokenizer), streamed `{cfg.get('endpoint', '?')}`, against rsinfer (the paged engine, demo "
-             "model) and `transformers serve --continuous-batching` (OMP_NUM_THREADS=1; a generation config without "
-             "EOS). Throughputs over successful requests; TTFT and ITL percentiles as guidellm reports them.", "",
+             "model) and `transformers serve --continuous-batching` (OMP_NUM_THREADS=1; a generation config whose EOS "
+             "no token has), greedy, every answer capped by guidellm's `max_tokens`. Throughputs over successful "
+             "requests (a step's unfinished requests are cut at its end); TTFT and ITL percentiles as guidellm "
+             "reports them. guidellm's own processes share the machine's cores with the server's.", "",
              "| server | step | req/s | output tok/s | concurrency p50 | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
              "| ok / errored / incomplete |",
              "|---|---|---|---|---|---|---|---|---|---|"]
