@@ -42,7 +42,7 @@ def gpurate_section(g: dict) -> list[str]:
             "delivered rate is bounded by the plumbing's CPU (and the load generator's), not by the engine.", "",
             "| " + " | ".join(PLUMBING) + " | plumbing in all | cores per 10k tok/s | Redis cmds/token | client "
             "| delivered (steady) | TTFT p50/p99 | ITL p50/p99 | chunks/request | ok |",
-            "|" + "---|" * (len(PLUMBING) + 10),
+            "|" + "---|" * (len(PLUMBING) + 9),
             "| " + " | ".join(f"{per.get(k, 0):.1f} µs" for k in PLUMBING) +
             f" | {g['plumbing_us_per_token']:.1f} µs | {g['plumbing_cores_per_10k_tok_s']:.2f} "
             f"| {g['redis_cmds_per_token']:.2f} | {per.get('client', 0):.1f} µs "

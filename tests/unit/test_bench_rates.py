@@ -122,6 +122,9 @@ def test_the_page_renders_both_sections_with_their_goals(tmp_path, steps):
     page = report.markdown(r, [])
     assert "## At a GPU's step rate (synthetic engine, issue 34)" in page
     assert "| 15.0 µs | 1.0 µs | 8.0 µs | 14.0 µs | 3.0 µs | 41.0 µs | 0.41 | 0.80 | 9.0 µs |" in page
+    for table in ("| api | tokenizer |", "| server | step |"):  # a header, its separator and rows, alike
+        rows_of = page[page.index(table):].split("\n\n")[0].splitlines()
+        assert len({line.count("|") for line in rows_of}) == 1 and len(rows_of) >= 3
     assert "## guidellm sweeps: rsinfer vs transformers serve (issue 34)" in page
     assert "| rsinfer | constant@81.00/s | 78.33 | 1,258 | 9 | " in page
     assert page.count("| transformers | ") == 3
