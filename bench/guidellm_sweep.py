@@ -10,6 +10,7 @@ missing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import TRANSFORMERS_BODY, BenchStack, ChatLoad, completion_body, run_load
+from bench.harness import TRANSFORMERS_BODY, BenchStack, ChatLoad, completion_body, openai_load, run_load
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 64
 # The throughput step's concurrency, as the `transformers` section's: at 64, transformers serve on one thread
@@ -119,8 +120,12 @@ def sweep(exe: Path, server: Server, processor: str, size: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
         out = Path(tmp) / "report.json"
         env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": str(max(1, os.cpu_count() or 1))}
-        proc = subprocess.run(command(exe, server, processor, out, size), capture_output=True,
-                              text=True, env=env, cwd=tmp, timeout=60 + 4 * size["sweep_size"] * size["step_s"] + 120)
+        limit = 180 + 4 * size["sweep_size"] * size["step_s"]
+        try:
+            proc = subprocess.run(command(exe, server, processor, out, size), capture_output=True, text=True, env=env,
+                                  cwd=tmp, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"error": f"guidellm did not finish in {limit} s"}
         if proc.returncode or not out.exists():
             return {"error": f"guidellm exited {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
         report = json.loads(out.read_text())
@@ -154,20 +159,19 @@ def section(target, mode: str, say: Say, transformers: tuple[Callable, Callable]
         say(f"  transformers skipped: {why}")
         out["transformers"] = {"skipped": why}
         return out
-    with server(target.model_dir) as tf_url:
-        _warm_transformers(tf_url, target.model_dir)
-        out["transformers"] = sweep(exe, Server(tf_url, target.model_dir, TRANSFORMERS_BODY), target.model_dir,
-                                    size)
+    try:
+        with server(target.model_dir) as tf_url:
+            _warm_transformers(tf_url, target.model_dir)
+            out["transformers"] = sweep(exe, Server(tf_url, target.model_dir, TRANSFORMERS_BODY), target.model_dir,
+                                        size)
+    except (RuntimeError, TimeoutError) as e:  # it did not come up: the rsinfer sweep still stands
+        out["transformers"] = {"error": f"transformers serve: {e}"}
     _say_steps(say, "transformers", out["transformers"])
     return out
 
 
 def _warm_transformers(url: str, model: str) -> None:
     """One request through transformers serve first: it loads the model and starts its batching loop lazily."""
-    import asyncio
-
-    from bench.harness import openai_load
-
     with contextlib.suppress(Exception):
         asyncio.run(openai_load(url, model, ChatLoad(2, 2, 8), TRANSFORMERS_BODY))
 
