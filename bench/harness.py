@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import resource
 import shutil
@@ -189,6 +190,11 @@ def completion_body(model: str, prompt: list[int] | str, max_tokens: int, **extr
 
 
 # ---- the official openai client (vs transformers serve)
+
+# Greedy answers of max_tokens tokens from `transformers serve`, which ignores `ignore_eos`: its
+# generation_config field overrides the model's settings key by key, so EOS has to be one no token has (without
+# it the demo model's answers end after ~6 tokens).
+TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False, "eos_token_id": [-1]})}
 
 
 class ChatLoad(NamedTuple):

@@ -16,6 +16,10 @@ Sections (the demo model unless --model):
   10k          10,000 streams open at once on one API process (synthetic engine): all delivered, RSS, ITL
   prefix       prefix-aware routing vs the shared stream with 2 and 4 schedulers on a prefix-heavy multi-turn
                workload (bench/prefix_routing.py): prefix hit rate, TTFT, throughput
+  gpurate      the synthetic engine at a GPU's step rate, 5 ms x 256 streams of 256 tokens, one API process
+               (bench/gpurate.py): plumbing CPU µs per token per process, Redis commands per token
+  guidellm     guidellm sweeps (the `bench` extra) against rsinfer and `transformers serve --continuous-batching`
+               (bench/guidellm_sweep.py): request and token throughput, TTFT and ITL p50/p99 per step
 Writes bench/results/run_all.json, PNG plots in bench/results/plots/ and docs/benchmarks.md (the prefix section
 also bench/results/prefix-routing.json, which `bench/prefix_routing.py` alone writes too; the page shows the newer).
 """
@@ -44,8 +48,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import prefix_routing, report  # noqa: E402
+from bench import gpurate, guidellm_sweep, prefix_routing, report  # noqa: E402
 from bench.harness import (  # noqa: E402
+    TRANSFORMERS_BODY,
     BenchStack,
     ChatLoad,
     completion_body,
@@ -64,7 +69,7 @@ RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"
 DOCS = ROOT / "docs" / "benchmarks.md"
 HISTORY = ROOT / "bench" / "results" / "history.jsonl"  # one headline line per run written to RESULTS
-SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k", "prefix")
+SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k", "prefix", "gpurate", "guidellm")
 MERGED_INTERVAL = 4  # --stream-interval of the merged-steps section
 STEP_MS = 20.0
 PROMPT_LEN, OUTPUT_LEN = 64, 64
@@ -253,8 +258,6 @@ def measured_load(stack: BenchStack, urls: list[str], bodies: list[bytes], concu
 
 
 RSINFER_BODY = {"ignore_eos": True}
-# transformers' generation_config field replaces the model's: no EOS, so every answer has max_tokens tokens
-TRANSFORMERS_BODY = {"generation_config": json.dumps({"do_sample": False})}
 
 
 def versus_transformers(rs_url: str, rs_model: str, model_dir: str, runs: int,
@@ -565,6 +568,14 @@ def stack_sections(target: Target, want: set[str], results: dict, args: argparse
         prefix_routing_section(target, results)
     else:
         newest_prefix_routing(results)
+    mode = "full" if args.full else "quick"
+    if "gpurate" in want:
+        say(f"(h) GPU step rate: synthetic engine, {gpurate.STEP_MS:.0f} ms step, {gpurate.STREAMS} streams of "
+            f"{gpurate.TOKENS} tokens, one API process")
+        results["gpurate"] = gpurate.section(target.model_dir, target.name, mode, say, measured_load)
+    if "guidellm" in want:
+        say("(i) guidellm sweeps: rsinfer (paged engine) and transformers serve --continuous-batching")
+        results["guidellm"] = guidellm_sweep.section(target, mode, say, (transformers_available, transformers_server))
 
 
 def write_results(out: Path, results: dict) -> None:

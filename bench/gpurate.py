@@ -1,0 +1,68 @@
+"""`make bench` section `gpurate`: the plumbing at a GPU's step rate (issue 34).
+
+The synthetic engine steps every 5 ms with 256 streams running, one token per stream per step (the shape of a
+small model's decode on an H100/H200: 51,200 tok/s ideal), through one API process. What the plumbing costs per
+generated token, process by process, and in cores per 10,000 tok/s, is what a GPU pod would spend on it; on 2
+shared cores the delivered rate falls short of the ideal, which the section reports as measured.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from bench import report
+from bench.harness import BenchStack, completion_body, run_load
+
+STEP_MS = 5.0
+STREAMS = 256
+TOKENS = 256
+WAVES = {"quick": 4, "full": 8}  # requests = STREAMS x waves
+PLUMBING = ("api", "tokenizer", "scheduler", "detokenizer", "redis")  # every process but the load generator
+Say = Callable[[str], None]
+
+
+def env() -> dict[str, dict[str, str]]:
+    return {"scheduler": {"RSINFER_ENGINE": "synthetic", "RSINFER_STEP_MS": str(STEP_MS),
+                          "RSINFER_MAX_RUNNING": str(STREAMS), "RSINFER_BATCH_SIZE": str(STREAMS)}}
+
+
+def figures(m: dict, spans: list[report.Span]) -> dict:
+    """The section's figures from bench/run_all.py's measured_load result and its request spans."""
+    per = m["us_per_token"]
+    total = round(sum(per.get(k, 0.0) for k in PLUMBING), 1)
+    steady, window = report.steady_rate(spans, STREAMS)
+    ideal = STREAMS * report.IDEAL_STREAM_RATE / STEP_MS
+    s = m["load"]
+    return {"step_ms": STEP_MS, "streams": STREAMS, "max_tokens": TOKENS, "requests": s["requests"], "ok": s["ok"],
+            "tokens": s["tokens"], "tok_per_s": s["tok_per_s"], "steady_tok_per_s": round(steady, 1),
+            "steady_window_s": round(window, 2), "ideal": ideal,
+            "fraction_of_ideal": round((steady or s["tok_per_s"]) / ideal, 3),
+            "us_per_token": per, "plumbing_us_per_token": total,
+            # CPU seconds per token x 10,000 tokens per second = cores busy with the plumbing at 10k tok/s
+            "plumbing_cores_per_10k_tok_s": round(total * 1e-6 * 10_000, 3),
+            "redis_cmds_per_token": m["redis_cmds_per_token"], "redis_cmds": m["redis_cmds"],
+            "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p99_ms": s["ttft_p99_ms"], "itl_p50_ms": s["itl_p50_ms"],
+            "itl_p99_ms": s["itl_p99_ms"], "chunks_per_request": s["chunks_per_request"],
+            "error_counts": s["error_counts"]}
+
+
+def section(model_dir: str, name: str, mode: str, say: Say, measure: Callable) -> dict:
+    """One stack of the synthetic engine at STEP_MS, a warm-up, then STREAMS x WAVES[mode] requests of TOKENS
+    tokens, STREAMS at a time from 2 client processes, measured by `measure` (bench/run_all.py's
+    measured_load: per-process CPU and Redis commands around the load)."""
+    rng = random.Random(34)
+    prompts = [[rng.randrange(16, 1000) for _ in range(16)] for _ in range(STREAMS * WAVES[mode])]
+    with BenchStack(model_dir, name, env=env()) as stack:
+        say(f"  synthetic stack up, {STEP_MS:.0f} ms step, max_running {STREAMS} (logs {stack.log_dir})")
+        run_load(stack.urls, [completion_body(name, p, 8) for p in prompts[:32]], 32)  # warm-up
+        bodies = [completion_body(name, p, TOKENS) for p in prompts]
+        m, spans = measure(stack, stack.urls, bodies, STREAMS, stagger_s=0.001, processes=2)
+    out = figures(m, spans)
+    per = out["us_per_token"]
+    say(f"    {out['ok']}/{out['requests']} ok, {out['steady_tok_per_s']:,.0f} tok/s steady = "
+        f"{out['fraction_of_ideal']:.0%} of {out['ideal']:,.0f} ({out['tok_per_s']:,.0f} overall)")
+    say("    plumbing CPU µs/token: " + ", ".join(f"{k} {per.get(k, 0):.1f}" for k in PLUMBING) +
+        f"; in all {out['plumbing_us_per_token']:.1f} = {out['plumbing_cores_per_10k_tok_s']:.2f} cores per "
+        f"10k tok/s; Redis {out['redis_cmds_per_token']:.2f} cmds/token; client {per.get('client', 0):.1f} µs/token")
+    return out

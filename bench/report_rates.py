@@ -1,0 +1,131 @@
+"""The write-up of `make bench`'s `gpurate` and `guidellm` sections (issue 34): their rows of the summary table,
+their tables in docs/benchmarks.md and the guidellm plot, from results JSON; no processes, no sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.report import Row, _check, _fmt
+
+PLUMBING = ("api", "tokenizer", "scheduler", "detokenizer", "redis")
+GOAL_US, GOAL_CMDS = 25.0, 0.3  # issue 34's goals at GPU step rates: plumbing µs and Redis commands per token
+SERVERS = ("rsinfer", "transformers")
+
+
+def gpurate_rows(g: dict) -> list[Row]:
+    if not g:
+        return []
+    shape = f"{g['step_ms']:.0f} ms step x {g['streams']} streams"
+    return [Row("gpurate", f"{shape}: plumbing CPU per generated token, all processes",
+                _fmt(g["plumbing_us_per_token"], ",.1f", " µs") +
+                f" = {g['plumbing_cores_per_10k_tok_s']:.2f} cores per 10k tok/s",
+                f"<= {GOAL_US:.0f} µs", _check(g["plumbing_us_per_token"], GOAL_US, True)),
+            Row("gpurate", f"{shape}: Redis commands per generated token", _fmt(g["redis_cmds_per_token"], ".2f"),
+                f"<= {GOAL_CMDS}", _check(g["redis_cmds_per_token"], GOAL_CMDS, True)),
+            Row("gpurate", f"{shape}: delivered (steady), one API process",
+                f"{g['steady_tok_per_s']:,.0f} tok/s = {g['fraction_of_ideal']:.0%}", f"ideal {g['ideal']:,.0f} tok/s",
+                "")]
+
+
+def gpurate_section(g: dict) -> list[str]:
+    if not g:
+        return []
+    per = g["us_per_token"]
+    return ["", "## At a GPU's step rate (synthetic engine, issue 34)", "",
+            f"`make bench` section `gpurate` (`bench/gpurate.py`): the synthetic engine steps every "
+            f"{g['step_ms']:.0f} ms with {g['streams']} streams running (one token per stream per step: the shape "
+            f"of a small model's decode on an H100/H200, ideal {g['ideal']:,.0f} tok/s), {g['requests']} streamed "
+            f"`/v1/completions` of {g['max_tokens']} tokens, {g['streams']} at a time through one API process. CPU "
+            "per generated token of "
+            "each process from `/proc/<pid>/stat`; `cores per 10k tok/s` = plumbing CPU seconds per token x 10,000: "
+            "the cores a pod spends on the plumbing for every 10,000 tok/s its GPU decodes. On 2 shared cores the "
+            "delivered rate is bounded by the plumbing's CPU (and the load generator's), not by the engine.", "",
+            "| " + " | ".join(PLUMBING) + " | plumbing in all | cores per 10k tok/s | Redis cmds/token | client "
+            "| delivered (steady) | TTFT p50/p99 | ITL p50/p99 | chunks/request | ok |",
+            "|" + "---|" * (len(PLUMBING) + 9),
+            "| " + " | ".join(f"{per.get(k, 0):.1f} µs" for k in PLUMBING) +
+            f" | {g['plumbing_us_per_token']:.1f} µs | {g['plumbing_cores_per_10k_tok_s']:.2f} "
+            f"| {g['redis_cmds_per_token']:.2f} | {per.get('client', 0):.1f} µs "
+            f"| {g['steady_tok_per_s']:,.0f} tok/s ({g['fraction_of_ideal']:.0%}) "
+            f"| {g['ttft_p50_ms']:,.0f} / {g['ttft_p99_ms']:,.0f} ms "
+            f"| {g['itl_p50_ms']:.1f} / {g['itl_p99_ms']:.1f} ms "
+            f"| {g['chunks_per_request']:.0f} | {g['ok']}/{g['requests']} |"]
+
+
+def _peak(res: dict) -> dict | None:
+    """The step of a sweep with the most output tokens per second."""
+    steps = [s for s in res.get("steps", []) if s.get("output_tok_per_s")]
+    return max(steps, key=lambda s: s["output_tok_per_s"]) if steps else None
+
+
+def guidellm_rows(gl: dict) -> list[Row]:
+    if not gl:
+        return []
+    if gl.get("skipped"):
+        return [Row("guidellm", "guidellm sweeps", "skipped: " + gl["skipped"], "", "")]
+    out = []
+    for server in SERVERS:
+        res = gl.get(server, {})
+        peak = _peak(res)
+        why = res.get("skipped") or res.get("error")
+        measured = (f"{peak['output_tok_per_s']:,.0f} tok/s, {peak['requests_per_s']:.1f} req/s ({peak['step']}); "
+                    f"TTFT p50 {peak['ttft_p50_ms']:,.0f} ms, ITL p50 {peak['itl_p50_ms']:.1f} ms") if peak else \
+            f"skipped: {why}" if why else "—"
+        out.append(Row("guidellm", f"guidellm sweep, {server}: the step of most output tok/s", measured, "", ""))
+    return out
+
+
+def guidellm_section(gl: dict) -> list[str]:
+    if not gl or gl.get("skipped"):
+        return []
+    cfg = gl.get("config", {})
+    lines = ["", "## guidellm sweeps: rsinfer vs transformers serve (issue 34)", "",
+             f"`make bench` section `guidellm` (`bench/guidellm_sweep.py`): `guidellm run` with a sweep profile "
+             f"({cfg.get('sweep_size', '?')} steps of {cfg.get('step_s', '?')} s: synchronous, throughput at "
+             f"{cfg.get('max_concurrency', '?')} concurrent, then constant rates between the two) on synthetic prompts "
+             f"of {cfg.get('prompt_tokens', '?')} tokens and {cfg.get('output_tokens', '?')} output tokens (the demo "
+             f"model's tokenizer), streamed `{cfg.get('endpoint', '?')}`, against rsinfer (the paged engine, demo "
+             "model) and `transformers serve --continuous-batching` (OMP_NUM_THREADS=1; a generation config whose EOS "
+             "no token has), greedy, every answer capped by guidellm's `max_tokens`. Throughputs over successful "
+             "requests (a step's unfinished requests are cut at its end); TTFT and ITL percentiles as guidellm "
+             "reports them. guidellm's own processes share the machine's cores with the server's.", "",
+             "| server | step | req/s | output tok/s | concurrency p50 | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+             "| ok / errored / incomplete |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for server in SERVERS:
+        res = gl.get(server, {})
+        why = res.get("skipped") or res.get("error")
+        if why:
+            lines.append(f"| {server} | skipped: {why} |  |  |  |  |  |  |  |  |")
+        for s in res.get("steps", []):
+            lines.append(f"| {server} | {s['step']} | {_fmt(s['requests_per_s'], '.2f')} "
+                         f"| {_fmt(s['output_tok_per_s'])} | {_fmt(s['concurrency_p50'], '.0f')} "
+                         f"| {_fmt(s['ttft_p50_ms'], ',.0f', ' ms')} | {_fmt(s['ttft_p99_ms'], ',.0f', ' ms')} "
+                         f"| {_fmt(s['itl_p50_ms'], ',.1f', ' ms')} | {_fmt(s['itl_p99_ms'], ',.1f', ' ms')} "
+                         f"| {s['successful']} / {s['errored']} / {s['incomplete']} |")
+    return lines
+
+
+def guidellm_plot(gl: dict, out_dir: Path, plt) -> Path | None:
+    """Output tok/s against TTFT and ITL percentiles, one line per server and percentile, steps by rate."""
+    series = {s: sorted(gl.get(s, {}).get("steps", []), key=lambda x: x.get("output_tok_per_s") or 0)
+              for s in SERVERS}
+    if not any(series.values()):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("ttft", "itl"), strict=True):
+        for server, color in zip(SERVERS, ("tab:blue", "tab:orange"), strict=True):
+            steps = series[server]
+            for q, style in (("p50", "o-"), ("p99", "s--")):
+                pts = [(s["output_tok_per_s"], s[f"{metric}_{q}_ms"]) for s in steps
+                       if s.get("output_tok_per_s") and s.get(f"{metric}_{q}_ms") is not None]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, color=color, label=f"{server} {q}")
+        ax.set(yscale="log", xlabel="output tokens/s (guidellm sweep step)", ylabel="ms",
+               title=f"{metric.upper()} vs throughput")
+        ax.legend()
+    fig.tight_layout()
+    path = out_dir / "guidellm.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
