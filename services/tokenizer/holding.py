@@ -81,7 +81,7 @@ class FairHold:
     # -- a read's tokenized jobs (TokenizerWorker._encode) ---------------------------------------------------
     def plan(self, items: list[Held]) -> Plan[Held]:
         """Each job sent now, held or parked (services/tokenizer/fair.py); an entry held already (claimed back from
-        ourselves after a keep-alive failed) is in none of them: it stays held, once."""
+        ourselves after a keep-alive failed) is only `kept`: it stays held, once."""
         present = set(self.entries())
         kept = [h for h in items if h.entry_id in present]
         jobs = [(h.job.tenant, fair.applies(self.settings.fair_queueing, h.job.tenant), h)
@@ -221,7 +221,8 @@ class FairHold:
         try:
             aborted = await self.requests.abort_reasons(h.job.uid for h in batch)
             now = time.time()
-            routes = await self.outlet.schedulers_for(outcomes.due((h.job for h in batch), aborted, now))
+            routes = await self.outlet.schedulers_for(
+                [h.job for h in batch if h.job.uid not in aborted and h.job.deadline > now])
             await self.outbox.send(outcomes.released(batch, aborted, now, routes))
         except BaseException:
             for h in reversed(batch):

@@ -147,7 +147,8 @@ class TokenizerWorker(PushWorker[Entry]):
         answers: dict[str, TokenizerAnswer | ReplyError] = {}
         try:
             aborted = await self.requests.abort_reasons(q.uid for q in asked)
-            todo = outcomes.due(asked, aborted, time.time())
+            now = time.time()
+            todo = [q for q in asked if q.uid not in aborted and q.deadline > now]
             results = await asyncio.get_running_loop().run_in_executor(
                 thread, lambda: [queries.answer(self.encoder, q) for q in todo])
             answers = dict(zip((q.uid for q in todo), results, strict=True))

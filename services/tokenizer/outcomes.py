@@ -8,9 +8,9 @@ services/tokenizer/router.py) come in as arguments, so tests/unit/tokenizer/test
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from services.tokenizer.fair import Plan
 from services.tokenizer.outbox import (
@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 DEAD_LETTERED = ReplyError(message="the request could not be tokenized: every attempt failed",
                            code="request_dead_lettered")
 
-M = TypeVar("M", TokenizeJob, TokenizerQuery, ScheduleJob)
-
 
 @dataclass(frozen=True, slots=True)
 class Held:
@@ -46,11 +44,6 @@ class Held:
 
     entry_id: str
     job: ScheduleJob
-
-
-def due(messages: Iterable[M], aborted: Collection[str], now: float) -> list[M]:
-    """What is still worth the work: not aborted, not past its deadline."""
-    return [m for m in messages if m.uid not in aborted and m.deadline > now]
 
 
 def going_on(batch: Sequence[Delivery], encoded: dict[str, Any]) -> list[Held]:

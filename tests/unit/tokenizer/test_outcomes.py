@@ -41,11 +41,6 @@ def query(uid: str) -> TokenizerQuery:
     return TokenizerQuery(uid=uid, model="demo", pod="p", created_at=NOW, deadline=NOW + 60, prompt="hi")
 
 
-def test_due_skips_the_aborted_and_the_expired():
-    jobs = [job("a"), job("gone"), job("late", deadline=NOW - 1), job("at", deadline=NOW)]
-    assert [j.uid for j in outcomes.due(jobs, {"gone": "client"}, NOW)] == ["a"]
-
-
 def test_a_job_ends_aborted_timed_out_refused_or_tokenized(caplog):
     caplog.set_level("INFO")
     assert outcomes.job_end(job("x", n=2), scheduled("x"), "client") == EndAborted("x", 2, "client")
