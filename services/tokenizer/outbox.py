@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from redis.asyncio.client import Pipeline
 
 from shared import queued, streams
@@ -25,8 +25,7 @@ from shared.request_store import RequestStore
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Tokenized:
+class Tokenized(msgspec.Struct, frozen=True):
     """A job encoded: its record says `tokenized` (an omitted max_tokens, None, is not written: the engine's
     scheduler resolves and records it)."""
 
@@ -35,8 +34,7 @@ class Tokenized:
     max_tokens: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(msgspec.Struct, frozen=True):
     """A /tokenize or /detokenize query's answer on its reply stream, and its record's end."""
 
     uid: str
@@ -44,8 +42,7 @@ class Answered:
     prompt_tokens: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class EndAborted:
+class EndAborted(msgspec.Struct, frozen=True):
     """A job whose client is gone: every choice ends with finish_reason "abort"."""
 
     uid: str
@@ -53,65 +50,56 @@ class EndAborted:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class QueryAborted:
+class QueryAborted(msgspec.Struct, frozen=True):
     """A query whose client is gone: nobody reads a reply, its record says why."""
 
     uid: str
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class EndTimedOut:
+class EndTimedOut(msgspec.Struct, frozen=True):
     """Past its deadline: a 504 to its client."""
 
     uid: str
 
 
-@dataclass(frozen=True, slots=True)
-class EndFailed:
+class EndFailed(msgspec.Struct, frozen=True):
     """Refused (a 400) or dead-lettered: the error to its client, and its record says failed."""
 
     uid: str
     error: ReplyError
 
 
-@dataclass(frozen=True, slots=True)
-class Barrier:
+class Barrier(msgspec.Struct, frozen=True):
     """What is queued before lands before what is queued after, on a cluster too (shared/redis_conn.py)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Forward:
+class Forward(msgspec.Struct, frozen=True):
     """A schedule job to the model's shared schedule stream (`scheduler` None) or to one scheduler's own."""
 
     job: ScheduleJob
     scheduler: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Park:
+class Park(msgspec.Struct, frozen=True):
     """A job past fair queueing's hold, into its tenant's parked stream (services/tokenizer/holding.py)."""
 
     job: ScheduleJob
 
 
-@dataclass(frozen=True, slots=True)
-class LeaveQueue:
+class LeaveQueue(msgspec.Struct, frozen=True):
     """Jobs that ended here: they no longer count against --max-queued (shared/queued.py)."""
 
     uids: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(msgspec.Struct, frozen=True):
     """Entries (of the tokenize stream, or `<tenant>/<id>` of a parked one) done with, after what is queued before."""
 
     entries: list[str]
 
 
-@dataclass(frozen=True, slots=True)
-class EndParked:
+class EndParked(msgspec.Struct, frozen=True):
     """A tenant's parked stream ended if nothing is left in it (one script; its reply says whether it was)."""
 
     tenant: str
@@ -119,9 +107,6 @@ class EndParked:
 
 Effect = (Tokenized | Answered | EndAborted | QueryAborted | EndTimedOut | EndFailed | Barrier | Forward | Park
           | LeaveQueue | Ack | EndParked)
-
-
-RecordEffect = Tokenized | Answered | EndAborted | QueryAborted | EndTimedOut | EndFailed
 
 
 class Outbox:
@@ -140,29 +125,26 @@ class Outbox:
             return await pipe.execute()
 
     def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> None:
+        """Queue every effect's commands, in order (a read's most frequent effects first)."""
         for e in effects:
             match e:
-                case Barrier():
-                    barrier(pipe)
+                case Tokenized():
+                    self.requests.set_status(pipe, e.uid, Status.TOKENIZED, prompt_tokens=e.prompt_tokens,
+                                             max_tokens=e.max_tokens)
                 case Forward():
                     self.forward(pipe, e)
-                case Park():
-                    self.park(pipe, e)
+                case Barrier():
+                    barrier(pipe)
                 case LeaveQueue():
                     queued.leave(pipe, self.keys, self.model, e.uids)
                 case Ack():
                     self.source.ack_in(pipe, e.entries)
-                case EndParked():
-                    self.end_parked(pipe, e)
                 case _:
-                    self.record(pipe, e)
+                    self.end(pipe, e)
 
-    def record(self, pipe: Pipeline, e: RecordEffect) -> None:
-        """A request's record, with the reply its client reads where it ends here."""
+    def end(self, pipe: Pipeline, e: Effect) -> None:
+        """A request's end here (with the reply its client reads), a job parked, a parked stream ended."""
         match e:
-            case Tokenized():
-                self.requests.set_status(pipe, e.uid, Status.TOKENIZED, prompt_tokens=e.prompt_tokens,
-                                         max_tokens=e.max_tokens)
             case Answered():
                 self.requests.reply(pipe, e.uid, e.answer)
                 self.requests.set_status(pipe, e.uid, Status.FINISHED, prompt_tokens=e.prompt_tokens)
@@ -174,6 +156,10 @@ class Outbox:
                 self.requests.end_timed_out(pipe, e.uid)
             case EndFailed():
                 self.requests.end_failed(pipe, e.uid, e.error)
+            case Park():
+                self.park(pipe, e)
+            case EndParked():
+                self.end_parked(pipe, e)
 
     def forward(self, pipe: Pipeline, e: Forward) -> None:
         if e.scheduler is None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from services.tokenizer.fair import Plan
 from services.tokenizer.outbox import (
@@ -37,8 +38,7 @@ DEAD_LETTERED = ReplyError(message="the request could not be tokenized: every at
                            code="request_dead_lettered")
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
+class Held(msgspec.Struct, frozen=True):
     """A tokenized job fair queueing holds: its entry (the tokenize stream's, or `<tenant>/<id>` of its tenant's
     parked stream), pending and ours, and what goes to a scheduler."""
 
