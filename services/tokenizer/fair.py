@@ -44,6 +44,7 @@ class Plan(Generic[T]):
     send: list[T] = field(default_factory=list)
     hold: list[T] = field(default_factory=list)
     park: list[T] = field(default_factory=list)
+    kept: list[T] = field(default_factory=list)  # held already (services/tokenizer/holding.py `plan`): stays held
 
 
 def plan(jobs: Iterable[tuple[str, bool, T]], lanes: dict[str, int], parked: Collection[str], max_held: int

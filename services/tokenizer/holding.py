@@ -1,4 +1,5 @@
-"""Fair queueing's Redis side (the decisions are services/tokenizer/fair.py's; docs/design.md, "Fair queueing").
+"""Fair queueing's Redis side (the decisions are services/tokenizer/fair.py's and outcomes.py's, the writes
+services/tokenizer/outbox.py's; docs/design.md, "Fair queueing").
 
 A tokenized job the tokenizer does not send at once (`fair.applies`) is either held here, in memory, in its
 tenant's lane (its tokenize entry pending, ours, kept alive), or, past the hold's cap, parked (`fair.holds`):
@@ -11,8 +12,9 @@ The releaser (`run`) does, every --fair-poll-ms or when woken by a placement: lo
 parked (a set beside the streams, every PARKED_REFRESH_S), claim a dead peer's read-back entries (every
 CLAIM_EVERY_S), read parked jobs back into lanes with room (`fair.refills`), release held jobs in turns up to
 the watermark (`fair.releasable`), and end the parked streams that are drained (every END_EVERY_S, one script
-each: nothing pending or undelivered). Released jobs are routed, sent and acknowledged in one pipeline; an aborted
-or expired one ends there. Every job that ends here leaves the model's queue count (shared/queued.py).
+each: nothing pending or undelivered). Released jobs are routed, sent and acknowledged in one pipeline
+(`outcomes.released`); an aborted or expired one ends there. Every job that ends here leaves the model's queue
+count (shared/queued.py).
 """
 
 from __future__ import annotations
@@ -21,19 +23,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from redis.exceptions import RedisError, ResponseError
 
-from services.tokenizer import fair
+from services.tokenizer import fair, outcomes
 from services.tokenizer.fair import FairQueue, Plan, refills, releasable
-from shared import queued, streams
-from shared.consumer_group import Delivery, GroupConsumer
+from services.tokenizer.outbox import Ack, EndParked, Outbox
+from services.tokenizer.outcomes import Held
+from shared import streams
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
-from shared.request_states import NOT_SCHEDULED
 from shared.request_store import RequestStore
 from shared.settings import TokenizerSettings
 
@@ -46,31 +46,20 @@ END_EVERY_S = 1.0
 CLAIM_COUNT = 100  # read-back entries claimed per parked stream per round
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A tokenized job fair queueing holds: its entry (the tokenize stream's, or `<tenant>/<id>` of its tenant's
-    parked stream), pending and ours, and what goes to a scheduler."""
-
-    entry_id: str
-    job: ScheduleJob
-
-
 class Outlet(Protocol):
-    """Where released jobs go (services/tokenizer/main.py TokenizerWorker)."""
+    """Where released jobs are routed (services/tokenizer/main.py TokenizerWorker)."""
 
     def schedule_streams(self) -> list[str]: ...
 
     async def schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]: ...
 
-    def send(self, pipe: Any, job: ScheduleJob, scheduler: str | None) -> None: ...
-
 
 class FairHold:
-    def __init__(self, settings: TokenizerSettings, source: GroupConsumer, requests: RequestStore, outlet: Outlet,
-                 model: str):
-        self.settings, self.source, self.requests, self.outlet, self.model = settings, source, requests, outlet, model
+    def __init__(self, settings: TokenizerSettings, requests: RequestStore, outbox: Outbox, outlet: Outlet):
+        self.settings, self.requests, self.outbox, self.outlet = settings, requests, outbox, outlet
+        self.source, self.model = outbox.source, outbox.model
         self.redis, self.keys = requests.redis, requests.keys
-        source.lane_key = lambda tenant: self.keys.parked(model, tenant)
+        self.source.lane_key = lambda tenant: self.keys.parked(self.model, tenant)
         self.queue: FairQueue[Held] = FairQueue()
         self.parked: set[str] = set()  # tenants with jobs parked (as last seen in Redis, and those we parked since)
         self.weights: dict[str, int] = {}  # each tenant's latest weight
@@ -92,23 +81,14 @@ class FairHold:
     # -- a read's tokenized jobs (TokenizerWorker._encode) ---------------------------------------------------
     def plan(self, items: list[Held]) -> Plan[Held]:
         """Each job sent now, held or parked (services/tokenizer/fair.py); an entry held already (claimed back from
-        ourselves after a keep-alive failed) is in none of them: it stays held, once."""
+        ourselves after a keep-alive failed) is only `kept`: it stays held, once."""
         present = set(self.entries())
-        return fair.plan(((h.job.tenant, fair.applies(self.settings.fair_queueing, h.job.tenant), h)
-                          for h in items if h.entry_id not in present),
-                         self.queue.tenants(), self.parked, self.settings.fair_max_held)
-
-    def waiting(self, plan: Plan[Held]) -> set[str]:
-        """The entries left pending after the pipeline that writes `plan`: held now or before."""
-        return {h.entry_id for h in plan.hold} | set(self.entries())
-
-    def park(self, pipe: Any, jobs: Iterable[ScheduleJob]) -> None:
-        """Queue the parked jobs on the pipeline that acknowledges their tokenize entries, before the
-        acknowledgement; each tenant's set membership after its entry, so a peer ending the stream meanwhile
-        finds it not drained (`end_drained`)."""
-        for job in jobs:
-            streams.add(pipe, self.keys.parked(self.model, job.tenant), job)
-            pipe.sadd(self.keys.parked_tenants(self.model), job.tenant)
+        kept = [h for h in items if h.entry_id in present]
+        jobs = [(h.job.tenant, fair.applies(self.settings.fair_queueing, h.job.tenant), h)
+                for h in items if h.entry_id not in present]
+        plan = fair.plan(jobs, self.queue.tenants(), self.parked, self.settings.fair_max_held)
+        plan.kept = kept
+        return plan
 
     async def placed(self, plan: Plan[Held]) -> None:
         """Once the plan's pipeline ran: hold what it holds, read the new parked streams, wake the releaser."""
@@ -211,8 +191,8 @@ class FairHold:
             return
         log.info("claimed %d parked jobs a dead or hung tokenizer had read back", len(claimed))
         statuses = await self.requests.field([d.msg.uid for d in claimed], "status")
-        done = {d.entry_id for d in claimed if statuses[d.msg.uid] not in (None, *NOT_SCHEDULED)}
-        await self.source.ack(list(done))
+        done = outcomes.settled([(d.entry_id, d.msg.uid) for d in claimed], statuses, outcomes.forwarded)
+        await self.outbox.send([Ack(done)])
         for d in reversed([d for d in claimed if d.entry_id not in done]):
             self._push(Held(d.entry_id, d.msg), head=True)
 
@@ -220,13 +200,7 @@ class FairHold:
         """End each parked stream nothing is left in (one script each, in one pipeline), with its set membership."""
         mine = self._lanes_held()
         lanes = [t for t in self.source.lanes if t not in mine]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for t in lanes:
-                key = self.keys.parked(self.model, t)
-                # no companion key: the stream itself stands in (deleting it twice is nothing)
-                streams.end_if_drained(pipe, key, self.source.group, companion=key,
-                                       registry=self.keys.parked_tenants(self.model), member=t)
-            ended = await pipe.execute()
+        ended = await self.outbox.send([EndParked(t) for t in lanes])
         for t, done in zip(lanes, ended, strict=True):
             if done:
                 self.source.drop_lane(t)
@@ -247,28 +221,10 @@ class FairHold:
         try:
             aborted = await self.requests.abort_reasons(h.job.uid for h in batch)
             now = time.time()
-            go = [h.job for h in batch if h.job.uid not in aborted and h.job.deadline > now]
-            routes = await self.outlet.schedulers_for(go)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for h in batch:
-                    if h.job.uid in aborted:
-                        log.info("uid=%s skipped while held: aborted (%s)", h.job.uid, aborted[h.job.uid])
-                        self.requests.end_aborted(pipe, h.job.uid, h.job.params.n, aborted[h.job.uid])
-                    elif h.job.deadline <= now:
-                        log.info("uid=%s skipped while held: deadline passed", h.job.uid)
-                        self.requests.end_timed_out(pipe, h.job.uid)
-                    else:
-                        self.outlet.send(pipe, h.job, routes.get(h.job.uid))
-                going = {j.uid for j in go}
-                queued.leave(pipe, self.keys, self.model, [h.job.uid for h in batch if h.job.uid not in going])
-                self.source.ack_in(pipe, [h.entry_id for h in batch])
-                await pipe.execute()
+            routes = await self.outlet.schedulers_for(
+                [h.job for h in batch if h.job.uid not in aborted and h.job.deadline > now])
+            await self.outbox.send(outcomes.released(batch, aborted, now, routes))
         except BaseException:
             for h in reversed(batch):
                 self._push(h, head=True)
             raise
-
-
-def going_on(batch: list[Delivery], encoded: dict[str, Any]) -> list[Held]:
-    """The read's jobs that go on to a scheduler, with their entries."""
-    return [Held(d.entry_id, job) for d in batch if isinstance(job := encoded.get(d.msg.uid), ScheduleJob)]

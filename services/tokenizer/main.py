@@ -1,9 +1,10 @@
 """Tokenizer worker: consumer group `tokenizer` on rsinfer:tokenize:<model> -> rsinfer:schedule:<model>.
 
-Each read is one batch: skip aborted and expired jobs, encode the rest together, then one pipeline
-writes the request records and error replies, then the schedule entries, and acknowledges the whole read.
-With `--prefix-routing` a job whose prompt pages a scheduler caches goes to that scheduler's own stream instead
-(services/tokenizer/router.py: one more round trip per batch).
+Each read is one batch (`_encode`, on one screen): skip aborted and expired jobs, encode the rest together, decide
+what each becomes (services/tokenizer/outcomes.py: effects as data, no Redis), then one pipeline writes them
+(services/tokenizer/outbox.py, the one writer): the request records and error replies, then the schedule entries,
+and the acknowledgement of the whole read. With `--prefix-routing` a job whose prompt pages a scheduler caches goes
+to that scheduler's own stream instead (services/tokenizer/router.py: one more round trip per batch).
 
 With fair queueing (`--fair-queueing`, or unset and the job has a tenant) a tokenized job is held instead (its
 entry pending, kept alive), or parked in Redis past the hold's cap, and released to the schedule stream in tenants'
@@ -27,19 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 from redis.exceptions import RedisError
 
-from services.tokenizer import queries
+from services.tokenizer import outcomes, queries
 from services.tokenizer.encode import PromptEncoder
 from services.tokenizer.fair import Plan
-from services.tokenizer.holding import FairHold, going_on
+from services.tokenizer.holding import FairHold
+from services.tokenizer.outbox import Ack, EndFailed, Outbox, Tokenized
 from services.tokenizer.router import Router
-from shared import queued, streams
 from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
 from shared.models import context_length, default_max_tokens, load_tokenizer, transformers_without_torch
-from shared.redis_conn import barrier
-from shared.request_states import NOT_SCHEDULED, TERMINAL, Status
 from shared.request_store import RequestStore
 from shared.settings import TokenizerSettings
 from shared.worker import PushWorker, run_stage
@@ -52,7 +51,6 @@ log = logging.getLogger(__name__)
 HEAVY_JOB_CHARS = 32 * 1024
 HEAVY_IN_FLIGHT = 8  # heavy jobs held at once; past it, reading waits (their text is in memory)
 Entry = TokenizeJob | TokenizerQuery  # what the tokenize stream carries
-
 
 
 class TokenizerWorker(PushWorker[Entry]):
@@ -81,10 +79,127 @@ class TokenizerWorker(PushWorker[Entry]):
         self._heavy_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize-heavy")
         self._heavy: dict[asyncio.Task, str] = {}  # heavy jobs being encoded apart -> their entry
         self._heavy_room = asyncio.Semaphore(HEAVY_IN_FLIGHT)
-        self.fair = None if settings.fair_queueing is False else FairHold(settings, self.source, self.requests, self,
-                                                                          model_name)
+        self.outbox = Outbox(self.requests, self.source, model_name)  # what writes, acknowledges and ends
+        self.fair = None if settings.fair_queueing is False else FairHold(settings, self.requests, self.outbox, self)
         self._releaser: asyncio.Task | None = None
 
+    # -- the loop: a read of one kind, decided (services/tokenizer/outcomes.py), written and acknowledged in one
+    # pipeline (services/tokenizer/outbox.py) --------------------------------------------------------------------
+    async def handle(self, batch: list[Delivery[Entry]], claimed: bool) -> None:
+        """Small jobs are encoded together; each heavy one (much text, a new grammar) apart, in the background,
+        so that the read's other jobs, and the reads after it, do not wait for it."""
+        light = []
+        for d in batch:
+            if not self.heavy(d.msg):
+                light.append(d)
+                continue
+            await self._heavy_room.acquire()
+            task = asyncio.create_task(self._encode_apart(d, claimed), name=f"tokenize-{d.msg.uid}")
+            self._heavy[task] = d.entry_id
+        if light:
+            await self._process(light, claimed)
+
+    async def _process(self, batch: list[Delivery[Entry]], claimed: bool, thread: ThreadPoolExecutor | None = None
+                       ) -> None:
+        """Queries are answered, jobs encoded and forwarded: each kind in a pipeline of its own."""
+        asked = [d for d in batch if isinstance(d.msg, TokenizerQuery)]
+        jobs = [d for d in batch if not isinstance(d.msg, TokenizerQuery)]
+        if asked:
+            await self._answer(asked, claimed, thread)  # type: ignore[arg-type]
+        if jobs:
+            await self._encode(jobs, claimed, thread)  # type: ignore[arg-type]
+
+    async def _encode(self, batch: list[Delivery[TokenizeJob]], claimed: bool,
+                      thread: ThreadPoolExecutor | None = None) -> None:
+        """Jobs: skip the aborted and expired, encode the rest together, then hold, park or route what goes on
+        (fair queueing, prefix routing), and write and acknowledge it all in one pipeline."""
+        if claimed:  # a dead peer may have forwarded some before it could acknowledge them
+            batch = await self._undone(batch, outcomes.forwarded)
+        jobs = [d.msg for d in batch]
+        uids = [j.uid for j in jobs]
+        spans = [self.tracer.start("tokenize", j.trace, uid=j.uid, claimed=claimed) for j in jobs]
+        encoded: dict[str, ScheduleJob | ReplyError] = {}
+        try:
+            aborted = await self.requests.abort_reasons(uids)
+            now = time.time()
+            todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
+            results = await asyncio.get_running_loop().run_in_executor(thread, self.encoder.encode, todo)
+            encoded = dict(zip((j.uid for j in todo), results, strict=True))
+            going = outcomes.going_on(batch, encoded)
+            plan = self.fair.plan(going) if self.fair is not None else Plan(send=going)
+            routes = await self.schedulers_for([h.job for h in plan.send])  # held: routed when released
+            effects = outcomes.read(batch, encoded, aborted, plan, routes)
+            self.metrics.published("schedule", outcomes.count(effects, Tokenized))
+            self.metrics.published("reply", outcomes.count(effects, EndFailed))
+            await self.outbox.send(effects)
+            if self.fair is not None:
+                await self.fair.placed(plan)
+        finally:
+            end_spans(spans, [encoded.get(job.uid) for job in jobs])
+
+    async def _answer(self, batch: list[Delivery[TokenizerQuery]], claimed: bool,
+                      thread: ThreadPoolExecutor | None = None) -> None:
+        """Answer /tokenize and /detokenize queries on their reply streams, skipping aborted and expired ones."""
+        if claimed:  # a dead peer may have answered some before it could acknowledge them
+            batch = await self._undone(batch, outcomes.answered)
+        asked = [d.msg for d in batch]
+        spans = [self.tracer.start("tokenize_query", q.trace, uid=q.uid, op=q.op) for q in asked]
+        answers: dict[str, TokenizerAnswer | ReplyError] = {}
+        try:
+            aborted = await self.requests.abort_reasons(q.uid for q in asked)
+            now = time.time()
+            todo = [q for q in asked if q.uid not in aborted and q.deadline > now]
+            results = await asyncio.get_running_loop().run_in_executor(
+                thread, lambda: [queries.answer(self.encoder, q) for q in todo])
+            answers = dict(zip((q.uid for q in todo), results, strict=True))
+            self.metrics.published("reply", len(asked))
+            await self.outbox.send(outcomes.answers(batch, answers, aborted))
+        finally:
+            end_spans(spans, [answers.get(q.uid) for q in asked])
+
+    async def _undone(self, batch: list, done: Callable[[str | None], bool]) -> list:
+        """Acknowledge the claimed entries whose record's status says they are `done`; the others."""
+        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
+        acked = outcomes.settled([(d.entry_id, d.msg.uid) for d in batch], statuses, done)
+        await self.outbox.send([Ack(acked)])
+        return [d for d in batch if d.entry_id not in acked]
+
+    async def answer_dead(self, messages: list[Entry]) -> None:
+        """A job whose handling failed every time it was delivered: its client gets the error now."""
+        await self.outbox.send(outcomes.dead(messages))
+
+    async def schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
+        """uid -> the scheduler whose own stream the job goes to (None: the shared stream)."""
+        if self.router is None or not jobs:
+            return {}
+        return dict(zip((j.uid for j in jobs), await self.router.route(jobs), strict=True))
+
+    def schedule_streams(self) -> list[str]:
+        """Every stream schedulers read this model's jobs from: the shared one and, routing, each one's own."""
+        shared = self.keys.schedule(self.model_name)
+        if self.router is None:
+            return [shared]
+        return [shared, *(self.keys.scheduler_stream(self.model_name, c.id) for c in self.router.candidates)]
+
+    # -- heavy jobs, encoded apart ------------------------------------------------------------------------------
+    def heavy(self, job: Entry) -> bool:
+        if isinstance(job, TokenizerQuery):
+            return queries.query_chars(job) > HEAVY_JOB_CHARS
+        guided = job.params.guided
+        return self.encoder.job_bytes(job) > HEAVY_JOB_CHARS or (guided is not None and not checked(guided))
+
+    async def _encode_apart(self, d: Delivery[Entry], claimed: bool) -> None:
+        try:
+            await self._process([d], claimed, self._heavy_thread)
+        except (RedisError, OSError) as e:  # left pending: claimed and done again once Redis is back
+            log.warning("uid=%s: could not write its tokenization (%s)", d.msg.uid, e)
+        except Exception:
+            log.exception("uid=%s: tokenizing failed; it stays pending for a retry", d.msg.uid)
+        finally:
+            self._heavy.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._heavy_room.release()
+
+    # -- start, watch, drain, close ----------------------------------------------------------------------------
     def load(self) -> dict:
         out = super().load()
         if self.fair is not None:  # jobs fair queueing holds, per tenant
@@ -113,54 +228,6 @@ class TokenizerWorker(PushWorker[Entry]):
         if self.fair is not None:
             self.fair.lost(refs)
 
-    def heavy(self, job: Entry) -> bool:
-        if isinstance(job, TokenizerQuery):
-            return queries.query_chars(job) > HEAVY_JOB_CHARS
-        guided = job.params.guided
-        return self.encoder.job_bytes(job) > HEAVY_JOB_CHARS or (guided is not None and not checked(guided))
-
-    async def handle(self, batch: list[Delivery[Entry]], claimed: bool) -> None:
-        """Small jobs are encoded together; each heavy one (much text, a new grammar) apart, in the background,
-        so that the read's other jobs, and the reads after it, do not wait for it."""
-        light = []
-        for d in batch:
-            if not self.heavy(d.msg):
-                light.append(d)
-                continue
-            await self._heavy_room.acquire()
-            task = asyncio.create_task(self._encode_apart(d, claimed), name=f"tokenize-{d.msg.uid}")
-            self._heavy[task] = d.entry_id
-        if light:
-            await self._process(light, claimed)
-
-    async def _process(self, batch: list[Delivery[Entry]], claimed: bool, thread: ThreadPoolExecutor | None = None
-                       ) -> None:
-        """Queries are answered, jobs encoded and forwarded: each kind in a pipeline of its own."""
-        asked = [d for d in batch if isinstance(d.msg, TokenizerQuery)]
-        jobs = [d for d in batch if not isinstance(d.msg, TokenizerQuery)]
-        if asked:
-            await self._answer(asked, claimed, thread)  # type: ignore[arg-type]
-        if jobs:
-            await self._encode(jobs, claimed, thread)  # type: ignore[arg-type]
-
-    async def _encode_apart(self, d: Delivery[Entry], claimed: bool) -> None:
-        try:
-            await self._process([d], claimed, self._heavy_thread)
-        except (RedisError, OSError) as e:  # left pending: claimed and done again once Redis is back
-            log.warning("uid=%s: could not write its tokenization (%s)", d.msg.uid, e)
-        except Exception:
-            log.exception("uid=%s: tokenizing failed; it stays pending for a retry", d.msg.uid)
-        finally:
-            self._heavy.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            self._heavy_room.release()
-
-    def schedule_streams(self) -> list[str]:
-        """Every stream schedulers read this model's jobs from: the shared one and, routing, each one's own."""
-        shared = self.keys.schedule(self.model_name)
-        if self.router is None:
-            return [shared]
-        return [shared, *(self.keys.scheduler_stream(self.model_name, c.id) for c in self.router.candidates)]
-
     async def finish_in_flight(self, deadline: float) -> None:
         """Shutdown: heavy jobs still encoding get until the deadline; what is left is handed back."""
         if self._heavy:
@@ -179,145 +246,6 @@ class TokenizerWorker(PushWorker[Entry]):
                 await task
         self._heavy_thread.shutdown(wait=False, cancel_futures=True)
         await super().close()
-
-    async def _encode(self, batch: list[Delivery[TokenizeJob]], claimed: bool,
-                      thread: ThreadPoolExecutor | None = None) -> None:
-        if claimed:  # a dead peer may have forwarded some before it could acknowledge them
-            batch = await self._not_yet_forwarded(batch)
-        jobs = [d.msg for d in batch]
-        spans = [self.tracer.start("tokenize", j.trace, uid=j.uid, claimed=claimed) for j in jobs]
-        encoded: dict[str, ScheduleJob | ReplyError] = {}
-        try:
-            aborted = await self.requests.abort_reasons(j.uid for j in jobs)
-            now = time.time()
-            todo = [j for j in jobs if j.uid not in aborted and j.deadline > now]
-            results = await asyncio.get_running_loop().run_in_executor(thread, self.encoder.encode, todo)
-            encoded = dict(zip((j.uid for j in todo), results, strict=True))
-            going = going_on(batch, encoded)
-            plan = self.fair.plan(going) if self.fair is not None else Plan(send=going)
-            routes = await self.schedulers_for([h.job for h in plan.send])  # held: routed when released
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for job in jobs:
-                    self._record_outcome(pipe, job, encoded.get(job.uid), aborted.get(job.uid))
-                # The record says `tokenized` before a scheduler can read the job (and write `running`); on a
-                # cluster, where the two are on different nodes, only a barrier orders them.
-                barrier(pipe)
-                for h in plan.send:
-                    self.send(pipe, h.job, routes.get(h.job.uid))
-                if self.fair is not None:  # parked: in Redis before its tokenize entry is acknowledged
-                    self.fair.park(pipe, (h.job for h in plan.park))
-                ended = [j.uid for j in jobs if not isinstance(encoded.get(j.uid), ScheduleJob)]
-                queued.leave(pipe, self.keys, self.model_name, ended)
-                waiting = self.fair.waiting(plan) if self.fair is not None else set()  # held: pending until released
-                self.source.ack_in(pipe, [d.entry_id for d in batch if d.entry_id not in waiting])
-                await pipe.execute()
-            if self.fair is not None:
-                await self.fair.placed(plan)
-        finally:
-            end_spans(spans, [encoded.get(job.uid) for job in jobs])
-
-    async def _answer(self, batch: list[Delivery[TokenizerQuery]], claimed: bool,
-                      thread: ThreadPoolExecutor | None = None) -> None:
-        """Answer /tokenize and /detokenize queries on their reply streams, skipping aborted and expired ones."""
-        if claimed:  # a dead peer may have answered some before it could acknowledge them
-            batch = await self._not_yet_answered(batch)
-        asked = [d.msg for d in batch]
-        spans = [self.tracer.start("tokenize_query", q.trace, uid=q.uid, op=q.op) for q in asked]
-        answers: dict[str, TokenizerAnswer | ReplyError] = {}
-        try:
-            aborted = await self.requests.abort_reasons(q.uid for q in asked)
-            now = time.time()
-            todo = [q for q in asked if q.uid not in aborted and q.deadline > now]
-            results = await asyncio.get_running_loop().run_in_executor(
-                thread, lambda: [queries.answer(self.encoder, q) for q in todo])
-            answers = dict(zip((q.uid for q in todo), results, strict=True))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for q in asked:
-                    self._record_answer(pipe, q, answers.get(q.uid), aborted.get(q.uid))
-                self.source.ack_in(pipe, [d.entry_id for d in batch])
-                await pipe.execute()
-        finally:
-            end_spans(spans, [answers.get(q.uid) for q in asked])
-
-    async def _not_yet_answered(self, batch: list[Delivery[TokenizerQuery]]) -> list[Delivery[TokenizerQuery]]:
-        return await self._ack_those(batch, lambda status: status in TERMINAL)
-
-    def _record_answer(self, pipe, query: TokenizerQuery, result: TokenizerAnswer | ReplyError | None,
-                       aborted: str | None) -> None:
-        """Queue a query's reply and its record's end."""
-        uid = query.uid
-        if aborted is not None:  # its client is gone: nobody reads a reply
-            log.info("uid=%s skipped: aborted (%s)", uid, aborted)
-            self.requests.set_status(pipe, uid, Status.ABORTED, error=f"aborted: {aborted}")
-        elif result is None:
-            log.info("uid=%s skipped: deadline passed", uid)
-            self.requests.end_timed_out(pipe, uid)
-        elif isinstance(result, ReplyError):
-            log.info("uid=%s refused: %s", uid, result.message)
-            self.requests.end_failed(pipe, uid, result)
-        else:
-            self.requests.reply(pipe, uid, result)
-            self.requests.set_status(pipe, uid, Status.FINISHED, prompt_tokens=result.count if result.tokens
-                                     else None)
-        self.metrics.published("reply")
-
-    async def answer_dead(self, messages: list[Entry]) -> None:
-        """A job whose handling failed every time it was delivered: its client gets the error now."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job in messages:
-                self.requests.end_failed(pipe, job.uid, ReplyError(
-                    message="the request could not be tokenized: every attempt failed", code="request_dead_lettered"))
-            queued.leave(pipe, self.keys, self.model_name, [j.uid for j in messages if isinstance(j, TokenizeJob)])
-            await pipe.execute()
-
-    async def schedulers_for(self, jobs: list[ScheduleJob]) -> dict[str, str | None]:
-        """uid -> the scheduler whose own stream the job goes to (None: the shared stream)."""
-        if self.router is None or not jobs:
-            return {}
-        return dict(zip((j.uid for j in jobs), await self.router.route(jobs), strict=True))
-
-    def send(self, pipe, job: ScheduleJob, scheduler: str | None) -> None:
-        if scheduler is None:
-            streams.add(pipe, self.keys.schedule(self.model_name), job)
-            return
-        log.debug("uid=%s routed to %s", job.uid, scheduler)
-        streams.add(pipe, self.keys.scheduler_stream(self.model_name, scheduler), job)
-        # After the entry: a peer that ended this stream (its owner gone) finds it again (services/scheduler/lanes.py).
-        pipe.sadd(self.keys.routed(self.model_name), scheduler)
-
-    async def _ack_those(self, batch: list, done: Callable[[str | None], bool]) -> list:
-        """Acknowledge the claimed entries whose record's status says they are `done`; the others."""
-        statuses = await self.requests.field([d.msg.uid for d in batch], "status")
-        acked = [d.entry_id for d in batch if done(statuses[d.msg.uid])]
-        await self.source.ack(acked)
-        return [d for d in batch if d.entry_id not in acked]
-
-    async def _not_yet_forwarded(self, batch: list[Delivery[TokenizeJob]]) -> list[Delivery[TokenizeJob]]:
-        """Jobs a scheduler has not taken yet. One `tokenized` may or may not have reached the schedule stream
-        (its record is written first): it is forwarded again, and a scheduler drops the duplicate entry."""
-        return await self._ack_those(batch, lambda status: status is not None and status not in NOT_SCHEDULED)
-
-    def _record_outcome(self, pipe, job: TokenizeJob, result: ScheduleJob | ReplyError | None,
-                        aborted: str | None) -> ScheduleJob | None:
-        """Queue the job's record and any error reply; the schedule job to forward, if it goes on."""
-        uid = job.uid
-        if aborted is not None:
-            log.info("uid=%s skipped: aborted (%s)", uid, aborted)
-            self.requests.end_aborted(pipe, uid, job.params.n, aborted)
-        elif result is None:
-            log.info("uid=%s skipped: deadline passed", uid)
-            self.requests.end_timed_out(pipe, uid)
-        elif isinstance(result, ReplyError):
-            log.info("uid=%s refused: %s", uid, result.message)
-            self.requests.end_failed(pipe, uid, result)
-            self.metrics.published("reply")
-        else:
-            self.metrics.published("schedule")
-            # an omitted max_tokens (None, not written) is resolved and recorded by the engine's scheduler
-            self.requests.set_status(pipe, uid, Status.TOKENIZED, prompt_tokens=len(result.input_ids),
-                                     max_tokens=result.params.max_tokens)
-            return result
-        return None
 
 
 def run(settings: TokenizerSettings) -> int:
