@@ -11,7 +11,7 @@ stream if this process dies.
 
 What decides is the request book (services/scheduler/book.py, no Redis); what it decides is written by one
 function (services/scheduler/effects.py); what it must ask Redis of requests it did not start, or may no longer
-own, is recovery's (services/scheduler/recovery.py).
+own, is recovery's (services/scheduler/recovery.py), which hands what it finds back to the loop as data.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.writer = EffectWriter(self.requests, self.source, self.lanes, self.id, self.keys.detokenize(model_name),
                                    detokenize_budget_mb=settings.detokenize_budget_mb)
-        self.recovery = Recovery(self.requests, self.source, self.book, self.writer, settings.max_deliveries)
+        self.recovery = Recovery(self.requests, self.source, self.id, settings.max_deliveries)
         # Effects not sent yet: with the next exchange. A Redis outage keeps them here, so no step is lost.
         self.outbox: list[Effect] = []
         self.notes = AbortNotes(self.keys.aborts(model_name))
@@ -143,13 +143,16 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     async def ends_due(self) -> Ends:
         """What ended without a notification: deadlines, entries a peer claimed from us, and, once a second,
-        what the sweep finds (services/scheduler/recovery.py)."""
+        what the sweep finds (services/scheduler/recovery.py; the TTL refreshes it asks for go with the outbox)."""
         if not self.book.running:
             return Ends()
         taken, self.taken = self.taken, set()
         ends = self.book.ends_due(time.time(), taken)
         if self.due("sweep", SWEEP_EVERY_S):
-            ends = ends | await self.recovery.sweep()
+            swept, refresh = await self.recovery.sweep(self.book.sweep_view(time.monotonic(),
+                                                                              self.recovery.refresh_every))
+            ends = ends | swept
+            self.outbox += refresh
         return ends
 
     # -- admission ------------------------------------------------------------------------------------
@@ -171,8 +174,13 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         """The effects of admitting a read. An exception while admitting one request fails that request (a 500 to
         its client), not the process: a restarted or peer scheduler would claim the same entry and die of it too."""
         self.metrics.consumed("schedule", len(batch))
-        if claimed:
-            batch = await self.recovery.without_poison(batch)
+        if claimed:  # entries every scheduler died with: forgotten, dead-lettered and failed at once
+            poisoned = await self.recovery.without_poison(batch)
+            if poisoned.uids:
+                for uid in poisoned.uids:
+                    self.book.forget(uid)
+                await self.send(poisoned.effects)
+            batch = poisoned.kept
         if self.adapters is not None:  # adapter names -> the registrations' identities
             batch = await self.adapters.resolved(batch)
         found = await self.recovery.look_up(batch)
