@@ -62,15 +62,13 @@ class RequestIntake:
         compiling = self._compile(p)
         resumed = [list(o) for o in req.output_ids]
         if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
-            seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
-                      compiling=compiling)
+            seq = Seq(req, 0, prompt, len(prompt), max_tokens, forks=p.n - 1, compiling=compiling)
             self.scheduler.waiting.append(seq)
             return max_tokens, []
         ended = []
         for i in range(p.n):
             prior = resumed[i] if i < len(resumed) else []
-            seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens,
-                      compiling=compiling)
+            seq = Seq(req, i, prompt + prior, len(prompt), max_tokens, compiling=compiling)
             done = self.resolver.finish_reason(seq, prior[-1], seq.completion_len, len(seq.tokens)) if prior else None
             if done:
                 ended.append(StepOutput(req.uid, len(prior), [], i, done))
