@@ -106,28 +106,29 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
                 batch, claimed = await self.receive(block_ms=None if step else 1000)
         finally:
             if step is not None:  # even when Redis failed: what it made waits in the outbox
-                self.outbox += self.stepped(await step)
+                self.outbox += await step
         self.outbox += self.book.end(ends | await self.ends_due(), self.steps)
         self.engine_stats = self.engine.stats()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
         return batch, claimed
 
-    async def engine_step(self) -> list[StepOutput]:
+    async def engine_step(self) -> list[Effect]:
+        """One engine step, in a worker thread; its effects (`stepped`)."""
         began = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self.engine.step)
         except Exception as e:  # the engine cannot tell whose it was: fail what it holds, serve what comes next
             log.exception("engine step failed; failing the %d requests it held", len(self.book.running))
             outputs = self.book.failed_step(e)
-        self.metrics.step(time.perf_counter() - began)
         self.steps += 1
-        return outputs
+        return self.stepped(outputs, time.perf_counter() - began)
 
-    def stepped(self, outputs: list[StepOutput]) -> list[Effect]:
+    def stepped(self, outputs: list[StepOutput], seconds: float) -> list[Effect]:
         """The effects of a step: the book's, and the pages the step cached and evicted (for routing)."""
-        effects = self.book.stepped(outputs, self.steps)
-        self.metrics.published("detokenize", sum(isinstance(e, Publish) for e in effects))
         pages = self.lanes.pages_due(self.engine.prefix_changes, self.engine.prefix_digests)
+        effects = self.book.stepped(outputs, self.steps)
+        self.metrics.step(seconds)
+        self.metrics.published("detokenize", sum(isinstance(e, Publish) for e in effects))
         return effects if pages is None else [*effects, pages]
 
     async def exchange(self) -> Ends:

@@ -80,11 +80,16 @@ class Recovery:
         self.refresh_every = min(TTL_REFRESH_S, requests.ttl / 10)
 
     async def look_up(self, batch: list[Delivery[ScheduleJob]]) -> dict[str, Found]:
-        """Per request: its abort flag, and the scheduler and entry its record names."""
+        """Per request: its abort flag, and the scheduler and entry its record names, in one round trip."""
         uids = [d.msg.uid for d in batch]
-        aborted = await self.requests.abort_reasons(uids)
-        owners = await self.requests.fields(uids, "scheduler", "entry")
-        return {uid: Found(aborted.get(uid), *owners[uid]) for uid in uids}
+        if not uids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for uid in uids:
+                pipe.get(self.keys.abort(uid))
+                pipe.hmget(self.keys.request(uid), ["scheduler", "entry"])
+            found = await pipe.execute()
+        return {uid: found_of(flag, owner) for uid, flag, owner in zip(uids, found[::2], found[1::2], strict=True)}
 
     async def without_poison(self, batch: list[Delivery[ScheduleJob]]) -> Poisoned:
         """Claimed entries delivered more than --max-deliveries times (`poisoned`)."""
@@ -121,6 +126,11 @@ class Recovery:
         reasons = {r.job.uid: orphan_reason(r, owner, epoch, alive, self.id)
                    for r, (owner, epoch) in zip(runs, found[len(pods):], strict=True)}
         return {uid: reason for uid, reason in reasons.items() if reason is not None}
+
+
+def found_of(flag: bytes | None, owner: list[bytes | None]) -> Found:
+    """What a request's abort flag and its record's scheduler and entry fields say (`look_up`)."""
+    return Found(*(v.decode() if v is not None else None for v in (flag, *owner)))
 
 
 def poisoned(batch: list[Delivery[ScheduleJob]], counts: dict[str, int], max_deliveries: int) -> Poisoned:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from services.scheduler.arrivals import Found
 from services.scheduler.book import Running
 from services.scheduler.effects import DeadLetter, Fail, RefreshTtl
-from services.scheduler.recovery import Recovery, orphan_reason, poisoned, resumed_from
+from services.scheduler.recovery import Recovery, found_of, orphan_reason, poisoned, resumed_from
 from shared import streams
 from shared.keys import Keys
 from shared.messages import ReplyCheckpoint, ReplyEvent, encode
@@ -104,3 +105,8 @@ async def test_the_sweep_returns_ends_and_ttl_refreshes_and_leaves_the_book_alon
     _, again = await recovery.sweep(book.sweep_view(book.running["b"].refreshed + 50, 60))
     assert again == []  # marked refreshed by the book
 
+
+
+def test_what_redis_holds_of_a_delivered_request():
+    assert found_of(None, [None, None]) == Found()
+    assert found_of(b"client_gone", [b"s2", b"7-0"]) == Found("client_gone", "s2", "7-0")
