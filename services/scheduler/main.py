@@ -127,8 +127,9 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         """The effects of a step: the book's, and the pages the step cached and evicted (for routing)."""
         pages = self.lanes.pages_due(self.engine.prefix_changes, self.engine.prefix_digests)
         effects = self.book.stepped(outputs, self.steps)
+        published = sum(isinstance(e, Publish) for e in effects)
         self.metrics.step(seconds)
-        self.metrics.published("detokenize", sum(isinstance(e, Publish) for e in effects))
+        self.metrics.published("detokenize", published)
         return effects if pages is None else [*effects, pages]
 
     async def exchange(self) -> Ends:

@@ -104,28 +104,21 @@ class Recovery:
         return resumed_from(job.params.n, epoch, trimmed, before)
 
     async def sweep(self, view: SweepView) -> tuple[Ends, list[Effect]]:
-        """What ended without a notification: the abort flags of every running request (an operator's `SET
-        rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string ended, and
-        requests whose client or record is gone or that are no longer ours (a flag's reason wins); and the
-        refresh of the TTLs due for one."""
-        flagged, stopped = await self.requests.ended_elsewhere(view.running, view.stoppable)
-        ends = Ends({**await self.orphans(view.running), **flagged}, stopped)
-        return ends, [RefreshTtl([r.job.uid for r in view.stale])] if view.stale else []
-
-    async def orphans(self, running: dict[str, Running]) -> dict[str, str]:
-        """Requests nobody can receive or that are no longer ours (`orphan_reason`), in one round trip."""
-        runs = list(running.values())
+        """What ended without a notification (`swept`), read in one round trip, and the refresh of the TTLs due
+        for one."""
+        runs = list(view.running.values())
         pods = sorted({r.job.pod for r in runs})
         async with self.redis.pipeline(transaction=False) as pipe:
+            for r in runs:
+                pipe.get(self.keys.abort(r.job.uid))
+                pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
+            for uid, index in view.stoppable:
+                pipe.exists(self.keys.choice_stop(uid, index))
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
-            for r in runs:
-                pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
             found = await pipe.execute()
-        alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
-        reasons = {r.job.uid: orphan_reason(r, owner, epoch, alive, self.id)
-                   for r, (owner, epoch) in zip(runs, found[len(pods):], strict=True)}
-        return {uid: reason for uid, reason in reasons.items() if reason is not None}
+        ends = swept(runs, view.stoppable, pods, found, self.id)
+        return ends, [RefreshTtl([r.job.uid for r in view.stale])] if view.stale else []
 
 
 def found_of(flag: bytes | None, owner: list[bytes | None]) -> Found:
@@ -158,6 +151,20 @@ def resumed_from(n: int, epoch: int, trimmed: bool, before: streams.Rows) -> Res
             produced.add(decode(streams.payload(fields), Reply))
     produced.fence(epoch)
     return Resumed(produced, epoch)
+
+
+def swept(runs: list[Running], stoppable: list[tuple[str, int]], pods: list[str], found: list, me: str) -> Ends:
+    """What the sweep's reads (`Recovery.sweep`, in its order) say ended: requests whose abort flag is set (an
+    operator's `SET rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string
+    ended, and requests nobody can receive or that are no longer ours (`orphan_reason`). A flag's reason wins."""
+    n, k = 2 * len(runs), len(stoppable)
+    alive = {pod for pod, ok in zip(pods, found[n + k:], strict=True) if ok}
+    ends = Ends(choices={c for c, stop in zip(stoppable, found[n:n + k], strict=True) if stop})
+    for r, flag, (owner, epoch) in zip(runs, found[0:n:2], found[1:n:2], strict=True):
+        reason = flag.decode() if flag is not None else orphan_reason(r, owner, epoch, alive, me)
+        if reason is not None:
+            ends.requests[r.job.uid] = reason
+    return ends
 
 
 def orphan_reason(run: Running, owner: bytes | None, epoch: bytes | None, alive: set[str], me: str) -> str | None:

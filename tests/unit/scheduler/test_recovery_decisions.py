@@ -59,32 +59,31 @@ def test_why_a_running_request_is_no_longer_ours():
     assert orphan_reason(run(), b"s1", b"1", {"api-x"}, "s1") is None
 
 
-class FakeStore:
-    """What the sweep reads of the request store, and a pipeline answering each read with `found`."""
+class FakeRedis:
+    """A request store's Redis that answers the sweep's reads from dicts (key -> value), no server."""
 
-    def __init__(self, flagged: dict[str, str], owners: dict[str, tuple[bytes | None, bytes | None]]):
+    def __init__(self, values: dict[str, object]):
         self.keys, self.ttl, self.redis = Keys("t"), 600.0, self
-        self.flagged, self.owners = flagged, owners
-        self.queued: list = []
+        self.values, self.queued = values, []
 
-    async def ended_elsewhere(self, uids, choices):
-        return {u: r for u, r in self.flagged.items() if u in uids}, {c for c in choices if c == ("c", 1)}
-
-    def pipeline(self, transaction: bool = False) -> FakeStore:
+    def pipeline(self, transaction: bool = False) -> FakeRedis:
         return self
 
-    async def __aenter__(self) -> FakeStore:
+    async def __aenter__(self) -> FakeRedis:
         self.queued = []
         return self
 
     async def __aexit__(self, *exc) -> None:
         return None
 
-    def exists(self, key: str) -> None:
-        self.queued.append(1)
+    def get(self, key: str) -> None:
+        self.queued.append(self.values.get(key))
 
     def hmget(self, key: str, fields: list[str]) -> None:
-        self.queued.append(list(self.owners[key.rsplit(":", 1)[-1].strip("{}")]))
+        self.queued.append(self.values.get(key, [None] * len(fields)))
+
+    def exists(self, key: str) -> None:
+        self.queued.append(int(key in self.values))
 
     async def execute(self) -> list:
         return self.queued
@@ -94,18 +93,18 @@ async def test_the_sweep_returns_ends_and_ttl_refreshes_and_leaves_the_book_alon
     book, adm = book_of()
     admitted(book, adm, delivery("a", "1-0"), delivery("b", "2-0"), delivery("c", "3-0", n=2, stop=["zz"]))
     book.running["a"].refreshed -= 100
-    store = FakeStore({"b": "client_gone"}, {"a": (b"s1", b"0"), "b": (None, None), "c": (b"s2", b"0")})
-    recovery = Recovery(store, None, "s1", max_deliveries=3)  # type: ignore[arg-type]
+    k = Keys("t")
+    redis = FakeRedis({k.request("a"): [b"s1", b"0"], k.abort("b"): b"client_gone", k.request("c"): [b"s2", b"0"],
+                       k.choice_stop("c", 1): 1, k.worker("api", "api-x"): 1})
+    recovery = Recovery(redis, None, "s1", max_deliveries=3)  # type: ignore[arg-type]
     before = dict(book.running)
     ends, effects = await recovery.sweep(book.sweep_view(book.running["b"].refreshed + 50, 60))
-    assert ends.requests == {"b": "client_gone", "c": EndReason.TAKEN_OVER}  # the flag's reason wins
-    assert ends.choices == {("c", 1)}
+    # b: its flag's reason wins over its lost record; c: a peer owns it now
+    assert ends.requests == {"b": "client_gone", "c": EndReason.TAKEN_OVER} and ends.choices == {("c", 1)}
     assert effects == [RefreshTtl(["a"])]
     assert book.running == before and all(not s.ended for s in book.engine.running)  # the loop applies the ends
     _, again = await recovery.sweep(book.sweep_view(book.running["b"].refreshed + 50, 60))
     assert again == []  # marked refreshed by the book
-
-
 
 def test_what_redis_holds_of_a_delivered_request():
     assert found_of(None, [None, None]) == Found()
