@@ -175,7 +175,6 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
                                 ) -> list[Effect]:
         """The effects of admitting a read. An exception while admitting one request fails that request (a 500 to
         its client), not the process: a restarted or peer scheduler would claim the same entry and die of it too."""
-        self.metrics.consumed("schedule", len(batch))
         if claimed:  # entries every scheduler died with: forgotten, dead-lettered and failed at once
             poisoned = await self.recovery.without_poison(batch)
             if poisoned.uids:
@@ -209,10 +208,12 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
             await pipe.execute()
 
     async def receive(self, block_ms: int | None = 1000) -> tuple[list[Delivery[ScheduleJob]], bool]:
-        if self.unadmitted:  # a batch whose admission Redis refused: again, before anything new
+        if self.unadmitted:  # a batch whose admission Redis refused: again, before anything new (counted once)
             batch, self.unadmitted = self.unadmitted, None
             return batch
-        return await super().receive(block_ms)
+        batch, claimed = await super().receive(block_ms)
+        self.metrics.consumed("schedule", len(batch))
+        return batch, claimed
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())
