@@ -106,14 +106,14 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
                 batch, claimed = await self.receive(block_ms=None if step else 1000)
         finally:
             if step is not None:  # even when Redis failed: what it made waits in the outbox
-                self.outbox += await step
+                self.outbox += self.stepped(*await step)
         self.outbox += self.book.end(ends | await self.ends_due(), self.steps)
         self.engine_stats = self.engine.stats()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
         return batch, claimed
 
-    async def engine_step(self) -> list[Effect]:
-        """One engine step, in a worker thread; its effects (`stepped`)."""
+    async def engine_step(self) -> tuple[list[StepOutput], float]:
+        """One engine step, in a worker thread: its outputs and the seconds it took."""
         began = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self.engine.step)
@@ -121,7 +121,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
             log.exception("engine step failed; failing the %d requests it held", len(self.book.running))
             outputs = self.book.failed_step(e)
         self.steps += 1
-        return self.stepped(outputs, time.perf_counter() - began)
+        return outputs, time.perf_counter() - began
 
     def stepped(self, outputs: list[StepOutput], seconds: float) -> list[Effect]:
         """The effects of a step: the book's, and the pages the step cached and evicted (for routing)."""
