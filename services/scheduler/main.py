@@ -184,8 +184,9 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
             batch = poisoned.kept
         if self.adapters is not None:  # adapter names -> the registrations' identities
             batch = await self.adapters.resolved(batch)
-        found = await self.recovery.look_up(batch)
-        now, effects = time.time(), [Dequeued(self.model_name, [d.msg.uid for d in batch])]
+        uids = [d.msg.uid for d in batch]
+        found = await self.recovery.look_up(uids)
+        now, effects = time.time(), [Dequeued(self.model_name, uids)]
         for d in batch:
             try:
                 verdict, ended = self.admission.verdict(d, claimed, found[d.msg.uid], now)

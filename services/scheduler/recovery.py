@@ -79,9 +79,8 @@ class Recovery:
         # were most of what a long generation cost Redis beyond its tokens.
         self.refresh_every = min(TTL_REFRESH_S, requests.ttl / 10)
 
-    async def look_up(self, batch: list[Delivery[ScheduleJob]]) -> dict[str, Found]:
+    async def look_up(self, uids: list[str]) -> dict[str, Found]:
         """Per request: its abort flag, and the scheduler and entry its record names, in one round trip."""
-        uids = [d.msg.uid for d in batch]
         if not uids:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
