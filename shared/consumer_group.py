@@ -270,12 +270,16 @@ class GroupConsumer(Generic[M]):
     async def dead_letter(self, bad: list[tuple[str, dict[bytes, bytes], str]]) -> None:
         """Move entries that cannot be processed to the dead-letter stream, then acknowledge them."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for ref, fields, error in bad:
-                key, entry_id = self.locate(ref)
-                log.error("dead-lettering %s %s: %s", key, entry_id, error)
-                raw = {f"raw_{streams.as_str(k)}": v for k, v in fields.items()}
-                streams.add_fields(pipe, self.dead_key, {**raw, "stream": key, "group": self.group,
-                                                         "entry_id": entry_id, "error": error[:2000],
-                                                         "at": f"{time.time():.3f}"}, maxlen=DEAD_LETTERS_MAXLEN)
-            self.ack_in(pipe, [ref for ref, _, _ in bad])
+            self.queue_dead_letter(pipe, bad)
             await pipe.execute()
+
+    def queue_dead_letter(self, pipe: Target, bad: list[tuple[str, dict[bytes, bytes], str]]) -> None:
+        """`dead_letter`'s commands, queued on `pipe`."""
+        for ref, fields, error in bad:
+            key, entry_id = self.locate(ref)
+            log.error("dead-lettering %s %s: %s", key, entry_id, error)
+            raw = {f"raw_{streams.as_str(k)}": v for k, v in fields.items()}
+            streams.add_fields(pipe, self.dead_key, {**raw, "stream": key, "group": self.group,
+                                                     "entry_id": entry_id, "error": error[:2000],
+                                                     "at": f"{time.time():.3f}"}, maxlen=DEAD_LETTERS_MAXLEN)
+        self.ack_in(pipe, [ref for ref, _, _ in bad])

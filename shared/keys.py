@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.slots import key_slot, tag_in_slot
+from shared.slots import slot_tag
 
 TOKENIZER_GROUP = "tokenizer"
 SCHEDULER_GROUP = "scheduler"
@@ -40,7 +40,7 @@ class Keys:
 
     def routing_tag(self, model: str) -> str:
         """Hash tag in the slot of the model's (untagged) schedule stream: every routing key of the model has it."""
-        return tag_in_slot(key_slot(self.schedule(model)))
+        return slot_tag(self.schedule(model))
 
     def scheduler_stream(self, model: str, scheduler_id: str) -> str:
         """One scheduler's own stream of schedule jobs, beside the shared one (same group `scheduler`): the
@@ -64,7 +64,7 @@ class Keys:
     # -- fair queueing (services/tokenizer/holding.py, shared/queued.py): every key of one model carries `fair_tag`
     def fair_tag(self, model: str) -> str:
         """Hash tag in the slot of the model's (untagged) tokenize stream."""
-        return tag_in_slot(key_slot(self.tokenize(model)))
+        return slot_tag(self.tokenize(model))
 
     def parked(self, model: str, tenant: str) -> str:
         """Stream of a tenant's tokenized jobs (ScheduleJob) parked by a tokenizer whose hold was full, read in

@@ -73,6 +73,13 @@ def uid_in_slot(slot: int) -> str:
     return chars.decode()
 
 
+@functools.lru_cache(maxsize=1024)
+def slot_tag(key: str) -> str:
+    """The hash tag in `key`'s slot (`tag_in_slot`): cached, since shared/keys.py names the few keys it is asked
+    for (one model's) every time it builds a key beside them."""
+    return tag_in_slot(key_slot(key))
+
+
 @functools.lru_cache(maxsize=256)
 def tag_in_slot(slot: int) -> str:
     """The smallest decimal number whose key_slot as a hash tag is `slot`: a short tag every process computes

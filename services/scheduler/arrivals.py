@@ -106,8 +106,7 @@ class Admission:
                                              code=e.code, param=e.param)), Ack([d.entry_id])]
         span = self.tracer.start("schedule", job.trace, uid=job.uid, scheduler=self.book.id,
                                  resumed=resumed is not None, prompt_tokens=len(job.input_ids))
-        self.book.running[job.uid] = Running(d.entry_id, job, outputs, done, span, epoch=epoch,
-                                             checkpointed=sum(len(o) for o in outputs))
+        self.book.add(Running(d.entry_id, job, outputs, done, span, epoch=epoch))
         # The stop strings, for a detokenizer that did not see a choice's first delta (shared/messages.py
         # TokenDelta); written before any delta of the request is published.
         stop = msgspec.json.encode(job.params.stop).decode() if job.params.stop else None

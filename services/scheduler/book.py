@@ -52,6 +52,15 @@ class Ends:
 
 
 @dataclass
+class SweepView:
+    """What recovery's sweep (services/scheduler/recovery.py) asks about, from the book (`RequestBook.sweep_view`)."""
+
+    running: dict[str, Running]
+    stoppable: list[tuple[str, int]]  # open choices a stop string may end alone
+    stale: list[Running]  # due for a refresh of their keys' TTLs
+
+
+@dataclass
 class Running:
     """What the scheduler keeps per admitted request: enough to publish, acknowledge and resume."""
 
@@ -62,13 +71,16 @@ class Running:
     span: Span = NO_SPAN  # from admission to the request's end, when traced
     steps: int = 0  # engine steps that produced tokens for it
     epoch: int = 0  # raised by every takeover; on every delta, so a successor's fence refuses ours
-    checkpointed: int = 0  # tokens (all choices) at the last checkpoint written to the reply stream
+    # Tokens (all choices) at the last checkpoint written to the reply stream; those it starts with (resumed
+    # after a takeover) are in the reply stream already.
+    checkpointed: int = field(init=False)
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
     refreshed: float = field(default_factory=time.monotonic)  # when its keys' TTLs were last set
     window: int = field(init=False)  # completion tokens sent before each delta (`context`)
 
     def __post_init__(self) -> None:
         self.window = CONTEXT_TOKENS + stop_span(self.job.params.stop)
+        self.checkpointed = sum(len(o) for o in self.outputs)
 
     def context(self, seq: list[int], start: int) -> list[int]:
         """The tokens before completion token `start` that it is decoded after: the completion's last
@@ -180,6 +192,10 @@ class RequestBook:
     def held_entries(self) -> list[str]:
         return [r.entry_id for r in self.running.values()]
 
+    def add(self, run: Running) -> None:
+        """A request admission handed to the engine (services/scheduler/arrivals.py `start`)."""
+        self.running[run.job.uid] = run
+
     def forget(self, uid: str) -> None:
         """Whatever the engine and the book hold of a request that fails at admission."""
         self.engine.abort(uid)
@@ -280,6 +296,11 @@ class RequestBook:
         """The open choices of n > 1 requests with stop strings: a stop string may end one alone."""
         return [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop
                 for i in range(r.job.params.n) if i not in r.done]
+
+    def sweep_view(self, now: float, refresh_every: float) -> SweepView:
+        """What the sweep checks: every running request, the choices a stop string may end, and the requests
+        whose TTLs are due for a refresh (marked refreshed: the sweep's effects refresh them)."""
+        return SweepView(dict(self.running), self.stoppable(), self.stale(now, refresh_every))
 
     def stale(self, now: float, every: float) -> list[Running]:
         """The requests whose keys' TTLs are due for a refresh (marked refreshed: the caller refreshes them)."""

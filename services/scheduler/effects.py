@@ -1,4 +1,5 @@
-"""What the scheduler writes to Redis, as data: the request book (services/scheduler/book.py) returns these, and
+"""What the scheduler writes to Redis, as data: the request book (services/scheduler/book.py), admission and
+recovery (arrivals.py, recovery.py) return these, and
 `EffectWriter.apply` is the one place that turns them into commands on a pipeline. The worker's loop decides
 when a pipeline goes (services/scheduler/main.py: a step's effects with the next step's exchange, an admission's
 at once), so reading the loop tells when an XADD or XACK happens.
@@ -103,8 +104,23 @@ class Dequeued:
     uids: list[str]
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Claimed schedule entries every scheduler died with (services/scheduler/recovery.py `poisoned`): moved to the
+    dead-letter stream, and acknowledged. (entry id, its fields, why)"""
+
+    entries: list[tuple[str, dict[bytes, bytes], str]]
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshTtl:
+    """Running requests whose record's and reply stream's TTLs are due for a refresh (recovery's sweep)."""
+
+    uids: list[str]
+
+
 Effect = (Publish | Checkpoint | Pooled | Ack | Fail | EndAborted | RecordAbort | RecordRunning | PageChanges
-          | Dequeued)
+          | Dequeued | DeadLetter | RefreshTtl)
 
 
 class EffectWriter:
@@ -120,7 +136,8 @@ class EffectWriter:
         self._write: dict[type, Callable[[Pipeline, Any], None]] = {
             Publish: self.publish, Checkpoint: self.checkpoint, Pooled: self.pooled, Fail: self.fail,
             EndAborted: self.end_aborted, RecordAbort: self.record_abort, RecordRunning: self.record_running,
-            PageChanges: lanes.write_pages, Dequeued: self.dequeued}
+            PageChanges: lanes.write_pages, Dequeued: self.dequeued, DeadLetter: self.dead_letter,
+            RefreshTtl: self.refresh_ttl}
 
     def apply(self, pipe: Pipeline, effects: Iterable[Effect]) -> list[range]:
         """Queue every effect's commands, in order, then one acknowledgement of all the entries they end. Which
@@ -173,6 +190,13 @@ class EffectWriter:
 
     def dequeued(self, pipe: Pipeline, e: Dequeued) -> None:
         queued.leave(pipe, self.requests.keys, e.model, e.uids)
+
+    def dead_letter(self, pipe: Pipeline, e: DeadLetter) -> None:
+        self.source.queue_dead_letter(pipe, e.entries)
+
+    def refresh_ttl(self, pipe: Pipeline, e: RefreshTtl) -> None:
+        for uid in e.uids:
+            self.requests.refresh(pipe, uid)
 
     def record_running(self, pipe: Pipeline, e: RecordRunning) -> None:
         self.requests.set_status(pipe, e.uid, Status.RUNNING, scheduler=self.id, entry=e.entry,

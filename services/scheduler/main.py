@@ -11,7 +11,7 @@ stream if this process dies.
 
 What decides is the request book (services/scheduler/book.py, no Redis); what it decides is written by one
 function (services/scheduler/effects.py); what it must ask Redis of requests it did not start, or may no longer
-own, is recovery's (services/scheduler/recovery.py).
+own, is recovery's (services/scheduler/recovery.py), which hands what it finds back to the loop as data.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.requests = RequestStore(self.redis, self.keys, self.ttl, self.maxlen)
         self.writer = EffectWriter(self.requests, self.source, self.lanes, self.id, self.keys.detokenize(model_name),
                                    detokenize_budget_mb=settings.detokenize_budget_mb)
-        self.recovery = Recovery(self.requests, self.source, self.book, self.writer, settings.max_deliveries)
+        self.recovery = Recovery(self.requests, self.source, self.id, settings.max_deliveries)
         # Effects not sent yet: with the next exchange. A Redis outage keeps them here, so no step is lost.
         self.outbox: list[Effect] = []
         self.notes = AbortNotes(self.keys.aborts(model_name))
@@ -106,28 +106,30 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
                 batch, claimed = await self.receive(block_ms=None if step else 1000)
         finally:
             if step is not None:  # even when Redis failed: what it made waits in the outbox
-                self.outbox += self.stepped(await step)
+                self.outbox += self.stepped(*await step)
         self.outbox += self.book.end(ends | await self.ends_due(), self.steps)
         self.engine_stats = self.engine.stats()
         self.last_step_at = time.time()  # the loop moved (liveness); a hung step leaves it stale
         return batch, claimed
 
-    async def engine_step(self) -> list[StepOutput]:
+    async def engine_step(self) -> tuple[list[StepOutput], float]:
+        """One engine step, in a worker thread: its outputs and the seconds it took."""
         began = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self.engine.step)
         except Exception as e:  # the engine cannot tell whose it was: fail what it holds, serve what comes next
             log.exception("engine step failed; failing the %d requests it held", len(self.book.running))
             outputs = self.book.failed_step(e)
-        self.metrics.step(time.perf_counter() - began)
         self.steps += 1
-        return outputs
+        return outputs, time.perf_counter() - began
 
-    def stepped(self, outputs: list[StepOutput]) -> list[Effect]:
+    def stepped(self, outputs: list[StepOutput], seconds: float) -> list[Effect]:
         """The effects of a step: the book's, and the pages the step cached and evicted (for routing)."""
-        effects = self.book.stepped(outputs, self.steps)
-        self.metrics.published("detokenize", sum(isinstance(e, Publish) for e in effects))
         pages = self.lanes.pages_due(self.engine.prefix_changes, self.engine.prefix_digests)
+        effects = self.book.stepped(outputs, self.steps)
+        published = sum(isinstance(e, Publish) for e in effects)
+        self.metrics.step(seconds)
+        self.metrics.published("detokenize", published)
         return effects if pages is None else [*effects, pages]
 
     async def exchange(self) -> Ends:
@@ -143,13 +145,16 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     async def ends_due(self) -> Ends:
         """What ended without a notification: deadlines, entries a peer claimed from us, and, once a second,
-        what the sweep finds (services/scheduler/recovery.py)."""
+        what the sweep finds (services/scheduler/recovery.py; the TTL refreshes it asks for go with the outbox)."""
         if not self.book.running:
             return Ends()
         taken, self.taken = self.taken, set()
         ends = self.book.ends_due(time.time(), taken)
         if self.due("sweep", SWEEP_EVERY_S):
-            ends = ends | await self.recovery.sweep()
+            swept, refresh = await self.recovery.sweep(self.book.sweep_view(time.monotonic(),
+                                                                              self.recovery.refresh_every))
+            ends = ends | swept
+            self.outbox += refresh
         return ends
 
     # -- admission ------------------------------------------------------------------------------------
@@ -170,13 +175,18 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
                                 ) -> list[Effect]:
         """The effects of admitting a read. An exception while admitting one request fails that request (a 500 to
         its client), not the process: a restarted or peer scheduler would claim the same entry and die of it too."""
-        self.metrics.consumed("schedule", len(batch))
-        if claimed:
-            batch = await self.recovery.without_poison(batch)
+        if claimed:  # entries every scheduler died with: forgotten, dead-lettered and failed at once
+            poisoned = await self.recovery.without_poison(batch)
+            if poisoned.uids:
+                for uid in poisoned.uids:
+                    self.book.forget(uid)
+                await self.send(poisoned.effects)
+            batch = poisoned.kept
         if self.adapters is not None:  # adapter names -> the registrations' identities
             batch = await self.adapters.resolved(batch)
-        found = await self.recovery.look_up(batch)
-        now, effects = time.time(), [Dequeued(self.model_name, [d.msg.uid for d in batch])]
+        uids = [d.msg.uid for d in batch]
+        found = await self.recovery.look_up(uids)
+        now, effects = time.time(), [Dequeued(self.model_name, uids)]
         for d in batch:
             try:
                 verdict, ended = self.admission.verdict(d, claimed, found[d.msg.uid], now)
@@ -199,10 +209,12 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
             await pipe.execute()
 
     async def receive(self, block_ms: int | None = 1000) -> tuple[list[Delivery[ScheduleJob]], bool]:
-        if self.unadmitted:  # a batch whose admission Redis refused: again, before anything new
+        if self.unadmitted:  # a batch whose admission Redis refused: again, before anything new (counted once)
             batch, self.unadmitted = self.unadmitted, None
             return batch
-        return await super().receive(block_ms)
+        batch, claimed = await super().receive(block_ms)
+        self.metrics.consumed("schedule", len(batch))
+        return batch, claimed
 
     def read_count(self) -> int:
         return min(self.settings.batch_size, self.engine.room())

@@ -2,24 +2,28 @@
 entry's request already is (`look_up`), entries every scheduler died with (`without_poison`), taking a claimed
 request over from where its client stands (`take_over`), what ended elsewhere (`AbortNotes`, read with every
 exchange) and, once a second, what ended without a notification (`sweep`: abort flags, choices a stop string
-ended, owners and records gone), refreshing the TTLs of the rest. Its decisions are the book's and admission's
-(services/scheduler/book.py, admission.py); its writes go through the EffectWriter, but for the fence, which must
-be in the reply stream before the stream is read.
+ended, owners and records gone), and which running requests' TTLs are due for a refresh.
+
+It reads; what it decides comes back to the worker's loop as data (`Ends` for the book, effects for the
+EffectWriter: services/scheduler/effects.py), and the loop applies it. It holds neither the book nor the writer:
+what it needs of the book comes in as arguments (`SweepView`). Its one write of its own is a takeover's fence,
+which must be in the reply stream before the stream is read. Its decisions are the pure functions below
+(`poisoned`, `resumed_from`, `orphan_reason`), tested without Redis in tests/unit/scheduler/test_recovery_decisions.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
 
 from services.scheduler.arrivals import Found, Resumed
-from services.scheduler.book import Ends, RequestBook, Running
-from services.scheduler.effects import EffectWriter, Fail
+from services.scheduler.book import Ends, Running, SweepView
+from services.scheduler.effects import DeadLetter, Effect, Fail, RefreshTtl
 from shared import streams
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.messages import Reply, ReplyError, ReplyFence, ScheduleJob, decode, encode
@@ -56,81 +60,110 @@ class AbortNotes:
         return ends
 
 
+@dataclass
+class Poisoned:
+    """What `poisoned` decides of a claimed read: the entries to admit, the requests the book forgets, and the
+    effects that end the others (dead-lettered, their clients answered with an error)."""
+
+    kept: list[Delivery[ScheduleJob]]
+    uids: list[str] = field(default_factory=list)
+    effects: list[Effect] = field(default_factory=list)
+
+
 class Recovery:
-    def __init__(self, requests: RequestStore, source: GroupConsumer, book: RequestBook, writer: EffectWriter,
-                 max_deliveries: int):
-        self.requests, self.source, self.book, self.writer = requests, source, book, writer
-        self.redis, self.keys, self.ttl = requests.redis, requests.keys, requests.ttl
+    def __init__(self, requests: RequestStore, source: GroupConsumer, scheduler_id: str, max_deliveries: int):
+        self.requests, self.source, self.id = requests, source, scheduler_id
+        self.redis, self.keys = requests.redis, requests.keys
         self.max_deliveries = max_deliveries
+        # TTLs are refreshed a few times per TTL, not every sweep: two commands per running request a second
+        # were most of what a long generation cost Redis beyond its tokens.
+        self.refresh_every = min(TTL_REFRESH_S, requests.ttl / 10)
 
-    async def look_up(self, batch: list[Delivery[ScheduleJob]]) -> dict[str, Found]:
-        """Per request: its abort flag, and the scheduler and entry its record names."""
-        uids = [d.msg.uid for d in batch]
-        aborted = await self.requests.abort_reasons(uids)
-        owners = await self.requests.fields(uids, "scheduler", "entry")
-        return {uid: Found(aborted.get(uid), *owners[uid]) for uid in uids}
-
-    async def without_poison(self, batch: list[Delivery[ScheduleJob]]) -> list[Delivery[ScheduleJob]]:
-        """Claimed entries delivered more than --max-deliveries times: each delivery ended with its scheduler
-        gone (a crash while running it, e.g. a native one no `except` sees), and the next would take down the
-        next scheduler. Dead-lettered, and their clients answered at once with an error."""
-        counts = await self.source.delivery_counts([d.entry_id for d in batch])
-        poison = [d for d in batch if counts.get(d.entry_id, 0) > self.max_deliveries]
-        if not poison:
-            return batch
-        await self.source.dead_letter([(d.entry_id, {streams.FIELD: encode(d.msg)},
-                                        f"delivered {counts[d.entry_id]} times; each scheduler died with it")
-                                       for d in poison])
-        for d in poison:
-            log.error("uid=%s dead-lettered: its schedule entry was delivered %d times", d.msg.uid,
-                      counts[d.entry_id])
-            self.book.forget(d.msg.uid)
+    async def look_up(self, uids: list[str]) -> dict[str, Found]:
+        """Per request: its abort flag, and the scheduler and entry its record names, in one round trip."""
+        if not uids:
+            return {}
         async with self.redis.pipeline(transaction=False) as pipe:
-            self.writer.apply(pipe, [Fail(d.msg.uid, poison_error(counts[d.entry_id])) for d in poison])
-            await pipe.execute()
-        bad = {d.entry_id for d in poison}
-        return [d for d in batch if d.entry_id not in bad]
+            for uid in uids:
+                pipe.get(self.keys.abort(uid))
+                pipe.hmget(self.keys.request(uid), ["scheduler", "entry"])
+            found = await pipe.execute()
+        return {uid: found_of(flag, owner) for uid, flag, owner in zip(uids, found[::2], found[1::2], strict=True)}
+
+    async def without_poison(self, batch: list[Delivery[ScheduleJob]]) -> Poisoned:
+        """Claimed entries delivered more than --max-deliveries times (`poisoned`)."""
+        counts = await self.source.delivery_counts([d.entry_id for d in batch])
+        return poisoned(batch, counts, self.max_deliveries)
 
     async def take_over(self, job: ScheduleJob) -> Resumed:
         """Raise the request's epoch, put a fence with it into the reply stream, and read what came before
         the fence: that is exactly what clients get of the previous owners (shared/reply_order.py)."""
         epoch = await self.requests.raise_epoch(job.uid)
-        trimmed, before = await self.requests.fence(job.uid, ReplyFence(epoch=epoch, scheduler=self.writer.id))
-        produced = ProducedTokens(job.params.n, trimmed=trimmed)
-        for _, fields in before:
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                produced.add(decode(streams.payload(fields), Reply))
-        produced.fence(epoch)
-        return Resumed(produced, epoch)
+        trimmed, before = await self.requests.fence(job.uid, ReplyFence(epoch=epoch, scheduler=self.id))
+        return resumed_from(job.params.n, epoch, trimmed, before)
 
-    async def sweep(self) -> Ends:
-        """What ended without a notification: the abort flags of every running request (an operator's `SET
-        rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string ended, and
-        requests whose client or record is gone or that are no longer ours. A flag's reason wins."""
-        flagged, stopped = await self.requests.ended_elsewhere(self.book.running, self.book.stoppable())
-        return Ends({**await self.orphans(), **flagged}, stopped)
-
-    async def orphans(self) -> dict[str, str]:
-        """Requests nobody can receive or that are no longer ours (`orphan_reason`), in one round trip that
-        also refreshes the TTLs of the requests due for it."""
-        runs = list(self.book.running.values())
+    async def sweep(self, view: SweepView) -> tuple[Ends, list[Effect]]:
+        """What ended without a notification (`swept`), read in one round trip, and the refresh of the TTLs due
+        for one."""
+        runs = list(view.running.values())
         pods = sorted({r.job.pod for r in runs})
-        # TTLs are refreshed a few times per TTL, not every sweep: two commands per running request a second
-        # were most of what a long generation cost Redis beyond its tokens.
-        stale = self.book.stale(time.monotonic(), min(TTL_REFRESH_S, self.ttl / 10))
         async with self.redis.pipeline(transaction=False) as pipe:
+            for r in runs:
+                pipe.get(self.keys.abort(r.job.uid))
+                pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
+            for uid, index in view.stoppable:
+                pipe.exists(self.keys.choice_stop(uid, index))
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
-            for r in runs:
-                pipe.hmget(self.keys.request(r.job.uid), ["scheduler", "epoch"])
-            for r in stale:
-                self.requests.refresh(pipe, r.job.uid)
             found = await pipe.execute()
-        alive = {pod for pod, ok in zip(pods, found, strict=False) if ok}
-        owners = found[len(pods):len(pods) + len(runs)]
-        reasons = {r.job.uid: orphan_reason(r, owner, epoch, alive, self.writer.id)
-                   for r, (owner, epoch) in zip(runs, owners, strict=True)}
-        return {uid: reason for uid, reason in reasons.items() if reason is not None}
+        ends = swept(runs, view.stoppable, pods, found, self.id)
+        return ends, [RefreshTtl([r.job.uid for r in view.stale])] if view.stale else []
+
+
+def found_of(flag: bytes | None, owner: list[bytes | None]) -> Found:
+    """What a request's abort flag and its record's scheduler and entry fields say (`look_up`)."""
+    return Found(*(v.decode() if v is not None else None for v in (flag, *owner)))
+
+
+def poisoned(batch: list[Delivery[ScheduleJob]], counts: dict[str, int], max_deliveries: int) -> Poisoned:
+    """Claimed entries delivered more than `max_deliveries` times: each delivery ended with its scheduler gone (a
+    crash while running it, e.g. a native one no `except` sees), and the next would take down the next
+    scheduler. Dead-lettered, and their clients answered at once with an error."""
+    poison = [d for d in batch if counts.get(d.entry_id, 0) > max_deliveries]
+    if not poison:
+        return Poisoned(batch)
+    for d in poison:
+        log.error("uid=%s dead-lettered: its schedule entry was delivered %d times", d.msg.uid, counts[d.entry_id])
+    dead = DeadLetter([(d.entry_id, {streams.FIELD: encode(d.msg)},
+                        f"delivered {counts[d.entry_id]} times; each scheduler died with it") for d in poison])
+    fails: list[Effect] = [Fail(d.msg.uid, poison_error(counts[d.entry_id])) for d in poison]
+    bad = {d.entry_id for d in poison}
+    return Poisoned([d for d in batch if d.entry_id not in bad], [d.msg.uid for d in poison], [dead, *fails])
+
+
+def resumed_from(n: int, epoch: int, trimmed: bool, before: streams.Rows) -> Resumed:
+    """Where a request taken over under `epoch` resumes: the tokens of the reply entries before its fence, as
+    its client gets them (an entry that does not decode is skipped, as the client's reader skips it)."""
+    produced = ProducedTokens(n, trimmed=trimmed)
+    for _, fields in before:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            produced.add(decode(streams.payload(fields), Reply))
+    produced.fence(epoch)
+    return Resumed(produced, epoch)
+
+
+def swept(runs: list[Running], stoppable: list[tuple[str, int]], pods: list[str], found: list, me: str) -> Ends:
+    """What the sweep's reads (`Recovery.sweep`, in its order) say ended: requests whose abort flag is set (an
+    operator's `SET rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string
+    ended, and requests nobody can receive or that are no longer ours (`orphan_reason`). A flag's reason wins."""
+    n, k = 2 * len(runs), len(stoppable)
+    alive = {pod for pod, ok in zip(pods, found[n + k:], strict=True) if ok}
+    ends = Ends(choices={c for c, stop in zip(stoppable, found[n:n + k], strict=True) if stop})
+    for r, flag, (owner, epoch) in zip(runs, found[0:n:2], found[1:n:2], strict=True):
+        reason = flag.decode() if flag is not None else orphan_reason(r, owner, epoch, alive, me)
+        if reason is not None:
+            ends.requests[r.job.uid] = reason
+    return ends
 
 
 def orphan_reason(run: Running, owner: bytes | None, epoch: bytes | None, alive: set[str], me: str) -> str | None:

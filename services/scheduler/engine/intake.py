@@ -59,18 +59,15 @@ class RequestIntake:
                 raise RequestRejected(f"no LoRA adapter named '{req.adapter}' (this engine serves none: "
                                       "--max-loras is 0)", code="model_not_found", param="model")
             self.lora.check(req.adapter)  # refuses unknown and bad adapters; starts loading the others
-        compiling = self._compile(p)
-        resumed = [list(o) for o in req.output_ids]
-        if not any(resumed):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
-            seq = Seq(req, 0, prompt, len(prompt), self.scheduler.next_arrival(), max_tokens, forks=p.n - 1,
-                      compiling=compiling)
+        compiling = self._compile(p) if p.guided is not None else None
+        if not any(req.output_ids):  # fresh: one sequence prefills the prompt and forks the rest at its first sample
+            seq = Seq(req, 0, prompt, len(prompt), max_tokens, forks=p.n - 1, compiling=compiling)
             self.scheduler.waiting.append(seq)
             return max_tokens, []
         ended = []
         for i in range(p.n):
-            prior = resumed[i] if i < len(resumed) else []
-            seq = Seq(req, i, prompt + prior, len(prompt), self.scheduler.next_arrival(), max_tokens,
-                      compiling=compiling)
+            prior = list(req.output_ids[i]) if i < len(req.output_ids) else []
+            seq = Seq(req, i, prompt + prior, len(prompt), max_tokens, compiling=compiling)
             done = self.resolver.finish_reason(seq, prior[-1], seq.completion_len, len(seq.tokens)) if prior else None
             if done:
                 ended.append(StepOutput(req.uid, len(prior), [], i, done))
@@ -78,10 +75,9 @@ class RequestIntake:
                 self.scheduler.waiting.append(seq)
         return max_tokens, ended
 
-    def _compile(self, p: SamplingParams) -> Future | None:
+    def _compile(self, p: SamplingParams) -> Future:
         """Start (or find) the compile of the request's grammar; it waits in the queue until it is ready."""
-        if p.guided is None:
-            return None
+        assert p.guided is not None
         if self.grammars is None:
             raise RequestRejected("structured outputs are not available on this engine", param=p.guided.param)
         return self.grammars.get(p.guided)

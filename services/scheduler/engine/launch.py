@@ -61,12 +61,13 @@ class StepLauncher:
         pooled_out = None
         if any(s.pooling is not None for s in sampling):
             sampling, logits, pooled, pooled_out = split_pooled(sampling, logits)
+        self._end_pooled(pooled)
         if not sampling:
-            self._end_pooled(pooled)
             return InFlight([], [], [], None, deferred, pooled, pooled_out)
         seqs, logit_rows = self._fork(sampling)
         rows = [SampleRow(s.req.params, s.index, len(s.tokens) - s.prompt_len, s.tokens, s.prompt_len, s.grammar)
                 for s in seqs]
+        epochs = [s.epoch for s in seqs]
         if len(logit_rows) != logits.shape[0]:
             (index,) = to_device([logit_rows], torch.int64, logits.device)
             logits = logits.index_select(0, index)
@@ -80,8 +81,7 @@ class StepLauncher:
             n = len(tokens)
             seq.final = n - seq.prompt_len >= seq.max_tokens or n >= context
             at.append(n - 1)
-        self._end_pooled(pooled)
-        return InFlight(seqs, at, [s.epoch for s in seqs], out, deferred, pooled, pooled_out)
+        return InFlight(seqs, at, epochs, out, deferred, pooled, pooled_out)
 
     def _fork(self, sampling: list[Seq]) -> tuple[list[Seq], list[int]]:
         """The sequences that sample and the logits row of each: n > 1, the siblings sample from their parent's
@@ -99,8 +99,9 @@ class StepLauncher:
         return seqs, logit_rows
 
     def _end_pooled(self, pooled: list[Seq]) -> None:
-        """The prefill-only sequences' pages go back once their step is launched (the device runs the steps in
-        order, so a later step that takes a page writes it after this one has read it)."""
+        """The prefill-only sequences' pages go back once their forward is launched (the device runs the steps in
+        order, so a later step that takes a page writes it after this one has read it); nothing in between takes
+        a page."""
         for seq in pooled:
             seq.pool_sum = None
             self.scheduler.finish(seq)
@@ -141,9 +142,7 @@ class StepLauncher:
         logits = self._run_model(rows, ids, sample_idx + extra, pending, batch=batch, pooled=pooled)
         if scored:
             score_prompts(scored, logits[len(sample_idx):])
-        self.scheduler.advance(batch)
-        self.scheduler.name_pages([sc.seq for sc in batch if not sc.seq.unresolved] if deferred else
-                                  [sc.seq for sc in batch])
+        self.scheduler.computed(batch)
         return logits[:len(sample_idx)], deferred
 
     def _run_model(self, rows: list[RowSpec], ids: list[int], keep: list[int], pending: DeviceTokens | None, *,

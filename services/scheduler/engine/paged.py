@@ -236,7 +236,7 @@ class PagedEngine:
         """Wait for the step in flight and turn its tokens into outputs (the step's one host sync)."""
         flight, self._inflight = self._inflight, None
         assert flight is not None
-        return self.resolver.resolve(flight)
+        return self.resolver.resolve(flight, flight.out.result() if flight.out is not None else None)
 
     @staticmethod
     def _needs_host_tokens(batch: list[Scheduled]) -> bool:

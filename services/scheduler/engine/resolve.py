@@ -1,8 +1,8 @@
 """Reading a launched step's results (launch.py) into the engine's outputs, and ending and failing sequences.
 
-A step's tokens are read once (`resolve`, the step's one host sync). A token that arrives for a sequence that
-ended or was preempted since its step was launched is dropped; one that ends its sequence ends it here, and a
-token its grammar refuses fails its request (a 400: the client's grammar or params at fault).
+A step's tokens are read once (by the engine: paged.py `_resolve`, the step's one host sync). A token that arrives
+for a sequence that ended or was preempted since its step was launched is dropped; one that ends its sequence ends
+it here, and a token its grammar refuses fails its request (a 400: the client's grammar or params at fault).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from services.scheduler.engine.base import StepOutput
 from services.scheduler.engine.launch import InFlight
 from services.scheduler.engine.pooling import pooled_outputs
+from services.scheduler.engine.sampling import SampleResult
 from services.scheduler.engine.scheduler import BatchScheduler
 from services.scheduler.engine.sequence import Seq
 
@@ -22,15 +23,15 @@ class StepResolver:
         self.eos_ids = eos_ids
         self.max_context = max_context
 
-    def resolve(self, flight: InFlight) -> list[StepOutput]:
-        """Wait for the step `flight` and turn its tokens into outputs (the step's one host sync)."""
+    def resolve(self, flight: InFlight, result: SampleResult | None) -> list[StepOutput]:
+        """Turn the tokens the step `flight` sampled (`result`, read by the engine: the step's one host sync)
+        into outputs."""
         outputs = []
         if flight.pooled:
             assert flight.pooled_out is not None
             outputs = pooled_outputs(flight.pooled, flight.pooled_out)
-        if flight.out is None:
+        if flight.out is None or result is None:
             return outputs
-        result = flight.out.result()
         refused = []
         with_logprobs = bool(flight.out.want)
         for k, (seq, at, epoch, tok) in enumerate(zip(flight.seqs, flight.token_index, flight.epochs, result.ids,

@@ -48,11 +48,6 @@ class BatchScheduler:
         self.watermark = max(1, pool.usable // 100)  # pages kept back from admission for decodes
         self.preemptions = 0
         self.prefix_hit_tokens = 0
-        self._arrivals = 0
-
-    def next_arrival(self) -> int:
-        self._arrivals += 1
-        return self._arrivals
 
     # ---- the step plan
 
@@ -111,9 +106,7 @@ class BatchScheduler:
                 return
             hit = self._match_prefix(seq)
             n = self._chunk(seq, budget, batch)
-            need = pages_for(seq.num_computed + n, self.page_size) - len(seq.pages)
-            reserve = self.watermark if self.running else 0
-            if n <= 0 or self.pool.available() - need < reserve:
+            if n <= 0 or not self._grow(seq, n, reserve=self.watermark if self.running else 0):
                 self._unmatch(seq, hit)
                 return
             self.waiting.remove(seq)
@@ -121,7 +114,6 @@ class BatchScheduler:
             self.prefix_hit_tokens += hit * self.page_size
             if seq.cached_tokens < 0:
                 seq.cached_tokens = hit * self.page_size
-            self._grow(seq, n)
             batch.append(Scheduled(seq, n))
             budget -= n
 
@@ -131,8 +123,12 @@ class BatchScheduler:
         """Most new tokens this sequence can take with its own pages plus every available one."""
         return (len(seq.pages) + self.pool.available()) * self.page_size - seq.num_computed
 
-    def _grow(self, seq: Seq, n: int) -> bool:
+    def _grow(self, seq: Seq, n: int, reserve: int = 0) -> bool:
+        """Pages for the sequence's next n tokens, if the pool has them and `reserve` more (an admission leaves
+        the running decodes a reserve, the watermark); False, and nothing taken, if not."""
         need = pages_for(seq.num_computed + n, self.page_size) - len(seq.pages)
+        if reserve and self.pool.available() - need < reserve:
+            return False
         if need <= 0:
             return True
         pages = self.pool.alloc(need)
@@ -178,15 +174,12 @@ class BatchScheduler:
     # ---- after the forward
 
     def computed(self, batch: list[Scheduled]) -> None:
-        """Record the step's tokens as computed and name newly full pages in the prefix cache."""
-        self.advance(batch)
-        self.name_pages([sc.seq for sc in batch])
-
-    @staticmethod
-    def advance(batch: list[Scheduled]) -> None:
-        """Record the step's tokens as computed (their K/V are written by the launched step)."""
+        """Record the step's tokens as computed (their K/V are written by the launched step) and name the newly
+        full pages in the prefix cache, but a sequence's whose token is still in flight: its pages are named once
+        that token is known (`name_pages`, after the previous step's results)."""
         for sc in batch:
             sc.seq.num_computed += sc.num_new
+        self.name_pages([sc.seq for sc in batch if not sc.seq.unresolved])
 
     def name_pages(self, seqs: list[Seq]) -> None:
         """Name the newly full pages of each sequence in the prefix cache; every computed token must be known
@@ -223,7 +216,7 @@ class BatchScheduler:
         children = []
         for k in range(1, count + 1):
             child = Seq(parent.req, parent.index + k, parent.tokens[:parent.prompt_len], parent.prompt_len,
-                        self.next_arrival(), parent.max_tokens, num_computed=full * self.page_size,
+                        parent.max_tokens, num_computed=full * self.page_size,
                         pages=parent.pages[:full], digests=parent.digests[:full],
                         num_cached_pages=min(parent.num_cached_pages, full), compiling=parent.compiling,
                         grammar=parent.grammar.fresh() if parent.grammar else None,

@@ -22,7 +22,6 @@ class Seq:
     index: int  # choice
     tokens: list[int]  # prompt, then completion tokens
     prompt_len: int
-    arrival: int  # admission order; the youngest is preempted first
     max_tokens: int  # completion tokens allowed in all (tokens resumed after a crash count)
     num_computed: int = 0  # leading tokens whose K/V are in `pages`
     pages: list[int] = field(default_factory=list)
@@ -52,8 +51,10 @@ class Seq:
     pool_sum: Any = None
     pooled_upto: int = 0
     pooling: Pooling | None = field(init=False, default=None)  # the request's, read once per step per row
+    uid: str = field(init=False, default="")  # the request's, read on every output
 
     def __post_init__(self) -> None:
+        self.uid = self.req.uid
         if self.req.adapter is not None:
             self.digest_root = adapter_root(self.req.adapter)
         p = self.req.params
@@ -78,10 +79,6 @@ class Seq:
         """Admissible: its grammar (if any) is compiled and its adapter (if any) is in a slot."""
         return (self.compiling is None or self.grammar is not None) and (
             self.req.adapter is None or self.adapter_slot > 0)
-
-    @property
-    def uid(self) -> str:
-        return self.req.uid
 
     @property
     def completion_len(self) -> int:

@@ -47,10 +47,10 @@ class AttnMetadata:
     positions: torch.Tensor  # [T] int64
     pages: list[list[int]] = field(repr=False, default_factory=list)
     extra: dict = field(default_factory=dict)  # what a backend prepares once per step
+    num_rows: int = field(init=False)  # rows (sequences) of the step, read by every backend's prepare
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.q_lens)
+    def __post_init__(self) -> None:
+        self.num_rows = len(self.q_lens)
 
     @property
     def num_tokens(self) -> int:
