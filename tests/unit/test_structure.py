@@ -6,8 +6,11 @@ which `make lint` and `make test` run."""
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ("services", "shared", "rsinfer")
@@ -55,3 +58,16 @@ def test_every_module_name_is_used_once():
              if len(paths) > 1 and paths != SHARED_NAMES.get(name)}
     assert twice == {}
 
+
+
+@pytest.mark.parametrize("stage", ["api", "scheduler", "tokenizer", "detokenizer"])
+def test_every_module_of_a_stage_is_in_a_layer_of_its_contract(stage):
+    """A module added to a stage takes its place in the stage's `layers` contract (pyproject.toml), which
+    import-linter checks: a module no layer names could import upward unseen."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    prefix = f"services.{stage}."
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers" and c["layers"][0].startswith(prefix))
+    named = {m.strip().removeprefix(prefix) for layer in layers for m in layer.replace(":", "|").split("|")}
+    parts = {p.stem for p in (ROOT / "services" / stage).iterdir()
+             if p.name not in ("__pycache__", "__init__.py") and (p.suffix == ".py" or p.is_dir())}
+    assert parts == named
