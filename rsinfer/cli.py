@@ -10,17 +10,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rsinfer.command_settings import DrainCommand, ProbeSettings, UpSettings
 from rsinfer.flags import flag_parser, settings_from_args
 from shared.settings import (
     ApiSettings,
     CommonSettings,
     DetokenizerSettings,
-    DrainCommand,
-    ProbeSettings,
     RedisSettings,
     SchedulerSettings,
     TokenizerSettings,
-    UpSettings,
 )
 
 SERVICES = {

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from rsinfer.command_settings import DrainCommand, ProbeSettings
 from services.api.edge.admin import admin_socket_path
 from services.api.edge.admin import call as admin_call
 from shared import streams
@@ -21,7 +22,7 @@ from shared.liveness import check, liveness_path
 from shared.redis_conn import connect
 from shared.request_states import TERMINAL
 from shared.request_store import RequestStore
-from shared.settings import CommonSettings, DrainCommand, ProbeSettings, RedisSettings
+from shared.settings import CommonSettings, RedisSettings
 
 # what the tool reads by, as every process of a deployment does by default (it has no flags for them)
 HEARTBEAT_TTL_S = CommonSettings.model_fields["heartbeat_ttl_s"].default

@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings
 
 from rsinfer import local
+from rsinfer.command_settings import UpSettings
 from rsinfer.launcher import SINGLE_THREAD, Launcher, ProcessDied, serving
 from rsinfer.logs import setup_logging
 from rsinfer.redis_server import RedisServer
@@ -28,7 +29,6 @@ from shared.settings import (
     DetokenizerSettings,
     SchedulerSettings,
     TokenizerSettings,
-    UpSettings,
 )
 
 log = logging.getLogger("rsinfer.up")

@@ -168,10 +168,6 @@ class LivenessSettings(EnvSettings):
                                "healthcheck` reads; empty = <temp dir>/rsinfer-<namespace>-<role>-<name>.alive")
 
 
-class ProbeSettings(RedisSettings, WorkerSettings, LivenessSettings):
-    """`rsinfer healthcheck`: finds a worker's liveness file and, with --ready, its heartbeat in Redis."""
-
-
 class StageSettings(CommonSettings, LivenessSettings):
     """What tokenizer, scheduler and detokenizer share: the model they serve and how they consume."""
 
@@ -279,13 +275,6 @@ class DrainSettings(EnvSettings):
                               "<temp dir>/rsinfer-api-<port>/control.sock (a 0700 directory)")
     drain_timeout_s: float = Field(120.0, gt=0, description="a drain not followed by SIGTERM within this many "
                                    "seconds is undone: the process goes back in service")
-
-
-class DrainCommand(DrainSettings):
-    """`rsinfer drain`: finds the control socket of the pod's API process."""
-
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the API process to drain (its control "
-                      "socket is named after it)")
 
 
 class TenantSettings(EnvSettings):
@@ -435,16 +424,3 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
 
     def model_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(m.strip() for m in self.models.split(",") if m.strip()))
-
-
-class UpSettings(ApiSettings, SchedulerSettings, TokenizerSettings):
-    """`rsinfer up`: everything on one machine. No --redis-url starts an embedded redis-server."""
-
-    redis_url: str = Field("", description="Redis to use; empty = start an embedded redis-server")
-    redis_port: int = Field(0, ge=0, le=65535, description="embedded redis-server port; 0 = a free one")
-    # -- `rsinfer up`'s local defaults: loopback only, a bounded and password-protected embedded Redis --
-    host: str = Field("127.0.0.1", description="address the API listens on (0.0.0.0: every interface; give an "
-                      "API key then)")
-    redis_maxmemory: str = Field("1gb", pattern=r"(?i)^[0-9]+(b|k|kb|m|mb|g|gb)?$",
-                                 description="embedded redis-server's maxmemory (noeviction: past it writes are "
-                                 "refused and the API answers 503 broker_full); 0 = unbounded")

@@ -10,11 +10,13 @@ from collections import Counter
 import pytest
 from pydantic_settings import BaseSettings
 
+import rsinfer.command_settings
 import shared.settings
 from rsinfer.cli import SERVICES, build_parser
 from rsinfer.flags import FLAG_GROUPS, GROUP_OF
 
-SETTINGS = [c for _, c in inspect.getmembers(shared.settings, inspect.isclass)
+SETTINGS = [c for module in (shared.settings, rsinfer.command_settings)
+            for _, c in inspect.getmembers(module, inspect.isclass)
             if issubclass(c, BaseSettings) and c is not BaseSettings]
 EVERY_FIELD = {name for cls in SETTINGS for name in cls.model_fields}
 

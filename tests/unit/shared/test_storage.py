@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
+from rsinfer.command_settings import UpSettings
 from rsinfer.flags import flag_parser, settings_from_args
 from shared.local_store import LocalStore
 from shared.object_store import TMP_DIR, InvalidKey, MiB, NotFound, ObjectStore, StorageError, TooLarge
 from shared.s3_store import S3Options, S3Store
-from shared.settings import ApiSettings, SchedulerSettings, UpSettings
+from shared.settings import ApiSettings, SchedulerSettings
 from shared.storage import open_store
 from shared.storage_url import parse_storage_url
 from tests.s3_server import CLIENT_ENV
