@@ -343,6 +343,9 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                               "seconds")
     max_connections: int = Field(4096, ge=1, description="open connections (streams included) past which new "
                                  "requests get 503 with Retry-After")
+    listen_backlog: int = Field(4096, ge=1, description="connections the kernel holds for the API before it "
+                                "accepts them (the listening socket's backlog; Linux caps it at "
+                                "net.core.somaxconn): past it, connections opening in a burst are reset")
     max_json_depth: int = Field(64, ge=2, description="deepest nesting of objects and lists in a request body")
     max_user_chars: int = Field(256, ge=1, description="longest `user` and `safety_identifier` (OpenAI's limit)")
     max_metadata_pairs: int = Field(16, ge=0, description="most `metadata` pairs (OpenAI's limit)")
