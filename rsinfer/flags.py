@@ -24,9 +24,9 @@ FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "step_ms", "tool_call_parser", "reasoning_parser", "default_max_tokens", "embedding_pooling",
         "embedding_normalize")),
     ("limits", "what one connection or request may ask: past a limit a 4xx names it, before anything is queued", (
-        "request_timeout_s", "max_queued", "max_connections", "max_body_bytes", "max_header_bytes",
-        "header_timeout_s", "body_timeout_s", "keep_alive_s", "slow_client_timeout_s", "max_json_depth",
-        "max_user_chars", "max_metadata_pairs", "max_metadata_key_chars", "max_metadata_value_chars",
+        "request_timeout_s", "max_queued", "max_connections", "listen_backlog", "max_body_bytes",
+        "max_header_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_s", "slow_client_timeout_s",
+        "max_json_depth", "max_user_chars", "max_metadata_pairs", "max_metadata_key_chars", "max_metadata_value_chars",
         "max_stop_bytes", "max_stop_total_bytes", "max_stop_token_ids", "max_logit_bias", "max_constraint_bytes",
         "max_tools", "max_tools_bytes", "max_template_kwargs_bytes", "max_tokenize_chars", "max_tokenize_messages",
         "max_detokenize_tokens", "max_request_sequences", "max_request_tokens", "max_request_logprobs",

@@ -328,10 +328,10 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                     "alive), else it is closed (408)")
     body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next bytes of a request body: "
                                   "408 past it")
-    keep_alive_s: int = Field(120, ge=1, description="an idle kept-alive connection is closed after this many "
-                              "seconds")
+    keep_alive_s: int = Field(120, ge=1, description="an idle kept-alive connection is closed after this many seconds")
     max_connections: int = Field(4096, ge=1, description="open connections (streams included) past which new "
                                  "requests get 503 with Retry-After")
+    listen_backlog: int = Field(4096, ge=1, description="connections waiting to be accepted (at most somaxconn)")
     max_json_depth: int = Field(64, ge=2, description="deepest nesting of objects and lists in a request body")
     max_user_chars: int = Field(256, ge=1, description="longest `user` and `safety_identifier` (OpenAI's limit)")
     max_metadata_pairs: int = Field(16, ge=0, description="most `metadata` pairs (OpenAI's limit)")

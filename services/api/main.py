@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -15,6 +16,8 @@ from services.api.multitenancy.tenants import KeyFileError, check_keys
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
+
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 
 
 class DrainingServer(uvicorn.Server):
@@ -59,8 +62,26 @@ def run(settings: ApiSettings) -> int:
         print(f"rsinfer api: not started: {e}", file=sys.stderr, flush=True)
         return 2
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            http=edge_protocol(settings), timeout_keep_alive=settings.keep_alive_s,
-                            timeout_graceful_shutdown=5)
-    DrainingServer(config, settings, app.service).run()
+    DrainingServer(server_config(app, settings), settings, app.service).run()
     return 0
+
+
+def server_config(app, settings: ApiSettings) -> uvicorn.Config:
+    """uvicorn's configuration of this process: the edge protocol, keep-alive and the listening socket's backlog."""
+    warn_backlog_capped(settings.listen_backlog)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                          http=edge_protocol(settings), timeout_keep_alive=settings.keep_alive_s,
+                          timeout_graceful_shutdown=5, backlog=settings.listen_backlog)
+
+
+def warn_backlog_capped(asked: int, somaxconn: Path = SOMAXCONN) -> int | None:
+    """Log a warning when `asked` is over the kernel's cap on a listening socket's backlog (Linux lowers it
+    silently, and a burst of connections past the lower one is reset); the cap, where the kernel says it."""
+    try:
+        cap = int(somaxconn.read_text())
+    except (OSError, ValueError):
+        return None  # not Linux, or no /proc: nothing to compare with
+    if asked > cap:
+        log.warning("--listen-backlog %d is over net.core.somaxconn %d: the kernel holds only %d connections "
+                    "waiting to be accepted (raise net.core.somaxconn, docs/operator-guide.md)", asked, cap, cap)
+    return cap
