@@ -235,6 +235,12 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
     stream_interval: int = Field(1, ge=1, description="engine steps whose tokens one delta per choice carries "
                                  "(a choice's first token and its end go at once): fewer, larger deltas cost every "
                                  "stage and Redis less per token, and delay tokens by up to this many steps")
+    # 10 ms: under a CPU engine's step (20 ms and more) it merges nothing; at a GPU's 5 ms steps it merges two or
+    # three (bench/gpurate.py), and a 10 ms delay is below what a reader of streamed text notices.
+    stream_flush_ms: float = Field(10.0, ge=0, le=1000, description="the most milliseconds a generated token waits "
+                                   "to be merged with the next steps' into one delta per choice (a choice's first "
+                                   "token and its end go at once): at fast steps, fewer and larger deltas cost "
+                                   "every stage and Redis less per token; 0 = a delta every step")
     engine: Literal["paged", "simple", "synthetic"] = Field("paged", description="engine behind the scheduler; "
                                                             "synthetic: pseudo-random tokens, no model, to "
                                                             "measure the plumbing alone")
