@@ -235,9 +235,10 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
     stream_interval: int = Field(1, ge=1, description="engine steps whose tokens one delta per choice carries "
                                  "(a choice's first token and its end go at once): fewer, larger deltas cost every "
                                  "stage and Redis less per token, and delay tokens by up to this many steps")
-    # 10 ms: under a CPU engine's step (20 ms and more) it merges nothing; at a GPU's 5 ms steps it merges two or
-    # three (bench/gpurate.py), and a 10 ms delay is below what a reader of streamed text notices.
-    stream_flush_ms: float = Field(10.0, ge=0, le=1000, description="the most milliseconds a generated token waits "
+    # 20 ms (bench/gpurate.py, 5 ms synthetic steps on 2 loaded cores): 10 ms merged little, as the loop's steps
+    # came 10-30 ms apart there; 20 ms cut Redis commands per token by ~30% and plumbing CPU by ~15-25%. Under a
+    # CPU engine's steps (20 ms and more) it holds nothing, and 20 ms is below what a reader of streamed text notices.
+    stream_flush_ms: float = Field(20.0, ge=0, le=1000, description="the most milliseconds a generated token waits "
                                    "to be merged with the next steps' into one delta per choice (a choice's first "
                                    "token and its end go at once): at fast steps, fewer and larger deltas cost "
                                    "every stage and Redis less per token; 0 = a delta every step")
