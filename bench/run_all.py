@@ -198,7 +198,7 @@ def merged_section(target: Target, results: dict) -> None:
     """(g) the pipeline workload and the CPU one again with the scheduler merging MERGED_INTERVAL steps into one
     delta per choice (--stream-interval): what the plumbing costs per token when it pays per delta."""
     model_dir, name, size = target.model_dir, target.name, target.size
-    env = {"scheduler": {"RSINFER_STREAM_INTERVAL": str(MERGED_INTERVAL)}}
+    env = {"scheduler": {"RSINFER_STREAM_INTERVAL": str(MERGED_INTERVAL), "RSINFER_STREAM_FLUSH_MS": "0"}}  # by steps
     with BenchStack(model_dir, name, env=env) as stack:
         url = stack.urls[0]
         run_load([url], [completion_body(name, p, 16) for p in id_prompts(8, 1)], 8)  # warm-up

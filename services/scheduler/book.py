@@ -147,27 +147,55 @@ class Running:
 
 
 class Unsent:
-    """--stream-interval N: each open choice's tokens not published yet, merged over steps, with how many steps."""
+    """Each open choice's tokens not published yet, merged over steps: --stream-interval N (steps) and
+    --stream-flush-ms (how long a token may wait). Either, where set, sends them."""
 
-    def __init__(self, interval: int):
-        self.interval = interval
-        self.held: dict[tuple[str, int], tuple[StepOutput, int]] = {}
+    def __init__(self, interval: int, flush_s: float = 0.0):
+        self.interval, self.flush_s = interval, flush_s
+        self.merging = interval > 1 or flush_s > 0
+        # (uid, index) -> (the merged output, how many steps it holds, when its oldest token was made)
+        self.held: dict[tuple[str, int], tuple[StepOutput, int, float]] = {}
+        self.last: float | None = None  # when the previous step's outputs came
+        self.gap = float("inf")  # the time between the last two steps: how long holding a token delays it
 
-    def due(self, out: StepOutput) -> StepOutput | None:
-        """A choice's tokens wait until N steps' worth are merged into one output; its first output (time to
-        first token) and its last go at once. None while they wait."""
-        if self.interval == 1:
+    def clock(self, now: float) -> None:
+        """A step's outputs came at `now` (monotonic): its gap to the previous one is the next step's expected."""
+        self.gap = float("inf") if self.last is None else now - self.last
+        self.last = now
+
+    def due(self, out: StepOutput, now: float = 0.0) -> StepOutput | None:
+        """A choice's tokens wait until N steps' worth are merged into one output, or until holding them to the
+        next step would make the oldest wait longer than the flush interval; its first output (time to first
+        token) and its last go at once. None while they wait."""
+        if not self.merging:
             return out
         key = (out.uid, out.index)
         if key in self.held:
-            held, steps = self.held.pop(key)
+            held, steps, since = self.held.pop(key)
             out, steps = merge_outputs(held, out), steps + 1
         else:
-            steps = 1
-        if out.start == 0 or out.finish_reason is not None or steps >= self.interval:
+            steps, since = 1, now
+        if out.start == 0 or out.finish_reason is not None or self.ripe(steps, since, now):
             return out
-        self.held[key] = (out, steps)
+        self.held[key] = (out, steps, since)
         return None
+
+    def ripe(self, steps: int, since: float, now: float) -> bool:
+        if self.flush_s > 0 and now - since + self.gap > self.flush_s:
+            return True
+        return self.interval > 1 and steps >= self.interval
+
+    def overdue(self, now: float) -> list[StepOutput]:
+        """Remove and return the choices due by time that this step made no tokens for (e.g. preempted): they
+        do not wait for their next."""
+        if self.flush_s <= 0 or not self.held:
+            return []
+        keys = [k for k, (_, _, since) in self.held.items() if now - since + self.gap > self.flush_s]
+        return [self.held.pop(k)[0] for k in keys]
+
+    def holds(self, uid: str, n: int) -> bool:
+        """Whether any of the request's n choices has tokens not published yet."""
+        return bool(self.held) and any((uid, i) in self.held for i in range(n))
 
     def take(self, uid: str, index: int | None = None) -> list[StepOutput]:
         """Remove and return the request's (or one choice's) tokens not published yet."""
@@ -175,7 +203,7 @@ class Unsent:
         return [self.held.pop(k)[0] for k in keys]
 
     def take_all(self) -> list[StepOutput]:
-        out = [o for o, _ in self.held.values()]
+        out = [o for o, _, _ in self.held.values()]
         self.held.clear()
         return out
 
@@ -183,11 +211,12 @@ class Unsent:
 class RequestBook:
     """The requests this scheduler runs (`running`, uid -> Running) and their tokens not published yet."""
 
-    def __init__(self, engine: Engine, scheduler_id: str, checkpoint_every: int, stream_interval: int):
+    def __init__(self, engine: Engine, scheduler_id: str, checkpoint_every: int, stream_interval: int,
+                 stream_flush_s: float = 0.0):
         self.engine, self.id = engine, scheduler_id
         self.checkpoint_every = checkpoint_every  # tokens between two checkpoints in a reply stream
         self.running: dict[str, Running] = {}
-        self.unsent = Unsent(stream_interval)
+        self.unsent = Unsent(stream_interval, stream_flush_s)
 
     def held_entries(self) -> list[str]:
         return [r.entry_id for r in self.running.values()]
@@ -217,13 +246,15 @@ class RequestBook:
         return [StepOutput(uid, len(run.outputs[i]), [], i, Finish.ERROR, error=f"engine error: {error}")
                 for uid, run in self.running.items() for i in range(run.job.params.n) if i not in run.done]
 
-    def stepped(self, outputs: list[StepOutput], step: int) -> list[Effect]:
-        """What one engine step made: requests failed, one Publish of its deltas, the checkpoints due, and the
-        acknowledgement of the requests it ended."""
+    def stepped(self, outputs: list[StepOutput], step: int, now: float = 0.0) -> list[Effect]:
+        """What one engine step made (its effects computed at `now`, a monotonic clock): requests failed, one
+        Publish of its deltas and of the merged tokens now due, the checkpoints due, and the acknowledgement of
+        the requests it ended."""
         effects: list[Effect] = []
         items: list[TokenDelta] = []
         ended: list[str] = []
         stepped: set[str] = set()
+        self.unsent.clock(now)
         for out in outputs:
             run = self.running.get(out.uid)
             if run is None or out.index in run.done:
@@ -237,11 +268,12 @@ class RequestBook:
             if out.uid not in stepped:
                 stepped.add(out.uid)
                 run.count_step()
-            if (due := self.unsent.due(out)) is not None:
+            if (due := self.unsent.due(out, now)) is not None:
                 items.append(run.delta(due))
             if run.extend(out):
                 ended.append(self.running.pop(out.uid).entry_id)
                 run.end_span(Status.FINISHED)
+        items += [self.running[o.uid].delta(o) for o in self.unsent.overdue(now) if o.uid in self.running]
         return effects + self.published(items, step, ended)
 
     def pooled(self, out: StepOutput) -> list[Effect]:
@@ -259,8 +291,10 @@ class RequestBook:
         """A step's deltas as one Publish, the checkpoints now due of the requests in it, and the acknowledgement
         of the requests it ended (after both)."""
         effects: list[Effect] = [Publish(items, step)] if items else []
+        # A checkpoint claims every token so far, and a successor resumes after it: none may still be unsent.
         effects += [Checkpoint(uid, ck) for uid in {it.uid for it in items}
-                    if uid in self.running and (ck := self.running[uid].checkpoint_due(self.checkpoint_every))]
+                    if uid in self.running and not self.unsent.holds(uid, self.running[uid].job.params.n)
+                    and (ck := self.running[uid].checkpoint_due(self.checkpoint_every))]
         if ended:
             effects.append(Ack(ended))
         return effects

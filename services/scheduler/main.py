@@ -64,7 +64,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.model_info.update(adapters.card() if adapters is not None else {"lora_slots": 0})
         # Tokens between checkpoints: at most a quarter of the reply stream's cap lies after the newest one
         # (one entry per token at most), so MAXLEN never trims it away.
-        self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, settings.stream_interval)
+        self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, settings.stream_interval,
+                                settings.stream_flush_ms / 1000)
         self.admission = Admission(self.book, self.tracer)
         self.source.lane_key = functools.partial(self.keys.scheduler_stream, model_name)
         self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.source, page_size=engine.prefix_page_size,
@@ -126,7 +127,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
     def stepped(self, outputs: list[StepOutput], seconds: float) -> list[Effect]:
         """The effects of a step: the book's, and the pages the step cached and evicted (for routing)."""
         pages = self.lanes.pages_due(self.engine.prefix_changes, self.engine.prefix_digests)
-        effects = self.book.stepped(outputs, self.steps)
+        effects = self.book.stepped(outputs, self.steps, time.monotonic())
         published = sum(isinstance(e, Publish) for e in effects)
         self.metrics.step(seconds)
         self.metrics.published("detokenize", published)

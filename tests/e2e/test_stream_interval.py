@@ -1,6 +1,7 @@
-"""--stream-interval N: the scheduler merges N steps' tokens into one delta per choice. Clients get the same
-text, logprobs and finish reasons as with a delta per step (stop strings that fall inside a merged range
-included), in fewer chunks; a choice's first token is not held back."""
+"""--stream-interval N: the scheduler merges N steps' tokens into one delta per choice; --stream-flush-ms T merges
+a choice's tokens for up to T ms. Clients get the same text, logprobs and finish reasons as with a delta per step
+(stop strings that fall inside a merged range included), in fewer chunks; a choice's first token is not held
+back."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 INTERVAL = 4
+FLUSH_MS = 300  # many CPU steps of the demo model: with it, a choice's tokens go in a few deltas
 
 
 @pytest.fixture(scope="module")
 def merged(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
     with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "merge",
-                          RSINFER_STREAM_INTERVAL=str(INTERVAL)) as s:
+                          RSINFER_STREAM_INTERVAL=str(INTERVAL), RSINFER_STREAM_FLUSH_MS="0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def timed(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
+    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "flush",
+                          RSINFER_STREAM_FLUSH_MS=str(FLUSH_MS)) as s:
         yield s
 
 
@@ -58,7 +67,27 @@ def test_merged_steps_give_the_same_choices_in_fewer_chunks(stack, merged, param
     assert max(per_chunk) >= INTERVAL and len(per_chunk) <= n * (2 + (tokens - 1) // INTERVAL) < n * tokens / 2
 
 
-def test_a_stop_string_inside_a_merged_range_ends_the_text_where_it_would(stack, merged):
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=41),
+    dict(temperature=0.8, seed=11, n=2, max_tokens=30),
+], ids=["greedy", "seeded-n2"])
+def test_tokens_merged_by_time_give_the_same_choices_in_fewer_chunks_the_first_at_once(stack, timed, params):
+    body = dict(prompt="The capital of France is", logprobs=1, ignore_eos=True, **params)
+    want, per_step = streamed(stack, **body)
+    got, per_chunk = streamed(timed, **body)
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i]["text"] == want[i]["text"] and got[i]["finish"] == want[i]["finish"] == "length"
+        assert got[i]["logprobs"] == pytest.approx(want[i]["logprobs"], abs=1e-4)
+    n, tokens = params.get("n", 1), params["max_tokens"]
+    assert per_chunk[0] == 1  # the first token went alone: not held for the flush interval with the next steps'
+    assert sum(per_chunk) == n * tokens == sum(per_step)
+    assert len(per_chunk) < n * tokens / 4 and len(per_chunk) < len(per_step)
+
+
+@pytest.mark.parametrize("coalesced", ["merged", "timed"])
+def test_a_stop_string_inside_a_merged_range_ends_the_text_where_it_would(stack, coalesced, request):
+    merged = request.getfixturevalue(coalesced)
     body = dict(prompt="Once upon a time", temperature=0, max_tokens=40, ignore_eos=True)
     full, _ = streamed(stack, **body)
     text = full[0]["text"]
@@ -69,10 +98,12 @@ def test_a_stop_string_inside_a_merged_range_ends_the_text_where_it_would(stack,
     assert got[0]["finish"] == want[0]["finish"] == "stop"
 
 
-def test_stop_strings_spanning_merged_ranges_cut_each_choice_where_they_would(stack, merged):
+@pytest.mark.parametrize("coalesced", ["merged", "timed"])
+def test_stop_strings_spanning_merged_ranges_cut_each_choice_where_they_would(stack, coalesced, request):
     """Stop strings travel on a choice's first delta only (the detokenizer keeps them): with merged steps, n = 2
     and a stop string of about a dozen tokens that spans several merged ranges, each choice ends where it would
     with a delta per step."""
+    merged = request.getfixturevalue(coalesced)
     body = dict(prompt="Once upon a time", temperature=0.8, seed=3, n=2, max_tokens=60, ignore_eos=True)
     full, _ = streamed(stack, **body)
     long_stop = full[0]["text"][15:55]

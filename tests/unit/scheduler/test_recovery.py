@@ -27,8 +27,9 @@ async def make(redis_server, random_model_dir):
     workers = []
 
     async def make(name: str, **kw):
+        # a delta per step (no --stream-flush-ms) unless a test says otherwise: the tests count steps' ranges
         settings = SchedulerSettings(redis_url=redis_server.url, namespace=namespace, worker_id=name,
-                                     engine="synthetic", step_ms=0, claim_idle_ms=200, **kw)
+                                     engine="synthetic", step_ms=0, claim_idle_ms=200, **{"stream_flush_ms": 0, **kw})
         w = await build_worker(settings, str(random_model_dir), "demo")
         await w.source.ensure_group()
         workers.append(w)
