@@ -229,7 +229,7 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
     # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
     claim_idle_ms: int = Field(3_000, ge=100, description="claim a dead peer's entries after this idle")
     stream_interval: int = Field(1, ge=1, description="engine steps whose tokens one delta per choice carries")
-    stream_flush_ms: float = Field(20.0, ge=0, le=1000, description="ms a choice's tokens may wait to merge into one "
+    stream_flush_ms: float = Field(10.0, ge=0, le=1000, description="ms a choice's tokens may wait to merge into one "
                                    "delta (both: a choice's first token and end go at once; 0 = a delta per step)")
     engine: Literal["paged", "simple", "synthetic"] = Field("paged", description="engine behind the scheduler; "
                                                             "synthetic: pseudo-random tokens, no model, to "
