@@ -185,17 +185,20 @@ def tokenizer_routes_to(redis_url: str) -> int:
     return 0
 
 
-def routed_share(redis_url: str) -> tuple[int, int]:
-    """(requests admitted from a scheduler's own stream, requests admitted) among the stack's records."""
+def routed_share(redis_url: str) -> tuple[int, int, list[int]]:
+    """(requests admitted from a scheduler's own stream, requests admitted, requests each scheduler admitted
+    from most to fewest: the balance) among the stack's records."""
     keys = Keys()
     routed = total = 0
+    per: dict[str, int] = {}
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         for key in r.scan_iter(keys.request_pattern(), count=1000):
-            entry = r.hget(key, "entry")
+            entry, scheduler = r.hmget(key, ["entry", "scheduler"])
             if entry:
                 total += 1
                 routed += "/" in entry
-    return routed, total
+                per[scheduler or "?"] = per.get(scheduler or "?", 0) + 1
+    return routed, total, sorted(per.values(), reverse=True)
 
 
 # ---- one configuration
@@ -231,7 +234,7 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
         turns = asyncio.run(converse(url, name, w, config.concurrency))
         wall = time.perf_counter() - began
         after = wait_for_beats(redis_url, schedulers, time.time(), routing)
-        routed, admitted = routed_share(redis_url)
+        routed, admitted, per_scheduler = routed_share(redis_url)
     ok = [t for t in turns if t.ok]
     prompt = sum(t.prompt_tokens for t in turns)
     hits = sum(after[s].get("prefix_hit_tokens", 0) - before.get(s, {}).get("prefix_hit_tokens", 0) for s in after)
@@ -246,10 +249,12 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
            "prompt_tok_per_s": round(sum(t.prompt_tokens for t in ok) / wall, 1),
            "preemptions": sum(ld.get("preemptions", 0) for ld in after.values()),
            "per_scheduler_hit_tokens": sorted(ld.get("prefix_hit_tokens", 0) for ld in after.values()),
+           "per_scheduler_requests": per_scheduler,  # the warm-up request among them
            "errors": sorted({t.error for t in turns if not t.ok})[:5], "loadavg_before": load_before}
     say(f"  {label:38}: hit rate {out['hit_rate']:.0%}, routed {out['routed']}/{out['admitted']}, TTFT p50/p99 "
         f"{out['ttft_p50_ms']:.0f}/{out['ttft_p99_ms']:.0f} ms, {out['output_tok_per_s']:,.0f} output tok/s, "
-        f"{out['prompt_tok_per_s']:,.0f} prompt tok/s, {out['ok']}/{out['requests']} ok, {out['wall_s']:.1f} s")
+        f"{out['prompt_tok_per_s']:,.0f} prompt tok/s, {out['ok']}/{out['requests']} ok, {out['wall_s']:.1f} s, "
+        f"per scheduler {'/'.join(map(str, per_scheduler))}, load {load_before}")
     return out
 
 
