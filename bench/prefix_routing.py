@@ -207,12 +207,14 @@ def routed_share(redis_url: str) -> tuple[int, int, list[int]]:
 @dataclass(frozen=True)
 class Config:
     """One configuration of the matrix: how many schedulers, routing or the shared stream, how many
-    conversations at a time, and the tokenizer's --prefix-routing-load-tokens (None: its default)."""
+    conversations at a time, and the tokenizer's --prefix-routing-load-tokens and --prefix-routing-max-skew
+    (None: its default)."""
 
     schedulers: int
     routing: bool
     concurrency: int
     load_tokens: float | None = None
+    max_skew: float | None = None
 
 
 def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print) -> dict:
@@ -220,6 +222,8 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
     tokenizer = {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"}
     if config.load_tokens is not None:
         tokenizer["RSINFER_PREFIX_ROUTING_LOAD_TOKENS"] = str(config.load_tokens)
+    if config.max_skew is not None:
+        tokenizer["RSINFER_PREFIX_ROUTING_MAX_SKEW"] = str(config.max_skew)
     env = {"scheduler": SCHEDULER_ENV, "tokenizer": tokenizer,
            "api": {"RSINFER_MAX_QUEUED": str(4 * w.requests)}}
     label = f"{schedulers} schedulers, {'prefix routing' if routing else 'shared stream'}"
@@ -269,7 +273,7 @@ def run(model_dir: str, name: str, args: argparse.Namespace, say=print) -> dict:
     for k in range(args.repeat):
         for n in args.schedulers:
             for routing in (False, True):
-                config = Config(n, routing, args.concurrency, args.load_tokens)
+                config = Config(n, routing, args.concurrency, args.load_tokens, args.max_skew)
                 runs.append({**measure(model_dir, name, config, w, say=say), "repeat": k})
     return {"config": {k: v for k, v in vars(args).items() if k != "output"} | {"requests": w.requests,
                                                                               "scheduler_env": SCHEDULER_ENV},
@@ -312,6 +316,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--load-tokens", type=float, default=None, help="the tokenizer's --prefix-routing-load-tokens "
+                    "(default: its default)")
+    ap.add_argument("--max-skew", type=float, default=None, help="the tokenizer's --prefix-routing-max-skew "
                     "(default: its default)")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole matrix this many times; the summary "
                     "takes the medians")

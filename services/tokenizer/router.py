@@ -9,11 +9,16 @@ the scheduler whose prefix cache already holds the longest prefix of its tokens,
   many leading pages of each job every scheduler holds; a job goes to the scheduler with the most cached tokens
   less `load_tokens` per request it runs or queues, or to the shared stream when no scheduler holds a page of it
   (or one that holds none is the better choice): the shared stream is the default and the fallback.
+- The bound (`max_skew`). Only a scheduler within `max_skew` requests of the least loaded one is chosen for its
+  cache: a few hot prefixes would otherwise keep most of the work on the replicas that first cached them while
+  others idle (bench/prefix_routing.py). Past it a job goes to the shared stream, which whoever has room reads,
+  and the prefix gets cached there too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,12 +57,24 @@ class Candidate:
     free_slots: int = 0  # LoRA slots holding no adapter
 
 
-def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -> str | None:
-    """The scheduler a job goes to: the most cached prompt tokens less `load_tokens` per request it holds; None
-    (the shared stream, which whoever has room reads) when the best has no page of the job."""
+@dataclass(frozen=True)
+class Policy:
+    """How `choose` weighs a cached prefix against load (TokenizerSettings' prefix_routing_*)."""
+
+    load_tokens: float  # cached prompt tokens one request a scheduler holds is worth
+    max_skew: float = math.inf  # most requests over the least loaded scheduler's that one chosen for its cache holds
+
+
+def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float,
+           max_skew: float = math.inf) -> str | None:
+    """The scheduler a job goes to: among those holding at most `max_skew` requests more than the least loaded,
+    the most cached prompt tokens less `load_tokens` per request it holds; None (the shared stream, which whoever
+    has room reads) when the best of them has no page of the job."""
     if not cached:
         return None
-    best = max(cached, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
+    floor = min(load[s] for s in cached)
+    within = [s for s in cached if load[s] - floor <= max_skew]
+    best = max(within, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
     return best if cached[best] > 0 else None
 
 
@@ -75,10 +92,10 @@ def choose_for_adapter(adapter: str, candidates: Sequence[Candidate], load: dict
 class Router:
     """The tokenizer's side: which stream each schedule job goes to."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, load_tokens: float,
+    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, policy: Policy,
                  tokenizer_id: str = "tokenizer"):
         self.redis, self.keys, self.model, self.id = redis, keys, model, tokenizer_id
-        self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
+        self.ttl, self.policy = heartbeat_ttl_s, policy
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.candidates: list[Candidate] = []
         self.sent: dict[str, list[float]] = {}  # when this tokenizer routed a job to each scheduler
@@ -170,7 +187,7 @@ class Router:
         for i in range(len(jobs)):
             cached = {c.id: leading(pages[c.page_size][i], held.get(c.id, set())) * c.page_size
                       for c in self.candidates}
-            target = choose(cached, load, self.load_tokens)
+            target = choose(cached, load, self.policy.load_tokens, self.policy.max_skew)
             log.debug("uid=%s cached tokens %s, load %s: %s", getattr(jobs[i], "uid", "?"), cached, load,
                       target or "shared stream")
             if target is not None:
