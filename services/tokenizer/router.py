@@ -5,7 +5,8 @@ the scheduler whose prefix cache already holds the longest prefix of its tokens,
   its end (shared/pages.py); the same function lets the tokenizer name the pages of a prompt it encoded.
 - What schedulers publish: services/scheduler/lanes.py `SchedulerLanes`, once a routing tokenizer's flag
   (`Keys.prefix_routing`, set with its heartbeat: `Router.on_beat`) tells them to.
-- The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler) tells how
+- The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler, and
+  XINFO GROUPS of its own stream: what it has not finished of the jobs routed to it) tells how
   many leading pages of each job every scheduler holds; a job goes to the scheduler with the most cached tokens
   less `load_tokens` per request it runs or queues, or to the shared stream when no scheduler holds a page of it
   (or one that holds none is the better choice): the shared stream is the default and the fallback.
@@ -26,8 +27,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from shared import streams
 from shared.heartbeats import live_workers
-from shared.keys import Keys
+from shared.keys import SCHEDULER_GROUP, Keys
 from shared.pages import extend_digests
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,12 @@ class Router:
         (some may have ended since: an estimate on the safe side until the next beat)."""
         return c.load + sum(t > c.beat_at for t in self.sent.get(c.id, ()))
 
+    def loads_now(self, own: dict[str, int]) -> dict[str, float]:
+        """Per scheduler, the more of its load at its last heartbeat and the jobs of its own stream not finished
+        now (`own`, read with the pages): what it runs and queues, without `load`'s count of routed jobs that
+        may have ended since the beat, which a bound on skew would take for a backlog."""
+        return {c.id: max(c.load, own.get(c.id, 0)) for c in self.candidates}
+
     async def route(self, jobs: Sequence[Any]) -> list[str | None]:
         """Per job (anything with `input_ids`), the id of the scheduler whose own stream it goes to, or None for
         the shared stream. One pipelined round trip for the whole batch."""
@@ -178,10 +186,16 @@ class Router:
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in asked:
                 pipe.smismember(self.keys.cached_pages(self.model, c.id), unique[c.page_size])
-            replies = await pipe.execute()
+            for c in self.candidates:
+                streams.queue_groups(pipe, self.keys.scheduler_stream(self.model, c.id))
+            replies = await pipe.execute(raise_on_error=False)
+        for r in replies[:len(asked)]:
+            if isinstance(r, Exception):
+                raise r
         held = {c.id: {d for d, hit in zip(unique[c.page_size], r, strict=True) if hit}
-                for c, r in zip(asked, replies, strict=True)}
-        load = {c.id: self.load(c) for c in self.candidates}
+                for c, r in zip(asked, replies, strict=False)}
+        load = self.loads_now({c.id: streams.unfinished(r, SCHEDULER_GROUP)
+                               for c, r in zip(self.candidates, replies[len(asked):], strict=True)})
         now = time.time()
         out: list[str | None] = []
         for i in range(len(jobs)):

@@ -126,6 +126,27 @@ async def test_router_sends_each_job_to_the_scheduler_holding_its_prefix_in_one_
     assert [router.load(c) for c in router.candidates] == [0.0, 1.0]
 
 
+async def test_router_bounds_skew_by_the_unfinished_jobs_of_each_schedulers_own_stream(env):
+    """Its heartbeat says s1 is idle, but its own stream holds 5 jobs it has not finished (3 unread, 2 read and
+    not acknowledged): past a skew of 4 over idle s2, its cached prefix goes to the shared stream; once it
+    finished them, to s1 again (jobs that ended since its beat are no backlog)."""
+    redis, keys = env
+    prefix = list(range(1000, 1064))
+    await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*prefix, 7], 16))
+    lane = keys.scheduler_stream(MODEL, "s1")
+    await redis.xgroup_create(lane, "scheduler", id="0", mkstream=True)
+    for i in range(5):
+        await redis.xadd(lane, {"n": i})
+    read = await redis.xreadgroup("scheduler", "s1", {lane: ">"}, count=2)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16, max_skew=4))
+    router.candidates = [Candidate("s1", 16, 0.0), Candidate("s2", 16, 0.0)]
+    assert await router.route([job("a", [*prefix, 1])]) == [None]
+    await redis.xack(lane, "scheduler", *(entry_id for entry_id, _ in read[0][1]))
+    await redis.xreadgroup("scheduler", "s1", {lane: ">"})  # read the 3 others: 3 pending, within the bound
+    batch = [job("b", [*prefix, 2]), job("c", [*prefix, 3]), job("d", [*prefix, 4])]
+    assert await router.route(batch) == ["s1", "s1", None]  # 3, then 4, then 5 with the batch's own
+
+
 async def test_router_takes_live_schedulers_that_publish_from_their_heartbeats(env):
     redis, keys = env
     now = time.time()
