@@ -292,7 +292,7 @@ def prefix_section(pr: dict) -> list[str]:
              "a time, streamed `/generate` on the demo model on CPU (one torch thread per scheduler, "
              f"{_get(cfg, 'scheduler_env', 'RSINFER_MAX_KV_TOKENS', default='?')} KV tokens each). A fresh stack per "
              f"row; load weight (`--prefix-routing-load-tokens`) {_or(cfg.get('load_tokens'), 'the default, 64')}; "
-             f"skew bound (`--prefix-routing-max-skew`) {_or(cfg.get('max_skew'), 'the default, 4')}; the "
+             f"skew bound (`--prefix-routing-max-skew`) {_or(cfg.get('max_skew'), 'the default, 2')}; the "
              "summary rows above take the medians of the repeats. Hit rate: prompt tokens the schedulers read from "
              "their prefix caches (their `prefix_hit_tokens`) over prompt tokens sent; routed: requests admitted from "
              "a scheduler's own stream. With the shared stream every replica soon caches each system prompt it has "

@@ -207,7 +207,7 @@ class TokenizerSettings(StageSettings):
                                  "or no hit: the model's shared schedule stream")
     prefix_routing_load_tokens: float = Field(64.0, ge=0, description="prefix routing: each request a scheduler "
                                               "runs or queues counts as this many cached prompt tokens less")
-    prefix_routing_max_skew: float = Field(4.0, ge=0, description="prefix routing: a job goes to a scheduler for "
+    prefix_routing_max_skew: float = Field(2.0, ge=0, description="prefix routing: a job goes to a scheduler for "
                                            "its cached prefix only while that scheduler holds at most this many "
                                            "requests more than the least loaded one; past it, to the shared stream "
                                            "(whoever has room), so a hot prefix does not pile work on one replica")
