@@ -185,17 +185,20 @@ def tokenizer_routes_to(redis_url: str) -> int:
     return 0
 
 
-def routed_share(redis_url: str) -> tuple[int, int]:
-    """(requests admitted from a scheduler's own stream, requests admitted) among the stack's records."""
+def routed_share(redis_url: str) -> tuple[int, int, list[int]]:
+    """(requests admitted from a scheduler's own stream, requests admitted, requests each scheduler admitted
+    from most to fewest: the balance) among the stack's records."""
     keys = Keys()
     routed = total = 0
+    per: dict[str, int] = {}
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         for key in r.scan_iter(keys.request_pattern(), count=1000):
-            entry = r.hget(key, "entry")
+            entry, scheduler = r.hmget(key, ["entry", "scheduler"])
             if entry:
                 total += 1
                 routed += "/" in entry
-    return routed, total
+                per[scheduler or "?"] = per.get(scheduler or "?", 0) + 1
+    return routed, total, sorted(per.values(), reverse=True)
 
 
 # ---- one configuration
@@ -204,12 +207,14 @@ def routed_share(redis_url: str) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Config:
     """One configuration of the matrix: how many schedulers, routing or the shared stream, how many
-    conversations at a time, and the tokenizer's --prefix-routing-load-tokens (None: its default)."""
+    conversations at a time, and the tokenizer's --prefix-routing-load-tokens and --prefix-routing-max-skew
+    (None: its default)."""
 
     schedulers: int
     routing: bool
     concurrency: int
     load_tokens: float | None = None
+    max_skew: float | None = None
 
 
 def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print) -> dict:
@@ -217,6 +222,8 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
     tokenizer = {"RSINFER_PREFIX_ROUTING": "true" if routing else "false"}
     if config.load_tokens is not None:
         tokenizer["RSINFER_PREFIX_ROUTING_LOAD_TOKENS"] = str(config.load_tokens)
+    if config.max_skew is not None:
+        tokenizer["RSINFER_PREFIX_ROUTING_MAX_SKEW"] = str(config.max_skew)
     env = {"scheduler": SCHEDULER_ENV, "tokenizer": tokenizer,
            "api": {"RSINFER_MAX_QUEUED": str(4 * w.requests)}}
     label = f"{schedulers} schedulers, {'prefix routing' if routing else 'shared stream'}"
@@ -231,7 +238,7 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
         turns = asyncio.run(converse(url, name, w, config.concurrency))
         wall = time.perf_counter() - began
         after = wait_for_beats(redis_url, schedulers, time.time(), routing)
-        routed, admitted = routed_share(redis_url)
+        routed, admitted, per_scheduler = routed_share(redis_url)
     ok = [t for t in turns if t.ok]
     prompt = sum(t.prompt_tokens for t in turns)
     hits = sum(after[s].get("prefix_hit_tokens", 0) - before.get(s, {}).get("prefix_hit_tokens", 0) for s in after)
@@ -246,10 +253,12 @@ def measure(model_dir: str, name: str, config: Config, w: Workload, *, say=print
            "prompt_tok_per_s": round(sum(t.prompt_tokens for t in ok) / wall, 1),
            "preemptions": sum(ld.get("preemptions", 0) for ld in after.values()),
            "per_scheduler_hit_tokens": sorted(ld.get("prefix_hit_tokens", 0) for ld in after.values()),
+           "per_scheduler_requests": per_scheduler,  # the warm-up request among them
            "errors": sorted({t.error for t in turns if not t.ok})[:5], "loadavg_before": load_before}
     say(f"  {label:38}: hit rate {out['hit_rate']:.0%}, routed {out['routed']}/{out['admitted']}, TTFT p50/p99 "
         f"{out['ttft_p50_ms']:.0f}/{out['ttft_p99_ms']:.0f} ms, {out['output_tok_per_s']:,.0f} output tok/s, "
-        f"{out['prompt_tok_per_s']:,.0f} prompt tok/s, {out['ok']}/{out['requests']} ok, {out['wall_s']:.1f} s")
+        f"{out['prompt_tok_per_s']:,.0f} prompt tok/s, {out['ok']}/{out['requests']} ok, {out['wall_s']:.1f} s, "
+        f"per scheduler {'/'.join(map(str, per_scheduler))}, load {load_before}")
     return out
 
 
@@ -264,7 +273,7 @@ def run(model_dir: str, name: str, args: argparse.Namespace, say=print) -> dict:
     for k in range(args.repeat):
         for n in args.schedulers:
             for routing in (False, True):
-                config = Config(n, routing, args.concurrency, args.load_tokens)
+                config = Config(n, routing, args.concurrency, args.load_tokens, args.max_skew)
                 runs.append({**measure(model_dir, name, config, w, say=say), "repeat": k})
     return {"config": {k: v for k, v in vars(args).items() if k != "output"} | {"requests": w.requests,
                                                                               "scheduler_env": SCHEDULER_ENV},
@@ -307,6 +316,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--load-tokens", type=float, default=None, help="the tokenizer's --prefix-routing-load-tokens "
+                    "(default: its default)")
+    ap.add_argument("--max-skew", type=float, default=None, help="the tokenizer's --prefix-routing-max-skew "
                     "(default: its default)")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole matrix this many times; the summary "
                     "takes the medians")

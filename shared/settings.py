@@ -199,10 +199,10 @@ class TokenizerSettings(StageSettings):
     # An entry is handled within milliseconds, and a dead one's entries stall every stream behind them.
     claim_idle_ms: int = Field(1_000, ge=100, description="claim a dead peer's entries after this idle")
     prefix_routing: bool = Field(False, description="send each job to the scheduler whose prefix cache holds the "
-                                 "most of its prompt (weighted by load), through that scheduler's own stream; off "
-                                 "or no hit: the model's shared schedule stream")
-    prefix_routing_load_tokens: float = Field(64.0, ge=0, description="prefix routing: each request a scheduler "
-                                              "runs or queues counts as this many cached prompt tokens less")
+                                 "most of its prompt, through its own stream; no hit: the shared schedule stream")
+    prefix_routing_load_tokens: float = Field(64.0, ge=0, description="prefix routing: cached tokens a request costs")
+    prefix_routing_max_skew: float = Field(2.0, ge=0, description="prefix routing: most requests a scheduler chosen "
+                                           "for its cache holds over the least loaded one; past it: the shared stream")
     # Fair queueing (services/tokenizer/fair.py): the backlog is held here, in tenants' lanes, instead of in the
     # schedule stream, which the schedulers read first come first served.
     fair_queueing: bool | None = Field(None, description="hold tokenized jobs and release them to the schedulers "

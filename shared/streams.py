@@ -173,6 +173,21 @@ def queue_info(pipe: Pipeline, key: str) -> Any:
     return pipe.xinfo_stream(key)
 
 
+def queue_groups(pipe: Pipeline, key: str) -> Any:
+    """XINFO GROUPS queued on a pipeline (see `unfinished`); a missing stream's reply is a ResponseError (run the
+    pipeline with raise_on_error=False)."""
+    return pipe.xinfo_groups(key)
+
+
+def unfinished(groups_reply: Any, group: str) -> int:
+    """From an XINFO GROUPS reply: the entries `group` holds unacknowledged (pending) or has yet to read (its lag;
+    nil after an XDEL in the range: counted 0); 0 for a missing stream or group."""
+    if isinstance(groups_reply, Exception):
+        return 0
+    mine = next((g for g in groups_reply if as_str(g["name"]) == group), None)
+    return 0 if mine is None else int(mine.get("pending") or 0) + int(mine.get("lag") or 0)
+
+
 async def last_id(redis: Redis, key: str) -> str | None:
     """The id of a stream's newest entry (XREVRANGE COUNT 1); None if it has none."""
     tip = await redis.xrevrange(key, count=1)

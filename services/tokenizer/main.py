@@ -33,7 +33,7 @@ from services.tokenizer.encode import PromptEncoder
 from services.tokenizer.fair import Plan
 from services.tokenizer.holding import FairHold
 from services.tokenizer.outbox import Ack, EndFailed, Outbox, Tokenized
-from services.tokenizer.router import Router
+from services.tokenizer.router import Policy, Router
 from shared.consumer_group import Delivery
 from shared.grammars import checked
 from shared.keys import TOKENIZER_GROUP
@@ -72,7 +72,7 @@ class TokenizerWorker(PushWorker[Entry]):
         if self.encoder.default_max_tokens:  # what the API reserves for a request without max_tokens
             self.model_info["default_max_tokens"] = self.encoder.default_max_tokens
         self.router = Router(self.redis, self.keys, model_name, heartbeat_ttl_s=settings.heartbeat_ttl_s,
-                             load_tokens=settings.prefix_routing_load_tokens,
+                             policy=Policy(settings.prefix_routing_load_tokens, settings.prefix_routing_max_skew),
                              tokenizer_id=self.id) if settings.prefix_routing else None
         if self.router is not None:  # its flag, with every beat, is what makes the model's schedulers join
             self.heartbeat.extra = self.router.on_beat

@@ -5,15 +5,21 @@ the scheduler whose prefix cache already holds the longest prefix of its tokens,
   its end (shared/pages.py); the same function lets the tokenizer name the pages of a prompt it encoded.
 - What schedulers publish: services/scheduler/lanes.py `SchedulerLanes`, once a routing tokenizer's flag
   (`Keys.prefix_routing`, set with its heartbeat: `Router.on_beat`) tells them to.
-- The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler) tells how
+- The choice (`Router`). Per tokenizer batch, one pipelined round trip (SMISMEMBER per live scheduler, and
+  XINFO GROUPS of its own stream: what it has not finished of the jobs routed to it) tells how
   many leading pages of each job every scheduler holds; a job goes to the scheduler with the most cached tokens
   less `load_tokens` per request it runs or queues, or to the shared stream when no scheduler holds a page of it
   (or one that holds none is the better choice): the shared stream is the default and the fallback.
+- The bound (`max_skew`). Only a scheduler within `max_skew` requests of the least loaded one is chosen for its
+  cache: a few hot prefixes would otherwise keep most of the work on the replicas that first cached them while
+  others idle (bench/prefix_routing.py). Past it a job goes to the shared stream, which whoever has room reads,
+  and the prefix gets cached there too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -21,8 +27,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from shared import streams
 from shared.heartbeats import live_workers
-from shared.keys import Keys
+from shared.keys import SCHEDULER_GROUP, Keys
 from shared.pages import extend_digests
 
 log = logging.getLogger(__name__)
@@ -52,12 +59,24 @@ class Candidate:
     free_slots: int = 0  # LoRA slots holding no adapter
 
 
-def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float) -> str | None:
-    """The scheduler a job goes to: the most cached prompt tokens less `load_tokens` per request it holds; None
-    (the shared stream, which whoever has room reads) when the best has no page of the job."""
+@dataclass(frozen=True)
+class Policy:
+    """How `choose` weighs a cached prefix against load (TokenizerSettings' prefix_routing_*)."""
+
+    load_tokens: float  # cached prompt tokens one request a scheduler holds is worth
+    max_skew: float = math.inf  # most requests over the least loaded scheduler's that one chosen for its cache holds
+
+
+def choose(cached: dict[str, int], load: dict[str, float], load_tokens: float,
+           max_skew: float = math.inf) -> str | None:
+    """The scheduler a job goes to: among those holding at most `max_skew` requests more than the least loaded,
+    the most cached prompt tokens less `load_tokens` per request it holds; None (the shared stream, which whoever
+    has room reads) when the best of them has no page of the job."""
     if not cached:
         return None
-    best = max(cached, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
+    floor = min(load[s] for s in cached)
+    within = [s for s in cached if load[s] - floor <= max_skew]
+    best = max(within, key=lambda s: (cached[s] - load_tokens * load[s], cached[s], -load[s], s))
     return best if cached[best] > 0 else None
 
 
@@ -75,10 +94,10 @@ def choose_for_adapter(adapter: str, candidates: Sequence[Candidate], load: dict
 class Router:
     """The tokenizer's side: which stream each schedule job goes to."""
 
-    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, load_tokens: float,
+    def __init__(self, redis: Redis, keys: Keys, model: str, *, heartbeat_ttl_s: float, policy: Policy,
                  tokenizer_id: str = "tokenizer"):
         self.redis, self.keys, self.model, self.id = redis, keys, model, tokenizer_id
-        self.ttl, self.load_tokens = heartbeat_ttl_s, load_tokens
+        self.ttl, self.policy = heartbeat_ttl_s, policy
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.candidates: list[Candidate] = []
         self.sent: dict[str, list[float]] = {}  # when this tokenizer routed a job to each scheduler
@@ -108,6 +127,12 @@ class Router:
         """Its load at its last heartbeat plus the jobs routed to it since, which that beat could not count
         (some may have ended since: an estimate on the safe side until the next beat)."""
         return c.load + sum(t > c.beat_at for t in self.sent.get(c.id, ()))
+
+    def loads_now(self, own: dict[str, int]) -> dict[str, float]:
+        """Per scheduler, the more of its load at its last heartbeat and the jobs of its own stream not finished
+        now (`own`, read with the pages): what it runs and queues, without `load`'s count of routed jobs that
+        may have ended since the beat, which a bound on skew would take for a backlog."""
+        return {c.id: max(c.load, own.get(c.id, 0)) for c in self.candidates}
 
     async def route(self, jobs: Sequence[Any]) -> list[str | None]:
         """Per job (anything with `input_ids`), the id of the scheduler whose own stream it goes to, or None for
@@ -161,16 +186,22 @@ class Router:
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in asked:
                 pipe.smismember(self.keys.cached_pages(self.model, c.id), unique[c.page_size])
-            replies = await pipe.execute()
+            for c in self.candidates:
+                streams.queue_groups(pipe, self.keys.scheduler_stream(self.model, c.id))
+            replies = await pipe.execute(raise_on_error=False)
+        for r in replies[:len(asked)]:
+            if isinstance(r, Exception):
+                raise r
         held = {c.id: {d for d, hit in zip(unique[c.page_size], r, strict=True) if hit}
-                for c, r in zip(asked, replies, strict=True)}
-        load = {c.id: self.load(c) for c in self.candidates}
+                for c, r in zip(asked, replies, strict=False)}
+        load = self.loads_now({c.id: streams.unfinished(r, SCHEDULER_GROUP)
+                               for c, r in zip(self.candidates, replies[len(asked):], strict=True)})
         now = time.time()
         out: list[str | None] = []
         for i in range(len(jobs)):
             cached = {c.id: leading(pages[c.page_size][i], held.get(c.id, set())) * c.page_size
                       for c in self.candidates}
-            target = choose(cached, load, self.load_tokens)
+            target = choose(cached, load, self.policy.load_tokens, self.policy.max_skew)
             log.debug("uid=%s cached tokens %s, load %s: %s", getattr(jobs[i], "uid", "?"), cached, load,
                       target or "shared stream")
             if target is not None:

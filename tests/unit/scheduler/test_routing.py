@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from services.scheduler.main import build_worker
-from services.tokenizer.router import Router, prompt_pages
+from services.tokenizer.router import Policy, Router, prompt_pages
 from shared import streams
 from shared.consumer_group import GroupConsumer
 from shared.messages import SamplingParams, ScheduleJob
@@ -50,7 +50,7 @@ def job(uid: str, max_tokens: int, ids: list[int] | None = None) -> ScheduleJob:
 async def a_tokenizer_routes(w) -> None:
     """What a tokenizer with --prefix-routing does with every heartbeat: set the model's routing flag."""
     async with w.redis.pipeline(transaction=False) as pipe:
-        Router(w.redis, w.keys, MODEL, heartbeat_ttl_s=60, load_tokens=64).on_beat(pipe)
+        Router(w.redis, w.keys, MODEL, heartbeat_ttl_s=60, policy=Policy(64)).on_beat(pipe)
         await pipe.execute()
 
 

@@ -14,6 +14,7 @@ from services.scheduler.lanes import SchedulerLanes
 from services.tokenizer.router import (
     MAX_SCORED_PAGES,
     Candidate,
+    Policy,
     Router,
     choose,
     choose_for_adapter,
@@ -102,7 +103,7 @@ async def test_router_sends_each_job_to_the_scheduler_holding_its_prefix_in_one_
     other = list(range(2000, 2064))
     await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*shared_prefix, 7], 16))
     await redis.sadd(keys.cached_pages(MODEL, "s2"), *prompt_pages([*other, 7], 16)[:2])
-    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
     router.candidates = [Candidate("s1", 16, 0.0), Candidate("s2", 16, 0.0)]
     jobs = [job("a", [*shared_prefix, 1, 2]), job("b", [*other, 3]), job("c", [5] * 40), job("d", [9]),
             job("e", shared_prefix[:16] + other)]  # e: one page on s1 (the next differs), none on s2
@@ -125,6 +126,27 @@ async def test_router_sends_each_job_to_the_scheduler_holding_its_prefix_in_one_
     assert [router.load(c) for c in router.candidates] == [0.0, 1.0]
 
 
+async def test_router_bounds_skew_by_the_unfinished_jobs_of_each_schedulers_own_stream(env):
+    """Its heartbeat says s1 is idle, but its own stream holds 5 jobs it has not finished (3 unread, 2 read and
+    not acknowledged): past a skew of 4 over idle s2, its cached prefix goes to the shared stream; once it
+    finished them, to s1 again (jobs that ended since its beat are no backlog)."""
+    redis, keys = env
+    prefix = list(range(1000, 1064))
+    await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*prefix, 7], 16))
+    lane = keys.scheduler_stream(MODEL, "s1")
+    await redis.xgroup_create(lane, "scheduler", id="0", mkstream=True)
+    for i in range(5):
+        await redis.xadd(lane, {"n": i})
+    read = await redis.xreadgroup("scheduler", "s1", {lane: ">"}, count=2)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16, max_skew=4))
+    router.candidates = [Candidate("s1", 16, 0.0), Candidate("s2", 16, 0.0)]
+    assert await router.route([job("a", [*prefix, 1])]) == [None]
+    await redis.xack(lane, "scheduler", *(entry_id for entry_id, _ in read[0][1]))
+    await redis.xreadgroup("scheduler", "s1", {lane: ">"})  # read the 3 others: 3 pending, within the bound
+    batch = [job("b", [*prefix, 2]), job("c", [*prefix, 3]), job("d", [*prefix, 4])]
+    assert await router.route(batch) == ["s1", "s1", None]  # 3, then 4, then 5 with the batch's own
+
+
 async def test_router_takes_live_schedulers_that_publish_from_their_heartbeats(env):
     redis, keys = env
     now = time.time()
@@ -134,7 +156,7 @@ async def test_router_takes_live_schedulers_that_publish_from_their_heartbeats(e
         await redis.hset(keys.worker("scheduler", wid), mapping={"role": "scheduler", "id": wid, "model": model,
                                                                  "updated_at": now, "load": _json(load)})
         await redis.zadd(keys.workers(), {f"scheduler:{wid}": now})
-    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
     await router.refresh()
     assert router.candidates == [Candidate("s1", 16, 4.0, now)]
 
@@ -154,7 +176,7 @@ async def test_router_routes_adapter_jobs_by_adapter_and_the_rest_by_prefix(env)
     redis, keys = env
     prefix = list(range(1000, 1064))
     await redis.sadd(keys.cached_pages(MODEL, "s1"), *prompt_pages([*prefix, 7], 16))
-    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
     router.candidates = [Candidate("s1", 16, 0.0, adapters=frozenset({"sql"})),
                          Candidate("s2", 16, 0.0, free_slots=1)]
     jobs = [job("a", [*prefix, 1], adapter="chat"), job("b", [*prefix, 2]), job("c", [*prefix, 3], adapter="sql"),
@@ -172,7 +194,7 @@ async def test_router_reads_the_adapters_and_free_slots_of_each_scheduler_from_i
     await redis.hset(keys.worker("scheduler", "s1"), mapping={"role": "scheduler", "id": "s1", "model": MODEL,
                                                               "updated_at": now, "load": _json(load)})
     await redis.zadd(keys.workers(), {"scheduler:s1": now})
-    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
     await router.refresh()
     assert router.candidates == [Candidate("s1", 16, 0.0, now, frozenset({"sql", "o/x"}), 1)]
 
@@ -185,7 +207,7 @@ async def test_an_adapter_sent_to_a_scheduler_counts_as_loaded_there_until_its_h
         await redis.hset(keys.worker("scheduler", wid), mapping={"role": "scheduler", "id": wid, "model": MODEL,
                                                                  "updated_at": now, "load": _json(load)})
         await redis.zadd(keys.workers(), {f"scheduler:{wid}": now})
-    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+    router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
     await router.refresh()
     assert await router.route([job("a", adapter="sql")]) == ["s1"]
     await router.refresh()  # s1's heartbeat does not show sql loaded yet
@@ -225,7 +247,7 @@ async def test_a_scheduler_joins_routing_only_once_a_tokenizer_routes(env):
     assert lanes.pages_due(lambda: asked.append(True) or ([b"\x01" * 16], []), lambda: []) is None
     assert asked == []  # the engine's changes are not even asked for
     assert await redis.smembers(keys.routed(MODEL)) == set()
-    await beat(redis, Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16, tokenizer_id="t1").on_beat)
+    await beat(redis, Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16), tokenizer_id="t1").on_beat)
     assert 0 < await redis.pttl(keys.prefix_routing(MODEL)) <= 5000  # the flag lives as long as that heartbeat
     await beat(redis, lanes.on_beat)
     assert not lanes.joined  # joined by the next adopt, in the loop, not in the heartbeat
@@ -390,7 +412,7 @@ async def test_on_a_redis_cluster_lanes_routing_and_ending_name_keys_of_one_slot
         assert await c.read(10, 50) == []  # XREADGROUP BLOCK over both streams
         ids = prompt_pages(list(range(100, 140)), 16)
         await redis.sadd(keys.cached_pages(MODEL, "s1"), *ids)
-        router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, load_tokens=16)
+        router = Router(redis, keys, MODEL, heartbeat_ttl_s=5, policy=Policy(16))
         router.candidates = [Candidate("s1", 16, 0.0)]
         assert await router.route([job("a", list(range(100, 140)))]) == ["s1"]
         await redis.sadd(keys.routed(MODEL), "s1")
