@@ -57,13 +57,18 @@ def job_end(job: TokenizeJob, result: ScheduleJob | ReplyError | None, aborted: 
     if aborted is not None:
         log.info("uid=%s skipped: aborted (%s)", uid, aborted)
         return EndAborted(uid, job.params.n, aborted)
+    if result is None or isinstance(result, ReplyError):
+        return _not_done(uid, result)
+    return Tokenized(uid, len(result.input_ids), result.params.max_tokens)
+
+
+def _not_done(uid: str, result: ReplyError | None) -> Effect:
+    """The end of a job or query that was not encoded: its deadline passed first (None), or it was refused."""
     if result is None:
         log.info("uid=%s skipped: deadline passed", uid)
         return EndTimedOut(uid)
-    if isinstance(result, ReplyError):
-        log.info("uid=%s refused: %s", uid, result.message)
-        return EndFailed(uid, result)
-    return Tokenized(uid, len(result.input_ids), result.params.max_tokens)
+    log.info("uid=%s refused: %s", uid, result.message)
+    return EndFailed(uid, result)
 
 
 def read(batch: Sequence[Delivery[TokenizeJob]], encoded: dict[str, ScheduleJob | ReplyError],
@@ -86,12 +91,8 @@ def query_end(query: TokenizerQuery, result: TokenizerAnswer | ReplyError | None
     if aborted is not None:  # its client is gone: nobody reads a reply
         log.info("uid=%s skipped: aborted (%s)", uid, aborted)
         return QueryAborted(uid, aborted)
-    if result is None:
-        log.info("uid=%s skipped: deadline passed", uid)
-        return EndTimedOut(uid)
-    if isinstance(result, ReplyError):
-        log.info("uid=%s refused: %s", uid, result.message)
-        return EndFailed(uid, result)
+    if result is None or isinstance(result, ReplyError):
+        return _not_done(uid, result)
     return Answered(uid, result, result.count if result.tokens else None)
 
 

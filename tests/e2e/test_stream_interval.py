@@ -47,18 +47,22 @@ def streamed(stack: Stack, **body) -> tuple[dict[int, dict], list[int]]:
     return out, sizes
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0, max_tokens=41),
-    dict(temperature=0.8, seed=11, n=2, max_tokens=30),
-], ids=["greedy", "seeded-n2"])
-def test_merged_steps_give_the_same_choices_in_fewer_chunks(stack, merged, params):
-    body = dict(prompt="The capital of France is", logprobs=1, ignore_eos=True, **params)
-    want, per_step = streamed(stack, **body)
-    got, per_chunk = streamed(merged, **body)
+SAMPLINGS = [dict(temperature=0, max_tokens=41), dict(temperature=0.8, seed=11, n=2, max_tokens=30)]
+
+
+def assert_same_choices(got: dict, want: dict) -> None:
+    """The same choices, text, logprobs and finish, however the tokens were grouped into chunks."""
     assert got.keys() == want.keys()
     for i in want:
         assert got[i]["text"] == want[i]["text"] and got[i]["finish"] == want[i]["finish"] == "length"
         assert got[i]["logprobs"] == pytest.approx(want[i]["logprobs"], abs=1e-4)
+
+@pytest.mark.parametrize("params", SAMPLINGS, ids=["greedy", "seeded-n2"])
+def test_merged_steps_give_the_same_choices_in_fewer_chunks(stack, merged, params):
+    body = dict(prompt="The capital of France is", logprobs=1, ignore_eos=True, **params)
+    want, per_step = streamed(stack, **body)
+    got, per_chunk = streamed(merged, **body)
+    assert_same_choices(got, want)
     # Each choice's first token goes alone, then ranges of INTERVAL steps (the API may join ranges that are ready
     # together into one chunk, never split one): at most this many chunks, whatever the machine's load.
     n, tokens = params.get("n", 1), params["max_tokens"]
@@ -67,18 +71,12 @@ def test_merged_steps_give_the_same_choices_in_fewer_chunks(stack, merged, param
     assert max(per_chunk) >= INTERVAL and len(per_chunk) <= n * (2 + (tokens - 1) // INTERVAL) < n * tokens / 2
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0, max_tokens=41),
-    dict(temperature=0.8, seed=11, n=2, max_tokens=30),
-], ids=["greedy", "seeded-n2"])
+@pytest.mark.parametrize("params", SAMPLINGS, ids=["greedy", "seeded-n2"])
 def test_tokens_merged_by_time_give_the_same_choices_in_fewer_chunks_the_first_at_once(stack, timed, params):
     body = dict(prompt="The capital of France is", logprobs=1, ignore_eos=True, **params)
     want, per_step = streamed(stack, **body)
     got, per_chunk = streamed(timed, **body)
-    assert got.keys() == want.keys()
-    for i in want:
-        assert got[i]["text"] == want[i]["text"] and got[i]["finish"] == want[i]["finish"] == "length"
-        assert got[i]["logprobs"] == pytest.approx(want[i]["logprobs"], abs=1e-4)
+    assert_same_choices(got, want)
     n, tokens = params.get("n", 1), params["max_tokens"]
     assert per_chunk[0] == 1  # the first token went alone: not held for the flush interval with the next steps'
     assert sum(per_chunk) == n * tokens == sum(per_step)
