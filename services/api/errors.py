@@ -25,6 +25,15 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
          410: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+# Anthropic's error types by status, on its routes (`anthropic_path`): 503 (shutting down, Redis away) is its
+# 529 overloaded_error, a timeout its timeout_error; and by OpenAI's type, for an error event in a stream.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 410: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+ANTHROPIC_OF_OPENAI = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
+                       "permission_error": "permission_error", "rate_limit_error": "rate_limit_error",
+                       "service_unavailable": "overloaded_error", "timeout": "timeout_error"}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 UID = "rsinfer.uid"  # scope key: the uid of the request a handler submitted (services/api/edge/app.py), for logs
 
 
@@ -103,8 +112,34 @@ class ApiError(Exception):
         headers.update(self.headers or {})
         return headers
 
-    def response(self) -> JSONResponse:
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """`anthropic`: in Anthropic's shape and statuses (its routes', `anthropic_path`)."""
+        if anthropic:
+            body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                               "message": self.named_message()}}
+            status = 529 if self.status == 503 else self.status
+            return JSONResponse(body, status_code=status, headers=self.header_pairs() or None)
         return JSONResponse(self.body(), status_code=self.status, headers=self.header_pairs() or None)
+
+    def named_message(self) -> str:
+        """The message naming its field (Anthropic's shape has no `param`)."""
+        if self.param and self.param not in self.message:
+            return f"{self.param}: {self.message}"
+        return self.message
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether a route answers errors in Anthropic's shape (its Messages API, services/api/messages_api/)."""
+    return path in ANTHROPIC_PATHS
+
+
+def anthropic_error(err: dict) -> dict:
+    """An error object in OpenAI's shape (ApiError.body()["error"]) as Anthropic's error event of a stream."""
+    message = err.get("message", "")
+    if err.get("param") and err["param"] not in message:
+        message = f"{err['param']}: {message}"
+    return {"type": "error", "error": {"type": ANTHROPIC_OF_OPENAI.get(err.get("type") or "", "api_error"),
+                                       "message": message}}
 
 
 def redis_down() -> ApiError:
@@ -163,32 +198,35 @@ def as_api_error(exc: Exception) -> ApiError | None:
 
 
 def install(app: FastAPI) -> None:
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        return error.response(anthropic_path(request.scope.get("path", "")))
+
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return ApiError(400, message, param=param).response()
+        return answer(request, ApiError(400, message, param=param))
 
     @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return ApiError(400, str(exc), param=exc.param).response()
+    async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        return answer(request, ApiError(400, str(exc), param=exc.param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return answer(request, ApiError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(RedisError)
-    async def _redis(_: Request, exc: RedisError) -> JSONResponse:
+    async def _redis(request: Request, exc: RedisError) -> JSONResponse:
         log.warning("redis error: %s", exc)
-        return (broker_full() if isinstance(exc, OutOfMemoryError) else redis_down()).response()
+        return answer(request, broker_full() if isinstance(exc, OutOfMemoryError) else redis_down())
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log_unexpected(request.scope, exc)
-        return ApiError(500, "internal error", type="server_error").response()
+        return answer(request, ApiError(500, "internal error", type="server_error"))
 
 
 def log_unexpected(scope: dict, exc: BaseException) -> None:

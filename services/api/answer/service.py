@@ -115,10 +115,11 @@ class ApiService:
         finally:
             await req.close()
 
-    async def reattach(self, http: HttpRequest, uid: str, record: dict, last_event_id: str | None):
-        """Stream a request submitted by any API process, from its record: entries up to `last_event_id`
-        go into the format unsent."""
-        fmt = format_of_record(record, uid)
+    async def reattach(self, http: HttpRequest, uid: str, record: dict, last_event_id: str | None,
+                       fmt: Format | None = None):
+        """Stream a request submitted by any API process, from its record (or in `fmt`, a feature's format of
+        it): entries up to `last_event_id` go into the format unsent."""
+        fmt = fmt or format_of_record(record, uid)
         return await self.stream(http, self.requests.attach(uid, record, last_event_id), fmt, last_event_id)
 
     async def full_body(self, req: ApiRequest, fmt: Format) -> dict:

@@ -50,9 +50,10 @@ def sse_event(data: bytes, event_id: str | None = None, _chunk: dict | None = No
     return head + b"data: " + data + b"\n\n"
 
 
-def named_event(data: bytes, _event_id: str | None, chunk: dict) -> bytes:
-    """An event with its type in an `event:` line, as the Responses API sends them."""
-    return b"event: " + chunk["type"].encode() + b"\ndata: " + data + b"\n\n"
+def named_event(data: bytes, event_id: str | None, chunk: dict) -> bytes:
+    """An event with its type in an `event:` line, as the Responses and Messages APIs send them."""
+    head = f"id: {event_id}\n".encode() if event_id else b""
+    return head + b"event: " + chunk["type"].encode() + b"\ndata: " + data + b"\n\n"
 
 
 DONE = sse_event(b"[DONE]")

@@ -21,6 +21,7 @@ from services.api.edge import routes
 from services.api.edge.admin import AdminSocket, admin_socket_path
 from services.api.errors import ApiError
 from services.api.lora_api.adapters import Adapters, LoraCollector
+from services.api.messages_api.message_service import Messages
 from services.api.multitenancy.tenancy import TENANT, Tenancy
 from services.api.multitenancy.tenants import KeyCheckBusy
 from services.api.responses_api.responses import Responses
@@ -77,12 +78,14 @@ class Guard:
             return await self.app(scope, receive, send)
         scope[RAW_SEND] = send  # streams send past the middleware stack (services/api/answer/sse.py)
         headers = dict(scope["headers"])
-        error = await self.authenticate(scope, headers.get(b"authorization", b""))
+        auth = headers.get(b"authorization") or (b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers
+                                                   else b"")  # Anthropic's clients send their key as x-api-key
+        error = await self.authenticate(scope, auth)
         length = headers.get(b"content-length")
         if length and length.isdigit() and int(length) > self.max_body:
             error = body_too_large(self.max_body)
         if error:
-            await error.response()(scope, receive, send)
+            await error.response(errors.anthropic_path(scope["path"]))(scope, receive, send)
             return
         try:
             await self.app(scope, BodyReader(receive, self.max_body, self.body_timeout), send)
@@ -141,6 +144,7 @@ def create_app(settings: ApiSettings) -> Guard:
     routes.add_tokenizer_routes(app, ctx, svc.admission)
     responses = Responses(ctx, svc)
     routes.add_response_routes(app, ctx, responses)
+    routes.add_message_routes(app, ctx, Messages(ctx, svc))
     files = Files(settings, ctx.redis, ctx.keys, ctx.tenancy)
     batches = Batches(ctx, svc, responses, files)
     runner = BatchRunner(batches)  # this process's part in running batches (services/api/batch_api/batches.py)

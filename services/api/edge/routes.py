@@ -27,6 +27,9 @@ from services.api.batch_api.batches import Batches, CreateBatch
 from services.api.batch_api.files import Files
 from services.api.errors import ApiError
 from services.api.lora_api.adapters import Adapters, LoadLoraAdapter, UnloadLoraAdapter, card_for
+from services.api.messages_api.message_format import message_format_of_record
+from services.api.messages_api.message_schemas import CountTokensRequest, MessagesRequest
+from services.api.messages_api.message_service import Messages
 from services.api.multitenancy.tenants import Tenant
 from services.api.pooling_api.prefill import EmbeddingRequest, ScoreRequest
 from services.api.responses_api.response_schemas import ResponseRequest
@@ -113,6 +116,19 @@ def add_response_routes(app: FastAPI, ctx: ApiContext, responses: Responses) -> 
     async def response_input_items(request: Request, response_id: str, limit: int = Query(20, ge=1, le=100),
                                    order: Literal["asc", "desc"] = "desc", after: str | None = None):
         return await responses.input_items(response_id, ctx.tenancy.tenant_of(request), limit, order, after)
+
+
+def add_message_routes(app: FastAPI, ctx: ApiContext, messages: Messages) -> None:
+    """Anthropic's Messages API (services/api/messages_api/message_service.py); its errors in Anthropic's shape
+    (services/api/errors.py `anthropic_path`)."""
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request):
+        return await messages.create(request, await parse_body(request, MessagesRequest, ctx.limits))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request):
+        return await messages.count_tokens(request, await parse_body(request, CountTokensRequest, ctx.limits))
 
 
 def add_batch_routes(app: FastAPI, ctx: ApiContext, files: Files, batches: Batches) -> None:
@@ -210,7 +226,8 @@ def add_request_routes(app: FastAPI, svc: ApiService) -> None:
         if record.get("kind") in tokenization.OPS:
             raise ApiError(400, f"`{uid}` is a /{record['kind']} request: it has no stream to follow", param="uid")
         request.scope[errors.UID] = bare_uid(uid)
-        return await svc.reattach(request, uid, record, request.headers.get("last-event-id"))
+        fmt = message_format_of_record(record, bare_uid(uid)) if record.get("kind") == "message" else None
+        return await svc.reattach(request, uid, record, request.headers.get("last-event-id"), fmt)
 
 
 def add_probe_routes(app: FastAPI, ctx: ApiContext) -> None:

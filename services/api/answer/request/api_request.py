@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 Batch = list[tuple[str, ReplyEvent]]  # ordered events, each with the id of the reply entry that carried it
 Writes = Callable[[Any], None]  # queues what a submission stores beside its record on the opening pipeline
 
-UID_PREFIXES = ("chatcmpl-", "cmpl-")
+UID_PREFIXES = ("chatcmpl-", "cmpl-", "msg_")
 
 
 def bare_uid(uid: str) -> str:
-    """The request's uid from a response id (`chatcmpl-<uid>`, `cmpl-<uid>`) or the uid itself."""
+    """The request's uid from a response id (`chatcmpl-<uid>`, `cmpl-<uid>`, a message's `msg_<uid>`) or the uid
+    itself."""
     for prefix in UID_PREFIXES:
         uid = uid.removeprefix(prefix)
     return uid
