@@ -241,6 +241,7 @@ class ReplyEvent(msgspec.Struct, frozen=True, tag_field="kind", tag="delta", omi
     index: int = 0
     ids: list[int] = []
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the choice (finish_reason "stop")
     logprobs: list[TokenLogprob] | None = None
     # A choice's first range only (see TokenDelta): the prompt's text (echo), its tokens' logprobs (the
     # first has none: logprob null), and the prompt tokens read from the prefix cache.

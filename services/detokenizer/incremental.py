@@ -30,6 +30,7 @@ HELD_REPLACEMENTS = 3
 class Rendered:
     text: str
     stopped: bool  # a stop string ended this choice; text is cut before it
+    stop: str | None = None  # which one (Anthropic's `stop_sequence`)
 
 
 def stop_hold(text: str, stops: Iterable[str]) -> int:
@@ -72,9 +73,10 @@ def render_delta(before: str, after: str, stops: list[str], final: bool) -> Rend
     shown = visible(before, stops, final=False)
     if not after.startswith(shown):  # decoding merged across the boundary; never resend text
         shown = after[: _common_prefix(shown, after)]
-    cut = _first_stop(after, stops, len(shown))
-    if cut is not None:
-        return Rendered(after[len(shown):max(cut, len(shown))], True)
+    hit = _first_stop(after, stops, len(shown))
+    if hit is not None:
+        cut, stop = hit
+        return Rendered(after[len(shown):max(cut, len(shown))], True, stop)
     return Rendered(visible(after, stops, final)[len(shown):], False)
 
 
@@ -90,10 +92,11 @@ def after_prompt(prompt: str, before: str, after: str) -> tuple[str, str]:
     return before[cut:], after[cut:]
 
 
-def _first_stop(text: str, stops: list[str], shown: int) -> int | None:
-    """Start of the earliest stop string ending past what was already shown."""
-    hits = [i for s in stops if s and (i := text.find(s, max(0, shown - len(s) + 1))) != -1]
-    return min(hits) if hits else None
+def _first_stop(text: str, stops: list[str], shown: int) -> tuple[int, str] | None:
+    """Start of the earliest stop string ending past what was already shown, and that string (of two at one
+    place, the shorter: it ended first)."""
+    hits = [(i, len(s), s) for s in stops if s and (i := text.find(s, max(0, shown - len(s) + 1))) != -1]
+    return min(hits)[::2] if hits else None
 
 
 def _common_prefix(a: str, b: str) -> int:

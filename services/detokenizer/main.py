@@ -111,7 +111,7 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
                            index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
-                           epoch=it.epoch, **self.detok.first_range(it))
+                           epoch=it.epoch, stop_sequence=r.stop, **self.detok.first_range(it))
         return it.uid, event, self._marks(it, finish)
 
     @staticmethod

@@ -134,6 +134,13 @@ def test_a_tool_use_round_trip(client, choice):
     assert final.stop_reason == "tool_use" and any(b.type == "tool_use" for b in final.content)
 
 
+def test_a_stop_sequence_is_the_stop_reason(client):
+    """The grammar of a named call makes the answer say `"arguments"`: the stop sequence cuts it there."""
+    msg = client.messages.create(model=MODEL, max_tokens=200, messages=ASK, tools=TOOLS, stop_sequences=[
+        "never said", '"arguments"'], tool_choice={"type": "tool", "name": "get_time"})
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", '"arguments"')
+
+
 def test_thinking_blocks_with_a_reasoning_template(client):
     msg = client.messages.create(model=MODEL, max_tokens=1100, messages=[{"role": "user", "content": "Paris?"}],
                                  thinking={"type": "enabled", "budget_tokens": 1024})

@@ -71,6 +71,7 @@ class MessageFormat(Format):
         self.pending: list[dict] = []
         self.started = False
         self.finish: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended it
         self.prompt_tokens = self.cached_tokens = 0
 
     def record_fields(self) -> dict:
@@ -105,7 +106,7 @@ class MessageFormat(Format):
         for call in parsed.tool_calls:
             self._tool_use(call["function"]["name"], call["function"]["arguments"])
         if final:
-            self.finish = ev.finish_reason
+            self.finish, self.stop_sequence = ev.finish_reason, ev.stop_sequence
             self._close()
 
     def _text(self, kind: str, text: str) -> None:
@@ -145,7 +146,12 @@ class MessageFormat(Format):
     def stop_reason(self) -> str | None:
         if self.finish == Finish.STOP and any(b["type"] == "tool_use" for b in self.blocks):
             return "tool_use"
+        if self.finish == Finish.STOP and self.stop_sequence is not None:
+            return "stop_sequence"
         return STOP_REASONS.get(self.finish or "")
+
+    def matched(self, stop_reason: str | None) -> str | None:
+        return self.stop_sequence if stop_reason == "stop_sequence" else None
 
     def usage_of(self, counts: Counts) -> dict[str, int]:
         return message_usage(counts.prompt_tokens, counts.cached_tokens, counts.completion_tokens)
@@ -154,8 +160,10 @@ class MessageFormat(Format):
         if not self.started:
             self._start(counts.prompt_tokens, counts.cached_tokens)
         self._close()
-        self.pending += [{"type": "message_delta", "delta": {"stop_reason": self.stop_reason(), "stop_sequence": None},
-                          "usage": self.usage_of(counts)}, {"type": "message_stop"}]
+        reason = self.stop_reason()
+        delta = {"stop_reason": reason, "stop_sequence": self.matched(reason)}
+        self.pending += [{"type": "message_delta", "delta": delta, "usage": self.usage_of(counts)},
+                         {"type": "message_stop"}]
         out, self.pending = self.pending, []
         return out
 
@@ -173,7 +181,7 @@ class MessageFormat(Format):
     def message(self, stop_reason: str | None, usage: dict[str, int], content: list | None = None) -> dict[str, Any]:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
                 "content": copy.deepcopy(self.blocks) if content is None else content, "stop_reason": stop_reason,
-                "stop_sequence": None, "usage": usage}
+                "stop_sequence": self.matched(stop_reason), "usage": usage}
 
 
 def message_format_of_record(record: dict, uid: str) -> MessageFormat:

@@ -221,6 +221,16 @@ def test_reasoning_is_shown_only_when_thinking_was_asked_and_length_is_max_token
     assert sdk_message(plain).content[0].text == "Hi there"
 
 
+def test_a_stop_sequence_ends_it_with_its_reason_and_the_sequence():
+    """The detokenizer says which stop string cut the answer (ReplyEvent.stop_sequence)."""
+    events = events_of(["Hi", " there"])
+    events[-1] = ReplyEvent(start=1, end=2, text=" there", prompt_tokens=40, finish_reason="stop", stop_sequence="END")
+    full = whole(MessageFormat("abc", "m", 7), events)
+    assert (full["stop_reason"], full["stop_sequence"]) == ("stop_sequence", "END")
+    final = sdk_message(streamed(MessageFormat("abc", "m", 7), events))
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+
+
 def test_a_reattached_stream_sends_exactly_the_events_after_the_ones_it_had():
     """The events are a function of the reply stream: a format built from the record, fed the entries the
     client had without sending them, sends what the first would have sent after them."""

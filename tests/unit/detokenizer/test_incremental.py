@@ -150,3 +150,14 @@ def test_logprob_bytes_of_sentencepiece_pieces(metaspace_tok):
     ids = metaspace_tok.encode("Hello world there!", add_special_tokens=False)
     d = TokenDelta(uid="u", start=0, ids=ids, prompt_tokens=1, logprobs=[-0.5] * len(ids))
     assert b"".join(bytes(t.bytes) for t in Detokenizer(metaspace_tok).logprobs(d)) == b" Hello world there!"
+
+
+def test_a_stop_string_that_cuts_says_which_one():
+    """Anthropic's `stop_sequence` (services/api/messages_api/message_format.py): the earliest stop string, of
+    two at one place the shorter (it ended first)."""
+    assert render_delta("alpha ", "alpha beta gamma", ["gamma", "beta", "bet"], final=False) == \
+        render_delta("alpha ", "alpha beta gamma", ["bet", "beta"], final=False)
+    r = render_delta("alpha ", "alpha beta gamma", ["gamma", "beta", "bet"], final=False)
+    assert (r.text, r.stopped, r.stop) == ("", True, "bet")
+    assert render_delta("x", "x gamma", ["gamma"], final=False).stop == "gamma"
+    assert render_delta("x", "x game", ["gamma"], final=True).stop is None
