@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, model_validator
 from services.api.answer.schemas.field_checks import FORBID, BadRequest, one_of, refuse_unless
 from services.api.answer.schemas.sampling_fields import MAX_STOP
 from services.api.answer.schemas.submission import Budget, FieldLimits, Stamp, Submission, submission
+from services.api.errors import ApiError
 from services.api.messages_api.message_format import MessageFormat
 from shared.messages import ChatMessage, SamplingParams, ToolChoice
 
@@ -41,6 +42,7 @@ REFUSED_BLOCKS = {"image": "images are not supported (text only)", "document": "
                   "web_search_tool_result": "server tools are not supported",
                   "container_upload": "containers are not supported"}
 BLOCKS = "a string or a list of content blocks (objects)"
+OUR_NAMES = {"user": "metadata.user_id", "stop": "stop_sequences"}  # the limits' names of this body's fields
 UNSUPPORTED_FIELDS = {"container": "containers are not supported", "mcp_servers": "MCP servers are not supported",
                       "context_management": "context management is not supported",
                       "inference_geo": "there is one inference region",
@@ -204,12 +206,18 @@ class MessagesRequest(MessagesInput):
         return self
 
     def checked(self, limits: FieldLimits) -> SamplingParams:
-        """The sampling parameters, once every field is within the server's limits (a 400 naming the field)."""
-        limits.record_fields(self.metadata.user_id if self.metadata else None)
+        """The sampling parameters, once every field is within the server's limits (a 400 naming the field, as
+        this body names it)."""
         values: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
                                   "top_p": self.top_p, "top_k": self.top_k, "stop": list(self.stop_sequences or [])}
         params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
-        limits.sampling(params)
+        try:
+            limits.record_fields(self.metadata.user_id if self.metadata else None)
+            limits.sampling(params)
+        except ApiError as e:
+            name = OUR_NAMES.get(e.param or "", e.param)
+            raise ApiError(e.status, e.message.replace(f"`{e.param}`", f"`{name}`"), param=name,
+                           code=e.code) from None
         limits.chat_fields(self.tool_dicts(), None)
         return params
 

@@ -134,6 +134,18 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(fields, named):
     assert named in payload["error"]["message"]
 
 
+def test_the_server_s_limits_name_the_fields_as_this_body_names_them():
+    from services.api.answer.limits import Limits as ServerLimits
+    from shared.settings import ApiSettings
+
+    limits = ServerLimits(ApiSettings())
+    for fields, named in (({"metadata": {"user_id": "u" * 100_000}}, "metadata.user_id"),
+                          ({"stop_sequences": ["x" * 100_000]}, "stop_sequences")):
+        with pytest.raises(ApiError) as e:
+            MessagesRequest.model_validate(body(**fields)).checked(limits)
+        assert e.value.param == named and named in e.value.named_message()
+
+
 def test_errors_in_anthropic_s_shape_and_statuses():
     for status, kind, sent in ((401, "authentication_error", 401), (403, "permission_error", 403),
                                (404, "not_found_error", 404), (413, "request_too_large", 413),
