@@ -63,3 +63,28 @@ async def test_named_keys_guard_the_routes_and_admin_alone_reaches_the_operator_
             if not metrics_open:
                 assert (await client.get("/metrics", headers=user)).status_code == 403
                 assert (await client.get("/metrics", headers=admin)).status_code == 200
+
+
+async def test_the_messages_routes_answer_in_anthropic_s_shape_and_take_x_api_key():
+    """/v1/messages (services/api/messages_api/): the key as `x-api-key` too; every refusal, the guard's own (401,
+    413) as the routes' (400, and Redis out of reach: Anthropic's 529), in Anthropic's shape; OpenAI's routes keep
+    theirs."""
+    guard = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_key=KEY, max_body_bytes=4096))
+    transport = httpx.ASGITransport(app=guard, client=("127.0.0.1", 40000))
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+    keyed = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            refused = await client.post(path, json=body)
+            assert refused.status_code == 401
+            assert refused.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                                 "message": "invalid or missing API key"}}
+        bad = await client.post("/v1/messages", headers=keyed, json={**body, "max_tokens": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in bad.json()["error"]["message"]
+        big = await client.post("/v1/messages", headers=keyed, json={**body, "system": "x" * 5000})
+        assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+        down = await client.post("/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, json=body)
+        assert down.status_code == 529 and down.json()["error"]["type"] == "overloaded_error"
+        assert down.headers["retry-after"] == "1"
+        assert (await client.post("/v1/chat/completions", json={})).json()["error"]["code"] == "invalid_api_key"
