@@ -143,7 +143,8 @@ def slo_section(g: dict) -> list[str]:
              "their turn: late by the target's measure); `fifo`: `x-slo-ttft-ms` on an API without fair lanes "
              "(refused at once, 503); `lanes`: the same on an API with keys, where the tokenizer's fair lane puts "
              "each probe before its tenant's flood (earliest deadline first). Goodput: probes that met the target "
-             "per second of the probing window; the counters are the API's `rsinfer_slo_requests_total`.", "",
+             "per second of the probing window; the counters are the API's `rsinfer_slo_requests_total`."
+             + (f" Measured {g['measured']}." if g.get("measured") else ""), "",
              "| scenario | met | late | refused at once (p50) | ended (slo_missed) | TTFT p50 / max | goodput "
              "| counters met/missed/refused |", "|---|---|---|---|---|---|---|---|"]
     for label, s in g["scenarios"].items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -121,7 +122,9 @@ def _counter(metrics: str, outcome: str) -> float:
 
 def section(model_dir: str, name: str, say: Say = print) -> dict:
     """The three scenarios (module doc), each on a fresh stack; the section's figures."""
-    out: dict = {"step_ms": STEP_MS, "max_running": MAX_RUNNING, "flood": FLOOD, "flood_tokens": FLOOD_TOKENS,
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out: dict = {"measured": f"{when}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+                 "step_ms": STEP_MS, "max_running": MAX_RUNNING, "flood": FLOOD, "flood_tokens": FLOOD_TOKENS,
                  "probes": PROBES, "probe_every_s": PROBE_EVERY_S, "ttft_ms": TTFT_MS, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         keys_file = Path(tmp) / "keys.json"
