@@ -35,7 +35,7 @@ from services.api.answer.adapter_target import AdapterTargets
 from services.api.answer.limits import jobs_fit_context, omitted_max_tokens
 from services.api.answer.request.requests import Admitted
 from services.api.answer.schemas.submission import Budget, Stamp, Submission
-from services.api.answer.slo import SloGate, requested_slo
+from services.api.answer.slo import Slo, SloGate, requested_slo
 from services.api.errors import ApiError, redis_down
 from services.api.multitenancy.tenants import Tenant
 from services.api.operations.registry import Snapshot
@@ -88,8 +88,8 @@ class Admission:
         budget = body.budget(params)
         await self.room(model, budget)
         await self.slos.check(self.stages.snapshot, model, tenant.name, slo)
-        stamp = dataclasses.replace(self.stamp(model, adapter, budget.prompts, new_uid), slo=slo,
-                                    cache_salt=isolation_salt(tenant.cache_scope, getattr(body, "cache_salt", None)))
+        salt = isolation_salt(tenant.cache_scope, getattr(body, "cache_salt", None))
+        stamp = self.stamp(model, adapter, budget.prompts, new_uid, cache_salt=salt, slo=slo)
         submission = body.submission(params, stamp)
         jobs_fit_context(submission.jobs, stamp.model_info, budget.prompts_param)
         return await self.leased(submission, tenant)
@@ -141,14 +141,14 @@ class Admission:
         omitted = omitted_max_tokens(info.get("default_max_tokens"), info.get("max_model_len"))
         return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else omitted) for j in jobs)
 
-    def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
-              ) -> Stamp:
+    def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None, *,
+              cache_salt: str = "", slo: Slo | None = None) -> Stamp:
         """What this process adds to the jobs of a request of `prompts` prompts for `model`, their uids minted
-        now (one per prompt)."""
+        now (one per prompt), with their prefix-cache salt and latency targets."""
         mint = new_uid or self.ctx.hub.new_uid
         uids = iter([mint() for _ in range(prompts)])
         return Stamp(model, self.ctx.pod, self.settings.request_timeout_s, uids.__next__,
-                     self.stages.snapshot.model_info(model), adapter)
+                     self.stages.snapshot.model_info(model), adapter, cache_salt, slo)
 
     def only_model(self) -> str:
         models = self.stages.snapshot.known()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.api.answer.formats import Format
+from services.api.answer.slo import Slo
 from shared.messages import SamplingParams, TokenizeJob
 
 
@@ -59,7 +60,7 @@ class Stamp:
     model_info: dict
     adapter: str | None = None  # the LoRA adapter the request names (services/api/lora_api/adapters.py)
     cache_salt: str = ""  # its prefix-cache scope (shared/pages.py `isolation_salt`)
-    slo: Any = None  # its latency targets (services/api/answer/slo.py Slo), if any
+    slo: Slo | None = None  # its latency targets (services/api/answer/slo.py), if any
 
     def job(self, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
         now, slo = time.time(), self.slo
