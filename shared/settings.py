@@ -316,6 +316,9 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                    "if no client reattaches within this many seconds; 0 = at once")
     models: str = Field("", description="served names of models to accept requests for even while they have "
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
+    slo_tolerance_ms: float = Field(250.0, ge=0, le=60_000, description="SLO-aware admission: a request with a "
+                                    "time-to-first-token target is refused (503) when it is not expected to start "
+                                    "within the target plus this, and ended (503) if no first token came by then")
     # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
     # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
     # is queued (services/api/answer/limits.py; the HTTP server's in services/api/edge/http.py).

@@ -8,6 +8,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from services.api.operations.registry import StageRegistry
 
+SERVICE_EWMA = 0.2  # the weight of the latest request in `Metrics.service_s`
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -68,7 +69,18 @@ class Metrics:
         self.batch_lines = Counter("rsinfer_batch_lines", "batch lines this process ran to their end: ok or "
                                    "error (the output or the error file)", ["outcome"], registry=r)
         self.batches_running = Gauge("rsinfer_batches_running", "batches this process runs now", registry=r)
+        # SLO-aware admission (services/api/answer/slo.py): requests with a target, by outcome (met, missed, refused);
+        # the goodput is the rate of those met. `service_s`: each model's recent service time of a request (from
+        # its first token to its end, a moving average), what admission estimates a queue's wait with.
+        self.slo = Counter("rsinfer_slo_requests", "requests with a latency SLO by outcome: met, missed, refused "
+                           "(goodput: the rate of met)", ["model", "outcome"], registry=r)
+        self.service_s: dict[str, float] = {}
         r.register(_StageCollector(stages))
+
+    def served(self, model: str, seconds: float) -> None:
+        """A request of `model` took `seconds` from its first token to its end (`service_s`)."""
+        before = self.service_s.get(model)
+        self.service_s[model] = seconds if before is None else before + SERVICE_EWMA * (seconds - before)
 
     def render(self, tenants: bool = False) -> bytes:
         return generate_latest(self.registry) + (generate_latest(self.tenants) if tenants else b"")
