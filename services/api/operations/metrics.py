@@ -1,10 +1,18 @@
 """Prometheus metrics of one API process, plus stage-level gauges read from Redis (worker heartbeats and
-consumer-group backlogs), so that one scrape target covers the whole pipeline."""
+consumer-group backlogs), so that one scrape target covers the whole pipeline.
+
+Where `--api-workers` runs several processes on one port, a scrape reaches any one of them and each must show
+the pod's figures: their supervisor (rsinfer/api_workers.py) gives them a PROMETHEUS_MULTIPROC_DIR, where
+prometheus_client keeps every process's values in files, and each renders the sum over them (the counters and
+histograms of every process that ran, a restarted one's included; the gauges of the live ones)."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from services.api.operations.registry import StageRegistry
 
@@ -42,8 +50,21 @@ class _StageCollector:
         yield from (workers, lag, pending, running, waiting, kv)
 
 
+class _Shared:
+    """The series of every process of the group (the multiprocess files), with or without the tenants' ones."""
+
+    def __init__(self, path: str, tenants: bool):
+        self.files, self.tenants = MultiProcessCollector(None, path), tenants
+
+    def collect(self):
+        return [m for m in self.files.collect() if m.name.startswith(TENANT_PREFIX) == self.tenants]
+
+
+TENANT_PREFIX = "rsinfer_tenant_"  # services/api/multitenancy/quotas.py
+
+
 class Metrics:
-    def __init__(self, stages: StageRegistry):
+    def __init__(self, stages: StageRegistry, shared_dir: str | None = None):
         self.registry = CollectorRegistry()
         # series labelled with tenants' names (services/api/multitenancy/tenancy.py): rendered for admin keys only,
         # since a tenant's name and usage are not for other tenants nor for keyless callers
@@ -57,8 +78,8 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("rsinfer_prompt_tokens", "prompt tokens", ["model"], registry=r)
         self.generated_tokens = Counter("rsinfer_generated_tokens", "completion tokens", ["model"], registry=r)
-        self.inflight = Gauge("rsinfer_inflight_requests", "requests in flight in this process", ["model"],
-                              registry=r)
+        self.inflight = Gauge("rsinfer_inflight_requests", "requests in flight in this process (of --api-workers': "
+                              "in them all)", ["model"], registry=r, multiprocess_mode="livesum")
         # durable work (services/api/responses_api/responses.py, services/api/batch_api/batches.py), counted where it
         # ends
         self.responses = Counter("rsinfer_responses", "stored responses that ended, by status", ["status"],
@@ -67,8 +88,22 @@ class Metrics:
                                registry=r)
         self.batch_lines = Counter("rsinfer_batch_lines", "batch lines this process ran to their end: ok or "
                                    "error (the output or the error file)", ["outcome"], registry=r)
-        self.batches_running = Gauge("rsinfer_batches_running", "batches this process runs now", registry=r)
-        r.register(_StageCollector(stages))
+        self.batches_running = Gauge("rsinfer_batches_running", "batches this process runs now", registry=r,
+                                     multiprocess_mode="livesum")
+        # of --api-workers: what renders, the group's series rather than this process's own
+        shared_dir = shared_dir if shared_dir is not None else os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.shown, self.shown_tenants = self.registry, self.tenants
+        if shared_dir:
+            self.shown, self.shown_tenants = CollectorRegistry(), CollectorRegistry()
+            self.shown.register(_Shared(shared_dir, tenants=False))
+            self.shown_tenants.register(_Shared(shared_dir, tenants=True))
+        self.add_collector(_StageCollector(stages))
+
+    def add_collector(self, collector) -> None:
+        """A collector of series this process reads rather than counts (from Redis): rendered as it is."""
+        self.registry.register(collector)
+        if self.shown is not self.registry:
+            self.shown.register(collector)
 
     def render(self, tenants: bool = False) -> bytes:
-        return generate_latest(self.registry) + (generate_latest(self.tenants) if tenants else b"")
+        return generate_latest(self.shown) + (generate_latest(self.shown_tenants) if tenants else b"")
