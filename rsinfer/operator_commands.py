@@ -276,8 +276,9 @@ async def heartbeat_fresh(settings: ProbeSettings, role: str) -> tuple[bool, str
 def drain(settings: DrainCommand, wait: float) -> int:
     """Drain the API process of this pod (each of --api-workers') through its control socket
     (services/api/edge/admin.py): it turns unready and refuses new requests for --drain-timeout-s, unless SIGTERM
-    comes first; then keep the hook running for `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open
-    the socket (one of this pod, as this user) can drain it: there is no HTTP route for it."""
+    comes first; then keep the hook running for `wait` seconds (so Kubernetes holds SIGTERM back while load
+    balancers notice). Only a process that can open the socket (one of this pod, as this user) can drain it:
+    there is no HTTP route for it."""
     if wait >= settings.drain_timeout_s:
         print(f"drain failed: --wait {wait} must be shorter than --drain-timeout-s {settings.drain_timeout_s}, "
               "after which the API goes back in service")
