@@ -86,6 +86,7 @@ def test_connections_spread_over_both_workers_whose_metrics_every_scrape_shows(g
     for client, n in ((a, 7), (b, 11)):
         assert client.post("/v1/chat/completions", json=body(1, n)).json()["usage"]["completion_tokens"] == n
     assert _generated(a) == _generated(b) == before + 18  # each process renders the group's counters
+    assert "# HELP rsinfer_generated_tokens_total completion tokens" in b.get("/metrics").text
 
 
 def test_a_stream_outlives_the_other_workers_death_and_the_dead_one_starts_again(group):

@@ -53,11 +53,14 @@ class _StageCollector:
 class _Shared:
     """The series of every process of the group (the multiprocess files), with or without the tenants' ones."""
 
-    def __init__(self, path: str, tenants: bool):
-        self.files, self.tenants = MultiProcessCollector(None, path), tenants
+    def __init__(self, path: str, tenants: bool, helps: dict[str, str]):
+        self.files, self.tenants, self.helps = MultiProcessCollector(None, path), tenants, helps
 
     def collect(self):
-        return [m for m in self.files.collect() if m.name.startswith(TENANT_PREFIX) == self.tenants]
+        shown = [m for m in self.files.collect() if m.name.startswith(TENANT_PREFIX) == self.tenants]
+        for m in shown:  # the files keep no HELP text
+            m.documentation = self.helps.get(m.name, m.documentation)
+        return shown
 
 
 TENANT_PREFIX = "rsinfer_tenant_"  # services/api/multitenancy/quotas.py
@@ -94,9 +97,12 @@ class Metrics:
         shared_dir = shared_dir if shared_dir is not None else os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.shown, self.shown_tenants = self.registry, self.tenants
         if shared_dir:
+            helps = {f.name: f.documentation for m in (self.requests, self.duration, self.ttft, self.prompt_tokens,
+                     self.generated_tokens, self.inflight, self.responses, self.batches, self.batch_lines,
+                     self.batches_running) for f in m.describe()}
             self.shown, self.shown_tenants = CollectorRegistry(), CollectorRegistry()
-            self.shown.register(_Shared(shared_dir, tenants=False))
-            self.shown_tenants.register(_Shared(shared_dir, tenants=True))
+            self.shown.register(_Shared(shared_dir, False, helps))
+            self.shown_tenants.register(_Shared(shared_dir, True, helps))
         self.add_collector(_StageCollector(stages))
 
     def add_collector(self, collector) -> None:
