@@ -58,7 +58,7 @@ def main() -> int:
         for url in urls.values():  # warm-up
             run_load([url], [completion_body(name, p, 8) for p in id_prompts(16, 2, 16)], 16)
         for i in range(args.pairs):
-            for key, url in urls.items():
+            for key, url in sorted(urls.items(), reverse=bool(i % 2)):  # each goes first in every other pair
                 stack.measured = key
                 p = synthetic_point(stack, [url], name, point)
                 runs[key].append(p)

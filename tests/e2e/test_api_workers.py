@@ -1,7 +1,8 @@
 """`--api-workers 2` (rsinfer/api_workers.py): two API processes on one port under a supervisor. Connections
 spread over both; each scrape shows the group's metrics; a stream on one outlives the other's SIGKILL, and the
 dead one starts again while the port keeps serving; `rsinfer drain` drains both; SIGTERM drains both and the
-group exits 0; workers that die at start make the group exit 1 (a crash loop Kubernetes sees)."""
+group exits 0; workers that die at start make the group exit 1 (a crash loop Kubernetes sees). The group runs
+beside the session's stack (tests/e2e/conftest.py `stack`), whose stages serve it: it costs two API processes."""
 
 from __future__ import annotations
 
@@ -13,25 +14,45 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from rsinfer.launcher import serving
 from rsinfer.redis_server import free_port
 from services.api.edge.admin import admin_socket_path
 from tests.support.helpers import wait_for
-from tests.support.stack import running_pipeline
+from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack
 from tests.support.streaming import body
 
 pytestmark = [pytest.mark.timeout(120)]
 
-ENV = {"RSINFER_ENGINE": "synthetic", "RSINFER_API_WORKERS": "2", "RSINFER_DRAIN_TIMEOUT_S": "3"}
+GROUP_ENV = {**LIFECYCLE_ENV, "RSINFER_API_WORKERS": "2", "RSINFER_DRAIN_TIMEOUT_S": "3",
+             "RSINFER_GRACE_PERIOD_S": "60"}
+
+
+@dataclass
+class Group:
+    stack: Stack
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 @pytest.fixture(scope="module")
-def group(redis_server, demo_model_dir, tmp_path_factory):
-    with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "workers", **ENV) as s:
-        yield s
+def group(stack):
+    """A group of two API processes on a port of its own, beside the session's stack (its stages serve it)."""
+    port = free_port()
+    proc = stack.start("api-workers", "api", RSINFER_PORT=str(port), **GROUP_ENV)
+    g = Group(stack, port, proc)
+    stack.wait_until(lambda: serving(g.url, MODEL, pid=proc.pid), 120, "api workers")
+    yield g
+    if "api-workers" in stack.procs:
+        stack.stop(names=["api-workers"])
 
 
 def _health(url: str) -> dict | None:
@@ -77,11 +98,11 @@ def _generated(client: httpx.Client) -> float:
 
 
 def test_connections_spread_over_both_workers_whose_metrics_every_scrape_shows(group):
-    url = group.base_url
+    url = group.url
     seen = set()
     wait_for(lambda: seen.update({(_health(url) or {}).get("worker")}) or {0, 1} <= seen, timeout=30)
     a, b = pinned(url, 0), pinned(url, 1)
-    assert a.get("/health").json()["group"] == b.get("/health").json()["group"] == group.procs["api1"].pid
+    assert a.get("/health").json()["group"] == b.get("/health").json()["group"] == group.proc.pid
     before = _generated(a)
     for client, n in ((a, 7), (b, 11)):
         assert client.post("/v1/chat/completions", json=body(1, n)).json()["usage"]["completion_tokens"] == n
@@ -90,20 +111,21 @@ def test_connections_spread_over_both_workers_whose_metrics_every_scrape_shows(g
 
 
 def test_a_stream_outlives_the_other_workers_death_and_the_dead_one_starts_again(group):
-    url = group.base_url
+    url = group.url
     a, b = pinned(url, 0), pinned(url, 1)
     dead = b.get("/health").json()["pid"]
-    assert _stream(a, body(2, 300), lambda: os.kill(dead, signal.SIGKILL)) == {"done": True, "tokens": 300}
+    assert _stream(a, body(2, 100), lambda: os.kill(dead, signal.SIGKILL)) == {"done": True, "tokens": 100}
     wait_for(lambda: (h := _health(url)) and h["worker"] == 1 and h["pid"] != dead, timeout=60)
     for i in range(6):  # on new connections: both workers serve
         assert httpx.post(f"{url}/v1/chat/completions", json=body(i, 3), timeout=30).status_code == 200
 
 
 def test_rsinfer_drain_drains_every_worker_of_the_port(group):
-    url = group.base_url
+    url = group.url
     a, b = pinned(url, 0), pinned(url, 1)
     hook = subprocess.run([sys.executable, "-m", "rsinfer.cli", "drain", "--wait", "0"],
-                          env=group.env(**ENV, RSINFER_PORT=str(group.port)), capture_output=True, text=True,
+                          env=group.stack.env(**GROUP_ENV, RSINFER_PORT=str(group.port)), capture_output=True,
+                          text=True,
                           timeout=30)
     assert hook.returncode == 0, hook.stdout + hook.stderr
     assert [json.loads(line)["draining"] for line in hook.stdout.splitlines()] == [True, True]
@@ -112,22 +134,23 @@ def test_rsinfer_drain_drains_every_worker_of_the_port(group):
 
 
 def test_sigterm_drains_every_worker_then_the_group_exits_0(group):
-    url = group.base_url
+    url = group.url
     clients, started = [pinned(url, 0), pinned(url, 1)], threading.Barrier(3)
     with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_stream, c, body(3 + k, 200), started.wait) for k, c in enumerate(clients)]
+        runs = [pool.submit(_stream, c, body(3 + k, 100), started.wait) for k, c in enumerate(clients)]
         started.wait(timeout=30)  # both streams open
-        group.procs["api1"].send_signal(signal.SIGTERM)
-        assert [r.result(timeout=60) for r in runs] == [{"done": True, "tokens": 200}] * 2
-    assert group.procs.pop("api1").wait(30) == 0
+        group.proc.send_signal(signal.SIGTERM)
+        assert [r.result(timeout=60) for r in runs] == [{"done": True, "tokens": 100}] * 2
+    assert group.stack.procs.pop("api-workers").wait(30) == 0
     assert not list(admin_socket_path("", group.port).parent.glob("control*.sock"))
 
 
 def test_workers_that_die_at_start_stop_the_group_nonzero(group, tmp_path):
     tmp_path.chmod(0o755)  # not private: the control socket is refused, each worker's start fails
-    proc = group.start("api-loop", "api", RSINFER_PORT=str(free_port()), RSINFER_API_WORKERS="2",
-                       RSINFER_ADMIN_SOCKET=str(tmp_path / "control.sock"))
-    group.procs.pop("api-loop")
+    s = group.stack
+    proc = s.start("api-loop", "api", RSINFER_PORT=str(free_port()), RSINFER_API_WORKERS="2",
+                   RSINFER_ADMIN_SOCKET=str(tmp_path / "control.sock"))
+    s.procs.pop("api-loop")
     assert proc.wait(90) == 1
-    log = (group.log_dir / "api-loop.log").read_text()
+    log = (s.log_dir / "api-loop.log").read_text()
     assert "deaths within 60 s: stopping the group" in log, log
