@@ -124,7 +124,8 @@ class WorkerGroup:
         """A worker ended: its gauges go, and it starts again after a backoff; False: a crash loop."""
         del self.procs[index]
         mark_process_dead(proc.pid, self.metrics_dir)
-        if self.signals:
+        if self.signals:  # its socket goes too: new connections go to the workers still draining (a 503)
+            self.socks[index].close()
             return True
         delay = self.policy.on_death(time.monotonic())
         if delay is None:

@@ -32,6 +32,9 @@ GROUP_ENV = {**LIFECYCLE_ENV, "RSINFER_API_WORKERS": "2", "RSINFER_DRAIN_TIMEOUT
              "RSINFER_GRACE_PERIOD_S": "60"}
 
 
+PINNED: list[httpx.Client] = []  # closed with the group
+
+
 @dataclass
 class Group:
     stack: Stack
@@ -51,6 +54,8 @@ def group(stack):
     g = Group(stack, port, proc)
     stack.wait_until(lambda: serving(g.url, MODEL, pid=proc.pid), 120, "api workers")
     yield g
+    for client in PINNED:
+        client.close()
     if "api-workers" in stack.procs:
         stack.stop(names=["api-workers"])
 
@@ -68,6 +73,7 @@ def pinned(url: str, worker: int) -> httpx.Client:
     def attempt() -> httpx.Client | None:
         client = httpx.Client(base_url=url, timeout=30)
         if client.get("/health").json().get("worker") == worker:
+            PINNED.append(client)
             return client
         client.close()
         return None
