@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings
 # (title, what it holds, field names in the order shown): the common ones first
 FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("server", "where the API listens and what it serves", (
-        "host", "port", "model", "served_model_name", "models")),
+        "host", "port", "model", "served_model_name", "models", "api_workers")),
     ("model and engine", "how the model runs (the scheduler's engine) and how its output is parsed", (
         "engine", "device", "dtype", "threads", "trust_remote_code", "max_running", "max_kv_tokens",
         "kv_memory_fraction", "page_size", "chunk_size", "prefix_cache", "cuda_graphs", "overlap", "stream_interval",
