@@ -533,6 +533,7 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, *, ho
     from bench import report_rates  # it imports this module's Row
 
     lines += report_rates.gpurate_section(_get(r, "gpurate", default={}))
+    lines += report_rates.slo_section(_get(r, "slo", default={}))
     lines += report_rates.guidellm_section(_get(r, "guidellm", default={}))
     lines += host_section(host or {})
     lines += lora_section(lora or {})

@@ -129,3 +129,28 @@ def guidellm_plot(gl: dict, out_dir: Path, plt) -> Path | None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def slo_section(g: dict) -> list[str]:
+    """`make bench` section `slo` (bench/slo_goodput.py)."""
+    if not g:
+        return []
+    lines = ["", "## SLO-aware admission under a flood (issue 35)", "",
+             f"`make bench` section `slo` (`bench/slo_goodput.py`): the synthetic engine ({g['step_ms']} ms steps, "
+             f"{g['max_running']} requests at a time) gets {g['flood']} requests of {g['flood_tokens']} tokens; once "
+             f"one finished, {g['probes']} probes of 4 tokens are sent {g['probe_every_s']} s apart with a "
+             f"{g['ttft_ms']:,} ms time-to-first-token target. `no target`: the probes send no header (they wait "
+             "their turn: late by the target's measure); `fifo`: `x-slo-ttft-ms` on an API without fair lanes "
+             "(refused at once, 503); `lanes`: the same on an API with keys, where the tokenizer's fair lane puts "
+             "each probe before its tenant's flood (earliest deadline first). Goodput: probes that met the target "
+             "per second of the probing window; the counters are the API's `rsinfer_slo_requests_total`."
+             + (f" Measured {g['measured']}." if g.get("measured") else ""), "",
+             "| scenario | met | late | refused at once (p50) | ended (slo_missed) | TTFT p50 / max | goodput "
+             "| counters met/missed/refused |", "|---|---|---|---|---|---|---|---|"]
+    for label, s in g["scenarios"].items():
+        c = s["counters"]
+        refusal = f"{s['refused']} ({s['refusal_p50_ms']} ms)" if s["refused"] else "0"
+        ttft = (f"{s['ttft_p50_ms']:,} / {s['ttft_max_ms']:,} ms" if s["ttft_p50_ms"] is not None else "-")
+        lines.append(f"| {label} | {s['met']}/{s['probes']} | {s['late']} | {refusal} | {s['ended_missed']} | {ttft} "
+                     f"| {s['goodput_per_s']}/s | {c['met']:.0f}/{c['missed']:.0f}/{c['refused']:.0f} |")
+    return lines

@@ -18,6 +18,8 @@ Sections (the demo model unless --model):
                workload (bench/prefix_routing.py): prefix hit rate, TTFT, throughput
   gpurate      the synthetic engine at a GPU's step rate, 5 ms x 256 streams of 256 tokens, one API process
                (bench/gpurate.py): plumbing CPU µs per token per process, Redis commands per token
+  slo          SLO-aware admission under a flood of 40 queued requests (bench/slo_goodput.py): probes with a 1.5 s
+               TTFT target without one, refused at once (no fair lanes), served first in their tenant's lane; goodput
   guidellm     guidellm sweeps (the `bench` extra) against rsinfer and `transformers serve --continuous-batching`
                (bench/guidellm_sweep.py): request and token throughput, TTFT and ITL p50/p99 per step
 Writes bench/results/run_all.json, PNG plots in bench/results/plots/ and docs/benchmarks.md (the prefix section
@@ -48,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import gpurate, guidellm_sweep, prefix_routing, report  # noqa: E402
+from bench import gpurate, guidellm_sweep, prefix_routing, report, slo_goodput  # noqa: E402
 from bench.harness import (  # noqa: E402
     TRANSFORMERS_BODY,
     BenchStack,
@@ -69,7 +71,8 @@ RESULTS = ROOT / "bench" / "results" / "run_all.json"
 PLOTS = ROOT / "bench" / "results" / "plots"
 DOCS = ROOT / "docs" / "benchmarks.md"
 HISTORY = ROOT / "bench" / "results" / "history.jsonl"  # one headline line per run written to RESULTS
-SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k", "prefix", "gpurate", "guidellm")
+SECTIONS = ("engine", "pipeline", "cpu", "merged", "transformers", "synthetic", "10k", "prefix", "gpurate", "slo",
+            "guidellm")
 MERGED_INTERVAL = 4  # --stream-interval of the merged-steps section
 STEP_MS = 20.0
 PROMPT_LEN, OUTPUT_LEN = 64, 64
@@ -573,6 +576,10 @@ def stack_sections(target: Target, want: set[str], results: dict, args: argparse
         say(f"(h) GPU step rate: synthetic engine, {gpurate.STEP_MS:.0f} ms step, {gpurate.STREAMS} streams of "
             f"{gpurate.TOKENS} tokens, one API process")
         results["gpurate"] = gpurate.section(target.model_dir, target.name, mode, say, measured_load)
+    if "slo" in want:
+        say(f"(j) SLO-aware admission: {slo_goodput.FLOOD} requests queued, probes with a {slo_goodput.TTFT_MS} ms "
+            "TTFT target (bench/slo_goodput.py)")
+        results["slo"] = slo_goodput.section(target.model_dir, target.name, say)
     if "guidellm" in want:
         say("(i) guidellm sweeps: rsinfer (paged engine) and transformers serve --continuous-batching")
         results["guidellm"] = guidellm_sweep.section(target, mode, say, (transformers_available, transformers_server))

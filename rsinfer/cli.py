@@ -122,6 +122,10 @@ def serve(cmd: str, settings: CommonSettings) -> int:
         from shared.liveness import Liveness, liveness_path
 
         Liveness(liveness_path(settings.liveness_file, settings.namespace, cmd, settings.name()), cmd, "").clear()
+    elif settings.api_workers > 1:  # a supervisor of API processes, which imports nothing of the app
+        from rsinfer.api_workers import run_workers
+
+        return run_workers(settings)
     return _stage_main(cmd)(settings) or 0
 
 

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings
 # (title, what it holds, field names in the order shown): the common ones first
 FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("server", "where the API listens and what it serves", (
-        "host", "port", "model", "served_model_name", "models")),
+        "host", "port", "model", "served_model_name", "models", "api_workers")),
     ("model and engine", "how the model runs (the scheduler's engine) and how its output is parsed", (
         "engine", "device", "dtype", "threads", "trust_remote_code", "max_running", "max_kv_tokens",
         "kv_memory_fraction", "page_size", "chunk_size", "prefix_cache", "cuda_graphs", "overlap", "stream_interval",
@@ -34,7 +34,7 @@ FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "grammar_mask_budget_ms", "detokenize_budget_mb")),
     ("tenants and API keys", "who may call the API, and each tenant's share", (
         "api_key", "api_key_file", "api_keys_file", "api_keys_check_s", "metrics_open", "quota_lease_s",
-        "usage_flush_s", "fair_queueing", "fair_watermark", "fair_max_held", "fair_poll_ms")),
+        "usage_flush_s", "fair_queueing", "fair_watermark", "fair_max_held", "fair_poll_ms", "slo_tolerance_ms")),
     ("Responses and Batch API", "stored responses, files and batches: how many, how large, how long", (
         "response_ttl_s", "max_stored_response_bytes", "max_stored_responses_per_tenant",
         "max_stored_response_bytes_per_tenant", "max_response_chain", "max_response_items", "file_ttl_s",

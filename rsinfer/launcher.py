@@ -39,10 +39,12 @@ def api_ready(url: str) -> bool:
 
 
 def api_pid(url: str) -> int | None:
-    """The pid of the API process answering at `url` (its /health says), or None."""
+    """The pid of the API process answering at `url` (its /health says; of --api-workers' group, its
+    supervisor's), or None."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return int(json.loads(resp.read())["pid"])
+            health = json.loads(resp.read())
+            return int(health.get("group", health["pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from rsinfer.command_settings import DrainCommand, ProbeSettings
-from services.api.edge.admin import admin_socket_path
 from services.api.edge.admin import call as admin_call
+from services.api.edge.admin import control_sockets
 from shared import streams
 from shared.heartbeats import declared_models, live_workers
 from shared.keys import STAGES, Keys
@@ -274,22 +274,26 @@ async def heartbeat_fresh(settings: ProbeSettings, role: str) -> tuple[bool, str
 
 
 def drain(settings: DrainCommand, wait: float) -> int:
-    """Drain the API process of this pod through its control socket (services/api/edge/admin.py): it turns unready
-    and refuses new requests for --drain-timeout-s, unless SIGTERM comes first; then keep the hook running for
-    `wait` seconds (so Kubernetes holds SIGTERM back while load balancers notice). Only a process that can open
-    the socket (one of this pod, as this user) can drain it: there is no HTTP route for it."""
+    """Drain the API process of this pod (each of --api-workers') through its control socket
+    (services/api/edge/admin.py): it turns unready and refuses new requests for --drain-timeout-s, unless SIGTERM
+    comes first; then keep the hook running for `wait` seconds (so Kubernetes holds SIGTERM back while load
+    balancers notice). Only a process that can open the socket (one of this pod, as this user) can drain it:
+    there is no HTTP route for it."""
     if wait >= settings.drain_timeout_s:
         print(f"drain failed: --wait {wait} must be shorter than --drain-timeout-s {settings.drain_timeout_s}, "
               "after which the API goes back in service")
         return 1
-    path = admin_socket_path(settings.admin_socket, settings.port)
-    try:
-        reply = admin_call(path, "drain")
-    except (OSError, ValueError) as e:
-        print(f"drain failed: {path}: {e}")
-        return 1
-    print(json.dumps(reply))
-    if "error" in reply:
+    failed = False
+    for path in control_sockets(settings.admin_socket, settings.port):  # each of --api-workers' processes
+        try:
+            reply = admin_call(path, "drain")
+        except (OSError, ValueError) as e:
+            print(f"drain failed: {path}: {e}")
+            failed = True
+            continue
+        print(json.dumps(reply))
+        failed = failed or "error" in reply
+    if failed:
         return 1
     time.sleep(max(0.0, wait))
     return 0

@@ -126,7 +126,19 @@ class RequestJob(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     # so that a parked job says whose it is.
     tenant: str = ""
     weight: int = 1
+    # Prefix-cache isolation (shared/pages.py `prefix_root`): pages are shared only between jobs of equal salts. The
+    # API sets it from the tenant (or its policy's shared salt) and the request's `cache_salt`; "" shares with all.
+    cache_salt: str = ""
+    # The client's SLO (ms; 0: none): its first token is due `slo_ttft_ms` after `created_at` (`ttft_due`), which
+    # orders waiting work earliest deadline first within a fair lane; `slo_tpot_ms` is recorded for goodput.
+    slo_ttft_ms: int = 0
+    slo_tpot_ms: int = 0
     v: int = VERSION
+
+    @property
+    def ttft_due(self) -> float:
+        """When its first token is due (unix s), or infinity without a TTFT SLO."""
+        return self.created_at + self.slo_ttft_ms / 1000 if self.slo_ttft_ms else float("inf")
 
 
 class TokenizeJob(RequestJob, frozen=True, tag_field="kind", tag="tokenize", omit_defaults=True, kw_only=True):

@@ -6,6 +6,11 @@ A page's digest is chained over every token before its end (the digest of the pr
 tokens), so equal digests mean equal prefixes, not just equal pages. The chain of a request that runs with a LoRA
 adapter starts from the adapter's root (`adapter_root`) instead of b"": its pages hold other K/V than the base
 model's for the same tokens, so they are named apart, while the base model's digests stay what they were.
+
+Prefix-cache isolation: a request's `cache_salt` (shared/messages.py RequestJob, set by the API from its tenant, or
+its policy's shared salt, and the client's `cache_salt`: `isolation_salt`) seeds the root too (`prefix_root`), so no
+page of one salt is named as any page of another: a tenant's `cached_tokens` and time to first token cannot tell
+whether another's prefix is cached. The empty salt (open mode, no `cache_salt`) keeps the unsalted names.
 """
 
 from __future__ import annotations
@@ -33,10 +38,30 @@ def adapter_root(adapter: str | None) -> bytes:
     return hashlib.blake2b(b"rsinfer-lora\0" + adapter.encode("utf-8"), digest_size=16).digest()
 
 
+def prefix_root(adapter: str | None, salt: str = "") -> bytes:
+    """The parent digest of the first page of a request with LoRA adapter `adapter` and cache salt `salt` (module
+    doc): the adapter's root, salted unless `salt` is empty."""
+    root = adapter_root(adapter)
+    if not salt:
+        return root
+    return hashlib.blake2b(b"rsinfer-salt\0" + salt.encode("utf-8") + b"\0" + root, digest_size=16).digest()
+
+
+def isolation_salt(scope: str, requested: str | None) -> str:
+    """The salt a request's pages are named under: its tenant's `scope` (its policy's shared salt, else its name;
+    "" in open mode) and the salt the client sent (vLLM's `cache_salt`), as a fixed-size hex digest; "" when
+    neither is given. Length-prefixed, so no (scope, salt) pair names another's pages."""
+    if not scope and not requested:
+        return ""
+    parts = [scope.encode("utf-8"), (requested or "").encode("utf-8")]
+    packed = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return hashlib.blake2b(b"rsinfer-isolation\0" + packed, digest_size=16).hexdigest()
+
+
 def extend_digests(digests: list[bytes], tokens: list[int], page_size: int, upto_pages: int,
                    root: bytes = b"") -> None:
     """Append the digests of pages len(digests)..upto_pages-1 (pages that are full in `tokens`); `root` is the
-    first page's parent (`adapter_root`)."""
+    first page's parent (`prefix_root`)."""
     upto_pages = min(upto_pages, len(tokens) // page_size)
     for i in range(len(digests), upto_pages):
         parent = digests[i - 1] if i else root

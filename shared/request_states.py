@@ -56,6 +56,7 @@ class EndReason(StrEnum):
     SERVER_SHUTDOWN = "server_shutdown"
     BROKER_UNAVAILABLE = "broker_unavailable"  # Redis unreachable past --broker-outage-s
     RESPONSE_TOO_LARGE = "response_too_large"  # a non-stream answer passed --max-response-bytes
+    SLO_MISSED = "slo_missed"  # no first token by its time-to-first-token target (services/api/answer/slo.py)
     TIMEOUT = "timeout"  # its deadline passed (the API, or a scheduler)
     REJECTED = "rejected"  # a stage refused it (a 4xx error reply)
     FAILED = "failed"  # a stage failed it (a 5xx error reply)

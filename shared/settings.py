@@ -306,6 +306,9 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
     max_queued: int = Field(1024, ge=1, description="backlog of a model past which requests get 429")
     reply_shard_keys: int = Field(256, ge=8, description="reply streams per XREAD connection")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, how long open streams may finish")
+    api_workers: int = Field(1, ge=1, le=64, description="API processes on the port, each with its own reply "
+                             "hub (SO_REUSEPORT), to use a pod's cores; a supervisor process starts them again "
+                             "if they die (rsinfer/api_workers.py)")
     slow_client_timeout_s: float = Field(30.0, gt=0, description="abort a stream whose client accepts "
                                          "nothing for this long")
     broker_outage_s: float | None = Field(None, gt=0, description="how long open streams wait out an unreachable "
@@ -316,6 +319,9 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                    "if no client reattaches within this many seconds; 0 = at once")
     models: str = Field("", description="served names of models to accept requests for even while they have "
                         "no worker (comma-separated); stage workers declare theirs in Redis too")
+    slo_tolerance_ms: float = Field(250.0, ge=0, le=60_000, description="SLO-aware admission: a request with a "
+                                    "time-to-first-token target is refused (503) when it is not expected to start "
+                                    "within the target plus this, and ended (503) if no first token came by then")
     # -- Limits at the HTTP edge: what one connection or request may ask of an API process and of the broker;
     # past any of them a 400 (413 for a body, 431 for headers) names the field and the limit before anything
     # is queued (services/api/answer/limits.py; the HTTP server's in services/api/edge/http.py).

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -159,6 +160,25 @@ def broker_full() -> ApiError:
                     retry_after=BROKER_FULL_RETRY_S)
 
 
+def broker_busy() -> ApiError:
+    """Every connection of this process's Redis pool stayed in use past the pool's wait (shared/redis_conn.py
+    `connect`): this process is overloaded, Redis is not down. Nothing of the request was queued."""
+    return ApiError(503, "this server is overloaded (all its broker connections are busy); retry shortly",
+                    code="overloaded", retry_after=1)
+
+
+def broker_error(exc: RedisError) -> ApiError:
+    """The answer for a Redis error at the edge: full, busy (the pool ran dry) or unreachable."""
+    if isinstance(exc, OutOfMemoryError):
+        return broker_full()
+    # redis-py's BlockingConnectionPool raises ConnectionError("No connection available.") from its wait's
+    # timeout: a storm holding the pool's connections, not a broker that cannot be reached.
+    if isinstance(exc, RedisConnectionError) and isinstance(exc.__cause__, TimeoutError) \
+            and str(exc).startswith("No connection available"):
+        return broker_busy()
+    return redis_down()
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -221,7 +241,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _redis(request: Request, exc: RedisError) -> JSONResponse:
         log.warning("redis error: %s", exc)
-        return answer(request, broker_full() if isinstance(exc, OutOfMemoryError) else redis_down())
+        return answer(request, broker_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

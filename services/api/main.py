@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -52,7 +53,9 @@ class DrainingServer(uvicorn.Server):
             asyncio.get_event_loop().call_soon_threadsafe(self.service.closing.set)
 
 
-def run(settings: ApiSettings) -> int:
+def run(settings: ApiSettings, sockets: list[socket.socket] | None = None, worker: int | None = None) -> int:
+    """Serve until stopped; 3 when it did not start (its app's startup failed). `sockets` and `worker`: one of
+    the processes of `--api-workers` (rsinfer/api_workers.py), on the listening socket its supervisor bound."""
     # Long keep-alive by default (--keep-alive-s 120): load generators and proxies reuse connections; 5 s broke
     # reused ones (docs/design.md, "Measured facts behind the design"). The head's deadline and size and the
     # connection limit are the protocol's (services/api/edge/http.py).
@@ -61,9 +64,10 @@ def run(settings: ApiSettings) -> int:
     except KeyFileError as e:
         print(f"rsinfer api: not started: {e}", file=sys.stderr, flush=True)
         return 2
-    app = create_app(settings)
-    DrainingServer(server_config(app, settings), settings, app.service).run()
-    return 0
+    app = create_app(settings, worker)
+    server = DrainingServer(server_config(app, settings), settings, app.service)
+    server.run(sockets=sockets)
+    return 0 if server.started else 3
 
 
 def server_config(app, settings: ApiSettings) -> uvicorn.Config:

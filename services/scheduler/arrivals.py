@@ -98,7 +98,8 @@ class Admission:
         try:
             max_tokens = self.book.engine.add(EngineRequest(job.uid, job.input_ids, job.params,
                                                             outputs if resumed is not None else [],
-                                                            adapter=job.adapter))
+                                                            adapter=job.adapter, cache_salt=job.cache_salt,
+                                                            ttft_due=job.ttft_due))
         except RequestRejected as e:
             log.info("uid=%s rejected by the engine: %s", job.uid, e)
             status = 404 if e.code == "model_not_found" else 400  # a LoRA adapter no longer registered

@@ -226,7 +226,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 
     def load(self) -> dict:
         return {**super().load(), **self.engine_stats, "requests": len(self.book.running), "outbox": len(self.outbox),
-                "prefix_page_size": self.lanes.advertised_page_size}
+                "prefix_page_size": self.lanes.advertised_page_size,
+                "max_running": self.settings.max_running}  # the API's SLO admission (services/api/answer/slo.py)
 
     # -- start, drain, close --------------------------------------------------------------------------
     async def flush(self) -> None:

@@ -222,4 +222,5 @@ class PromptEncoder:
         return ScheduleJob(uid=job.uid, model=job.model, pod=job.pod, created_at=job.created_at,
                            deadline=job.deadline, params=p, input_ids=ids, background=job.background,
                            priority=job.priority, trace=job.trace, adapter=job.adapter, tenant=job.tenant,
-                           weight=job.weight)
+                           weight=job.weight, cache_salt=job.cache_salt, slo_ttft_ms=job.slo_ttft_ms,
+                           slo_tpot_ms=job.slo_tpot_ms)

@@ -7,7 +7,9 @@ jobs to the schedule stream only while that stream's backlog (entries no schedul
 which the schedulers read first come first served: each tenant has a lane (first in, first out), and the
 lanes take turns, a turn releasing as many of its tenant's jobs as its weight (the key's `weight`, 1 by
 default). A tenant that sends its first job while another's flood is held waits for one turn of each tenant
-ahead of it, not for the whole flood (docs/design.md, "Fair queueing").
+ahead of it, not for the whole flood (docs/design.md, "Fair queueing"). Within a lane, a job with a time-to-first-token
+target (an SLO: shared/messages.py RequestJob `ttft_due`) goes before every job of a later deadline or none, earliest
+deadline first; jobs without one keep their order behind those, and a tenant's deadlines never pass another's turn.
 
 The hold in memory is bounded (--fair-max-held); the tokenizer never stops reading because of it. Once it is full,
 a tenant over its share of it (`holds`) has its jobs parked in Redis instead, in a stream of its own, and so does
@@ -18,6 +20,7 @@ excess, in memory or in Redis (services/tokenizer/holding.py).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -95,7 +98,8 @@ class FairQueue(Generic[T]):
     """Lanes of items per tenant, served in weighted turns (module doc). A lane is dropped once empty, and a
     tenant whose lane is new joins at the end of the round."""
 
-    def __init__(self) -> None:
+    def __init__(self, due: Callable[[T], float] = lambda _: math.inf) -> None:
+        self.due = due  # an item's deadline (module doc): earlier first within its lane; infinity keeps it FIFO
         self._lanes: OrderedDict[str, deque[T]] = OrderedDict()  # the round, in turn order: the head's turn now
         self._weights: dict[str, int] = {}
         self._left = 0  # items the head lane may still release in its turn
@@ -104,8 +108,13 @@ class FairQueue(Generic[T]):
         return sum(len(lane) for lane in self._lanes.values())
 
     def push(self, tenant: str, weight: int, item: T) -> None:
-        """Queue `item` at the end of its tenant's lane (the job's latest weight is the lane's)."""
-        self._lanes.setdefault(tenant, deque()).append(item)
+        """Queue `item` in its tenant's lane: after every item due no later than it (the end, for one with no
+        deadline); the job's latest weight is the lane's."""
+        lane = self._lanes.setdefault(tenant, deque())
+        due, at = self.due(item), len(lane)
+        while at and due < self.due(lane[at - 1]):
+            at -= 1
+        lane.insert(at, item)
         self._weights[tenant] = max(1, weight)
 
     def restore(self, tenant: str, weight: int, item: T) -> None:

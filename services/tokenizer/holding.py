@@ -60,7 +60,7 @@ class FairHold:
         self.source, self.model = outbox.source, outbox.model
         self.redis, self.keys = requests.redis, requests.keys
         self.source.lane_key = lambda tenant: self.keys.parked(self.model, tenant)
-        self.queue: FairQueue[Held] = FairQueue()
+        self.queue: FairQueue[Held] = FairQueue(lambda h: h.job.ttft_due)  # earliest TTFT deadline first in a lane
         self.parked: set[str] = set()  # tenants with jobs parked (as last seen in Redis, and those we parked since)
         self.weights: dict[str, int] = {}  # each tenant's latest weight
         self.wake = asyncio.Event()

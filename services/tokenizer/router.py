@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from shared import streams
 from shared.heartbeats import live_workers
 from shared.keys import SCHEDULER_GROUP, Keys
-from shared.pages import extend_digests
+from shared.pages import extend_digests, prefix_root
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,13 @@ log = logging.getLogger(__name__)
 MAX_SCORED_PAGES = 1024
 
 
-def prompt_pages(input_ids: Sequence[int], page_size: int) -> list[str]:
+def prompt_pages(input_ids: Sequence[int], page_size: int, cache_salt: str = "") -> list[str]:
     """Hex digests of the pages of a prompt an engine could read from its cache: its full pages but the one
-    holding its last token (the engine always computes that one: services/scheduler/engine/scheduler.py)."""
+    holding its last token (the engine always computes that one: services/scheduler/engine/scheduler.py), named
+    under the job's cache salt as the engine names them (shared/pages.py `prefix_root`)."""
     digests: list[bytes] = []
-    extend_digests(digests, list(input_ids), page_size, min(MAX_SCORED_PAGES, (len(input_ids) - 1) // page_size))
+    extend_digests(digests, list(input_ids), page_size, min(MAX_SCORED_PAGES, (len(input_ids) - 1) // page_size),
+                   prefix_root(None, cache_salt))
     return [d.hex() for d in digests]
 
 
@@ -178,7 +180,8 @@ class Router:
                 self.candidates[i] = replace(c, adapters=c.adapters | new, free_slots=max(0, c.free_slots - len(new)))
 
     async def _route_prefixes(self, jobs: Sequence[Any]) -> list[str | None]:
-        pages = {ps: [prompt_pages(j.input_ids, ps) for j in jobs] for ps in {c.page_size for c in self.candidates}}
+        pages = {ps: [prompt_pages(j.input_ids, ps, getattr(j, "cache_salt", "")) for j in jobs]
+                 for ps in {c.page_size for c in self.candidates}}
         unique = {ps: list(dict.fromkeys(d for job in per_job for d in job)) for ps, per_job in pages.items()}
         asked = [c for c in self.candidates if unique[c.page_size]]
         if not asked:

@@ -265,6 +265,19 @@ def test_a_short_api_key_is_refused_at_render(render):
         render(sets=["auth.apiKey=sk-short"])
 
 
+@pytest.mark.parametrize(("sets", "workers"), [
+    ([], "1"),  # the default request, 500m: one process
+    (["api.resources.requests.cpu=2500m"], "2"),
+    (["api.resources.requests.cpu=4"], "4"),
+    (["api.resources.requests.cpu=1.5"], "1"),
+    (["api.resources.requests.cpu=4", "api.workers=3"], "3"),
+])
+def test_api_workers_default_to_the_whole_cores_of_the_cpu_request(render, sets, workers):
+    env = config(render(sets=sets))
+    assert env["api.RSINFER_API_WORKERS"] == workers
+    assert ApiSettings(api_workers=env["api.RSINFER_API_WORKERS"]).api_workers == int(workers)
+
+
 def test_termination_grace_must_cover_drain_and_grace(render):
     with pytest.raises(helmbin.RenderError, match="terminationGracePeriodSeconds"):
         render(sets=["api.terminationGracePeriodSeconds=15"])

@@ -8,13 +8,17 @@ it, is run by a peer with exactly the text an undisturbed run gives (greedy), an
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
 import httpx
 import pytest
 
+from rsinfer.launcher import api_ready
+from rsinfer.redis_server import free_port
 from services.tokenizer.router import prompt_pages
+from shared.pages import isolation_salt
 from tests.support.helpers import wait_for, worker_name, workers
 from tests.support.stack import LIFECYCLE_ENV, MODEL, Stack, new_stack
 from tests.support.streaming import Streamer
@@ -106,6 +110,48 @@ def test_requests_sharing_a_prefix_go_to_the_scheduler_that_holds_it(routed):
     # a prompt no scheduler holds goes to the shared stream
     other = complete(s, prefix(99))
     assert "/" not in record(s, other["id"])["entry"]
+
+
+TENANT_KEYS = {t: f"sk-{t}-{'0' * 28}" for t in ("team-a", "team-b", "team-c", "team-d")}
+
+
+@pytest.mark.parametrize("routed", ["fifo"], indirect=True)
+def test_tenants_never_read_each_others_cached_prefix_unless_their_policies_share_a_salt(routed, tmp_path):
+    """Issue 35, item 3: an API process with keys (team-c and team-d name one `cache_salt`); one long prefix sent by
+    each tenant in turn. Each first request of a scope reports cached_tokens 0, a repeat in its scope > 0 on the
+    scheduler routing chose for it (routing names the pages as the engine does: salted)."""
+    s, p = routed, prefix(50)
+    entries = [{"key": k, "tenant": t, **({"cache_salt": "docs"} if t in ("team-c", "team-d") else {})}
+               for t, k in TENANT_KEYS.items()]
+    (tmp_path / "keys.json").write_text(json.dumps(entries))
+    port = free_port()
+    s.start("api-keyed", "api", **ENV, RSINFER_PORT=str(port), RSINFER_API_KEYS_FILE=str(tmp_path / "keys.json"))
+    base = f"http://127.0.0.1:{port}"
+
+    def cached(tenant: str, tail: int, salt: str | None = None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        resp = httpx.post(f"{base}/v1/completions", json=body([*p, tail, tail + 1], **extra), timeout=60,
+                          headers={"Authorization": f"Bearer {TENANT_KEYS[tenant]}"})
+        assert resp.status_code == 200, resp.text
+        holder = record(s, resp.json()["id"])["scheduler"]
+        scope = isolation_salt("salt:docs" if tenant in ("team-c", "team-d") else f"tenant:{tenant}", salt)
+        pages = set(prompt_pages(p, PAGE, scope))  # published before the next request routes
+        wait_for(lambda: pages <= s.redis().smembers(s.keys.cached_pages(MODEL, holder)), timeout=10)
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        s.wait_until(lambda: api_ready(base), 60, "api with keys")
+        assert complete(s, [*p, 1, 2])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # open mode's scope
+        assert cached("team-a", 10) == 0
+        assert cached("team-a", 20) >= len(p) - PAGE, "A's repeat reads A's pages"
+        assert cached("team-b", 30) == 0, "B's first request reads none of A's pages"
+        assert cached("team-c", 40) == 0
+        assert cached("team-d", 50) >= len(p) - PAGE, "D's policy names C's salt: they share"
+        assert cached("team-a", 60, salt="user-1") == 0, "a cache_salt of its own within A's scope"
+        assert cached("team-a", 70, salt="user-1") >= len(p) - PAGE
+        assert cached("team-a", 80, salt="user-2") == 0
+    finally:
+        s.kill("api-keyed")
 
 
 # A scheduler's death is the same to both tokenizers (they differ in when they route, which the test above checks):

@@ -185,3 +185,22 @@ def test_transformers_serve_is_asked_for_answers_that_no_eos_ends():
     config = json.loads(harness.TRANSFORMERS_BODY["generation_config"])
     assert config["do_sample"] is False and all(t < 0 for t in config["eos_token_id"])
     assert run_all.TRANSFORMERS_BODY is harness.TRANSFORMERS_BODY is guidellm_sweep.TRANSFORMERS_BODY
+
+
+def test_the_slo_section_counts_probes_by_outcome_and_renders_a_row_per_scenario():
+    from bench import slo_goodput
+
+    got = [{"status": 200, "code": None, "ttft_s": 0.4, "took_s": 0.6},
+           {"status": 200, "code": None, "ttft_s": 2.5, "took_s": 2.7},
+           {"status": 503, "code": "slo_unattainable", "ttft_s": None, "took_s": 0.02},
+           {"status": 200, "code": "slo_missed", "ttft_s": None, "took_s": 1.8}]
+    metrics = 'rsinfer_slo_requests_total{model="m",outcome="met"} 1.0\n' \
+              'rsinfer_slo_requests_total{model="m",outcome="refused"} 1.0\n'
+    f = slo_goodput.figures(got, 2.0, metrics)
+    assert (f["met"], f["late"], f["refused"], f["ended_missed"]) == (1, 1, 1, 1)
+    assert f["goodput_per_s"] == 0.5 and f["refusal_p50_ms"] == 20 and f["ttft_max_ms"] == 2500
+    assert f["counters"] == {"met": 1.0, "missed": 0.0, "refused": 1.0}
+    lines = report_rates.slo_section({"step_ms": 50, "max_running": 8, "flood": 40, "flood_tokens": 30, "probes": 4,
+                                      "probe_every_s": 0.3, "ttft_ms": 1500, "scenarios": {"fifo": f}})
+    assert lines[-1].startswith("| fifo | 1/4 | 1 | 1 (20 ms) | 1 |")
+    assert report_rates.slo_section({}) == []

@@ -129,6 +129,19 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- $api.terminationGracePeriodSeconds | default (add (int $api.drainSeconds) (int (default 20 $api.settings.grace_period_s)) 10) | int | toString }}
 {{- end }}
 
+{{/* API processes per pod (--api-workers): api.workers, else the whole cores of the API's CPU request (1 at least,
+64 at most). */}}
+{{- define "rsinfer.apiWorkers" -}}
+{{- $api := .Values.api }}
+{{- if $api.workers }}
+{{- int $api.workers | toString }}
+{{- else }}
+{{- $cpu := toString (dig "requests" "cpu" "1" ($api.resources | default dict)) }}
+{{- $cores := hasSuffix "m" $cpu | ternary (div (int (trimSuffix "m" $cpu)) 1000) (int (floor (float64 $cpu))) }}
+{{- min 64 (max 1 $cores) | toString }}
+{{- end }}
+{{- end }}
+
 {{/* ---------- settings: values -> ConfigMap keys -> env ---------- */}}
 
 {{/* One settings value as the string pydantic parses: whole floats without an exponent. */}}
@@ -180,6 +193,7 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- if not (hasKey .Values.api.settings "drain_timeout_s") }}
 {{- $_ := set $api "RSINFER_DRAIN_TIMEOUT_S" (include "rsinfer.apiTerminationGrace" .) }}
 {{- end }}
+{{- $_ := set $api "RSINFER_API_WORKERS" (include "rsinfer.apiWorkers" .) }}
 {{- /* the API takes requests for every pool's model even while its stages are scaled to zero */}}
 {{- $served := list }}
 {{- range .Values.modelPools }}

@@ -6,7 +6,8 @@
 3. the base model and LoRA adapter its `model` names (services/api/answer/adapter_target.py; 400, 404), the
    adapter allowed by the key's `models` under its own name (a 403);
 4. room for it (`room`): not draining (503), Redis up (503), a known model (404), its fan-out within the limits
-   and its jobs within --max-queued (400);
+   and its jobs within --max-queued (400); with a time-to-first-token target, time to start within it (a 503:
+   services/api/answer/slo.py);
 5. its uids, minted here in the slots of the reply hub's shards that will read its replies
    (services/api/answer/reply_hub.py `new_uid`), then the jobs, the format and the record the body builds with them;
 6. its jobs counted in the model's queue (`enter`, shared/queued.py: a 429 past the tenant's share of
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request as HttpRequest
@@ -34,11 +35,13 @@ from services.api.answer.adapter_target import AdapterTargets
 from services.api.answer.limits import jobs_fit_context, omitted_max_tokens
 from services.api.answer.request.requests import Admitted
 from services.api.answer.schemas.submission import Budget, Stamp, Submission
+from services.api.answer.slo import Slo, SloGate, requested_slo
 from services.api.errors import ApiError, redis_down
 from services.api.multitenancy.tenants import Tenant
 from services.api.operations.registry import Snapshot
 from shared import queued
 from shared.messages import SamplingParams, TokenizeJob
+from shared.pages import isolation_salt
 
 if TYPE_CHECKING:
     from services.api.answer.collaborators import ApiContext
@@ -68,19 +71,25 @@ class Admission:
     def __init__(self, ctx: ApiContext):
         self.ctx, self.targets = ctx, AdapterTargets(ctx)
         self.settings, self.limits, self.stages, self.tenancy = ctx.settings, ctx.limits, ctx.stages, ctx.tenancy
+        self.slos = SloGate(ctx.redis, ctx.keys, ctx.metrics, ctx.settings.slo_tolerance_ms / 1000, ctx.tenancy.on)
 
     async def admit_from(self, http: HttpRequest, body: Body) -> Admitted:
         """`admit` for the tenant of the HTTP request's key (services/api/edge/app.py `Guard`)."""
-        return await self.admit(body, self.tenancy.tenant_of(http))
+        return await self.admit(body, self.tenancy.tenant_of(http), headers=http.headers)
 
-    async def admit(self, body: Body, tenant: Tenant, new_uid: Callable[[], str] | None = None) -> Admitted:
-        """`new_uid`: where the jobs' uids come from, if not the reply hub (a batch line's are its own)."""
+    async def admit(self, body: Body, tenant: Tenant, new_uid: Callable[[], str] | None = None,
+                    headers: Mapping[str, str] | None = None) -> Admitted:
+        """`new_uid`: where the jobs' uids come from, if not the reply hub (a batch line's are its own); `headers`:
+        the HTTP request's, for its SLO headers (services/api/answer/slo.py)."""
         params = body.checked(self.limits)
+        slo = requested_slo(headers, getattr(body, "slo", None))
         model, adapter = await self.target(tenant, body.model, body.lora_path, priority=sent_priority(body),
                                            background=getattr(body, "background", None))
         budget = body.budget(params)
         await self.room(model, budget)
-        stamp = self.stamp(model, adapter, budget.prompts, new_uid)
+        await self.slos.check(self.stages.snapshot, model, tenant.name, slo)
+        salt = isolation_salt(tenant.cache_scope, getattr(body, "cache_salt", None))
+        stamp = self.stamp(model, adapter, budget.prompts, new_uid, cache_salt=salt, slo=slo)
         submission = body.submission(params, stamp)
         jobs_fit_context(submission.jobs, stamp.model_info, budget.prompts_param)
         return await self.leased(submission, tenant)
@@ -132,14 +141,14 @@ class Admission:
         omitted = omitted_max_tokens(info.get("default_max_tokens"), info.get("max_model_len"))
         return sum(j.params.n * (j.params.max_tokens if j.params.max_tokens is not None else omitted) for j in jobs)
 
-    def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None
-              ) -> Stamp:
+    def stamp(self, model: str, adapter: str | None, prompts: int, new_uid: Callable[[], str] | None = None, *,
+              cache_salt: str = "", slo: Slo | None = None) -> Stamp:
         """What this process adds to the jobs of a request of `prompts` prompts for `model`, their uids minted
-        now (one per prompt)."""
+        now (one per prompt), with their prefix-cache salt and latency targets."""
         mint = new_uid or self.ctx.hub.new_uid
         uids = iter([mint() for _ in range(prompts)])
         return Stamp(model, self.ctx.pod, self.settings.request_timeout_s, uids.__next__,
-                     self.stages.snapshot.model_info(model), adapter)
+                     self.stages.snapshot.model_info(model), adapter, cache_salt, slo)
 
     def only_model(self) -> str:
         models = self.stages.snapshot.known()

@@ -34,10 +34,19 @@ log = logging.getLogger(__name__)
 MAX_LINE = 4096
 
 
-def admin_socket_path(explicit: str, port: int) -> Path:
-    if explicit:
-        return Path(explicit)
-    return Path(tempfile.gettempdir()) / f"rsinfer-api-{port}" / "control.sock"
+def admin_socket_path(explicit: str, port: int, worker: int | None = None) -> Path:
+    """The control socket of the API process on `port`; of its worker `worker` where `--api-workers` runs several
+    (`control-<worker>.sock`, beside where the one process's would be)."""
+    path = Path(explicit) if explicit else Path(tempfile.gettempdir()) / f"rsinfer-api-{port}" / "control.sock"
+    return path if worker is None else path.with_name(f"{path.stem}-{worker}{path.suffix}")
+
+
+def control_sockets(explicit: str, port: int) -> list[Path]:
+    """Every control socket of the API on `port` there is (its one process's, or each of its workers'); the one
+    process's path when there is none, for the error to name."""
+    path = admin_socket_path(explicit, port)
+    found = [p for p in [path, *sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))] if p.is_socket()]
+    return found or [path]
 
 
 def _private_dir(path: Path) -> None:

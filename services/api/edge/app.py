@@ -7,6 +7,7 @@ answers it."""
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -112,11 +113,12 @@ class Guard:
         return None
 
 
-def create_app(settings: ApiSettings) -> Guard:
+def create_app(settings: ApiSettings, worker: int | None = None) -> Guard:
+    """`worker`: which of `--api-workers`' processes this is (rsinfer/api_workers.py), None where it is the one."""
     svc = ApiService(settings)
     ctx = svc.ctx
-    control = AdminSocket(ctx, admin_socket_path(settings.admin_socket, settings.port), settings.drain_timeout_s,
-                          own_dir=not settings.admin_socket)
+    control = AdminSocket(ctx, admin_socket_path(settings.admin_socket, settings.port, worker),
+                          settings.drain_timeout_s, own_dir=not settings.admin_socket)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -138,7 +140,7 @@ def create_app(settings: ApiSettings) -> Guard:
     app.state.service = svc
     errors.install(app)
     adapters = Adapters(ctx)  # LoRA: load and unload, the adapters' cards (services/api/lora_api/adapters.py)
-    ctx.metrics.registry.register(LoraCollector(ctx.stages))
+    ctx.metrics.add_collector(LoraCollector(ctx.stages))
     routes.add_adapter_routes(app, ctx, adapters)
     routes.add_generation_routes(app, svc)
     routes.add_tokenizer_routes(app, ctx, svc.admission)
@@ -151,5 +153,5 @@ def create_app(settings: ApiSettings) -> Guard:
     routes.add_batch_routes(app, ctx, files, batches)
     routes.add_model_routes(app, ctx, adapters)
     routes.add_request_routes(app, svc)
-    routes.add_probe_routes(app, ctx)
+    routes.add_probe_routes(app, ctx, {} if worker is None else {"worker": worker, "group": os.getppid()})
     return Guard(app, settings)

@@ -18,7 +18,7 @@ import asyncio
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from services.api.errors import ApiError
+from services.api.errors import ApiError, anthropic_path
 from shared.settings import ApiSettings
 
 
@@ -123,7 +123,7 @@ def overloaded(limit: int):
                      code="overloaded", retry_after=1, close=True)
 
     async def app(scope, receive, send) -> None:
-        await error.response()(scope, receive, send)
+        await error.response(anthropic_path(scope.get("path", "")))(scope, receive, send)
 
     return app
 

@@ -230,14 +230,15 @@ def add_request_routes(app: FastAPI, svc: ApiService) -> None:
         return await svc.reattach(request, uid, record, request.headers.get("last-event-id"), fmt)
 
 
-def add_probe_routes(app: FastAPI, ctx: ApiContext) -> None:
+def add_probe_routes(app: FastAPI, ctx: ApiContext, worker: dict | None = None) -> None:
     """What needs no key (services/api/edge/app.py OPEN_PATHS): liveness, readiness, metrics (with keys configured,
     its series labelled with tenants' names only for an admin key)."""
 
     @app.get("/health")
     async def health():
-        """`pid`: which process answers (`rsinfer up` waits for its own API, not another server on the port)."""
-        return {"status": "ok", "pid": os.getpid()}
+        """`pid`: which process answers (`rsinfer up` waits for its own API, not another server on the port); one
+        of `--api-workers`' adds `worker` (its index) and `group` (its supervisor's pid)."""
+        return {"status": "ok", "pid": os.getpid(), **(worker or {})}
 
     @app.get("/ready")
     async def ready():

@@ -22,7 +22,7 @@ import orjson
 from pydantic import BaseModel, Field, model_validator
 
 from services.api.answer.schemas.field_checks import FORBID, BadRequest, one_of, refuse_unless
-from services.api.answer.schemas.sampling_fields import MAX_STOP
+from services.api.answer.schemas.sampling_fields import MAX_STOP, CacheSalt, SloTargets
 from services.api.answer.schemas.submission import Budget, FieldLimits, Stamp, Submission, submission
 from services.api.errors import ApiError
 from services.api.messages_api.message_format import MessageFormat
@@ -191,6 +191,9 @@ class MessagesRequest(MessagesInput):
     top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None
+    # rsinfer's on every generating endpoint: vLLM's prefix-cache salt, and latency targets (as x-slo-* headers)
+    cache_salt: CacheSalt | None = None
+    slo: SloTargets | None = None
 
     @model_validator(mode="after")
     def _sampling(self) -> MessagesRequest:

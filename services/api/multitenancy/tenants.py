@@ -15,6 +15,8 @@ The file is YAML or JSON: a list of entries (or `{"keys": [...]}`), each
     priority: [0, 10]                # the `priority` range it may ask for; omitted: any
     background: false                # may send `background: true`
     weight: 1                        # its share of the tokenizers' releases under fair queueing (1 to 1000)
+    cache_salt: shared-docs          # prefix-cache scope: tenants naming the same one share cached prefixes;
+                                     #   omitted: the tenant's own (its name), shared with no other tenant
 
 Keys are held only as HMAC-SHA256 digests under a secret of this process, and a presented key is compared with
 every one in constant time. A `key_hash` entry (PBKDF2-HMAC-SHA256 with its own salt, Django's format) is checked
@@ -58,9 +60,10 @@ PBKDF2 = "pbkdf2_sha256"
 PBKDF2_ITERATIONS = (100_000, 5_000_000)  # what a `key_hash` may ask: slow enough to guess, bounded per request
 MAX_DERIVING = 8  # presented keys waiting for a `key_hash` check at once; past it a 503 (module doc)
 FIELDS = {*KEY_FORMS, "tenant", "admin", "models", "max_concurrent", "requests_per_minute",
-          "tokens_per_minute", "priority", "background", "weight"}
+          "tokens_per_minute", "priority", "background", "weight", "cache_salt"}
 LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
 MAX_WEIGHT = 1000
+MAX_CACHE_SALT = 256  # a policy's and a request's `cache_salt`, in characters
 LEGACY_TENANT = "default"  # the tenant of --api-key (one admin key, no limits)
 
 
@@ -127,6 +130,7 @@ class Policy:
     priority: tuple[int, int] | None = None
     background: bool = False
     weight: int = 1  # fair queueing: jobs released per turn (services/tokenizer/fair.py)
+    cache_salt: str | None = None  # a prefix-cache scope shared with the tenants naming it (None: its own)
 
     @property
     def limited(self) -> bool:
@@ -143,6 +147,13 @@ class Tenant:
     @property
     def admin(self) -> bool:
         return self.policy.admin
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose prefix-cache pages its requests may read (shared/pages.py `isolation_salt`): its policy's shared
+        salt, else its own name ("" in open mode: one scope for all)."""
+        salt = self.policy.cache_salt
+        return f"salt:{salt}" if salt is not None else (f"tenant:{self.name}" if self.name else "")
 
 
 UNLIMITED = Policy(admin=True, background=True)
@@ -216,6 +227,13 @@ def _weight(entry: dict, where: str) -> int:
     return value
 
 
+def _cache_salt(entry: dict, where: str) -> str | None:
+    value = entry.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and 1 <= len(value) <= MAX_CACHE_SALT):
+        raise KeyFileError(f"{where}.cache_salt: a string of 1 to {MAX_CACHE_SALT} characters, or omitted")
+    return value
+
+
 def _flag(entry: dict, name: str, where: str) -> bool:
     value = entry.get(name, False)
     if not isinstance(value, bool):
@@ -238,7 +256,8 @@ def parse_entry(entry: Any, where: str) -> tuple[str | SaltedHash, Tenant]:
                            "name")
     policy = Policy(admin=_flag(entry, "admin", where), models=_models(entry, where),
                     priority=_priority(entry, where), background=_flag(entry, "background", where),
-                    weight=_weight(entry, where), **{limit: _limit(entry, limit, where) for limit in LIMITS})
+                    weight=_weight(entry, where), cache_salt=_cache_salt(entry, where),
+                    **{limit: _limit(entry, limit, where) for limit in LIMITS})
     return _secret_of(entry, where), Tenant(name, policy)
 
 

@@ -25,6 +25,7 @@ from services.api.answer.schemas.field_checks import (
     one_of,
     refuse_unless,
 )
+from services.api.answer.schemas.sampling_fields import CacheSalt, SloTargets
 from services.api.answer.schemas.submission import Budget, Stamp, Submission, submission
 from shared.messages import ChatMessage, SamplingParams, ToolChoice
 
@@ -137,6 +138,8 @@ class ResponseRequest(BaseModel):
     stream: bool | None = False
     truncation: Literal["disabled"] | None = None
     service_tier: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: prefix-cache pages shared only with the same salt (and tenant)
+    slo: SloTargets | None = None  # latency targets (services/api/answer/slo.py)
 
     @model_validator(mode="after")
     def _consistent(self) -> ResponseRequest:

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from services.api.answer.collaborators import ApiContext
 from services.api.answer.limits import fits_context
 from services.api.answer.request.early_end import EndedEarly
 from services.api.answer.schemas.field_checks import BadRequest
+from services.api.answer.schemas.sampling_fields import SloTargets
 from services.api.answer.schemas.submission import Stamp, Submission
 from services.api.answer.service import ApiService
 from services.api.errors import ApiError
@@ -113,6 +114,14 @@ class ResponseBody:
     def background(self) -> bool | None:
         return self.request.background
 
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def slo(self) -> SloTargets | None:
+        return self.request.slo
+
     def checked(self, limits) -> SamplingParams:
         return self.request.checked(limits, len(self.history.items) + len(self.items))
 
@@ -156,7 +165,7 @@ class Responses:
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
         tenant = self.ctx.tenancy.tenant_of(http)
-        admitted, fmt = await self.prepare(body, tenant)
+        admitted, fmt = await self.prepare(body, tenant, headers=http.headers)
         http.scope[errors.UID] = admitted.uid
         background = bool(body.background and not body.stream)
         answer = None
@@ -170,14 +179,14 @@ class Responses:
             await fmt.on_end(answer)
         return answer
 
-    async def prepare(self, body: ResponseRequest, tenant: Tenant, new_uid: Callable[[], str] | None = None
-                      ) -> tuple[Admitted, ResponseFormat]:
+    async def prepare(self, body: ResponseRequest, tenant: Tenant, new_uid: Callable[[], str] | None = None,
+                      headers: Mapping[str, str] | None = None) -> tuple[Admitted, ResponseFormat]:
         """What a body submits, once admitted for `tenant` (services/api/answer/admission.py, as a chat request) and its
         stored response (with `store`) counted against the tenant's bounds: it is written when the request is
         opened; `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
         history = await self.conversation(body.previous_response_id, tenant)
         prepared = ResponseBody(body, tenant, history, body.input_items(), self.store)
-        admitted = await self.service.admission.admit(prepared, tenant, new_uid)
+        admitted = await self.service.admission.admit(prepared, tenant, new_uid, headers)
         fmt = admitted.submission.fmt
         assert isinstance(fmt, ResponseFormat)
         if prepared.stored:

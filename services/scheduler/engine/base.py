@@ -47,6 +47,8 @@ class EngineRequest:
     output_ids: list[list[int]] = field(default_factory=list)
     priority: int = 0  # admission order among waiting requests: lower first (as vLLM), then arrival
     adapter: str | None = None  # the LoRA adapter the request runs with (its name); None: the base model
+    cache_salt: str = ""  # its prefix-cache pages are shared only with requests of the same salt (shared/pages.py)
+    ttft_due: float = float("inf")  # when its first token is due (its TTFT SLO): earlier first among equal priorities
 
 
 @dataclass

@@ -95,9 +95,10 @@ class BatchScheduler:
         return seq.to_compute if seq.to_compute <= budget or first_prefill else 0
 
     def next_waiting(self) -> Seq | None:
-        """The waiting sequence to admit next: lowest priority value first, then queue order (a preempted
-        sequence is at the front); one whose grammar is still compiling is passed over."""
-        return min((s for s in self.waiting if s.ready), key=lambda s: s.req.priority, default=None)
+        """The waiting sequence to admit next: lowest priority value first, then the earliest TTFT deadline (an
+        SLO; none is last), then queue order (a preempted sequence is at the front); one whose grammar is still
+        compiling is passed over."""
+        return min((s for s in self.waiting if s.ready), key=lambda s: (s.req.priority, s.req.ttft_due), default=None)
 
     def _admit(self, budget: int, batch: list[Scheduled]) -> None:
         while budget > 0 and len(self.running) < self.max_running:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.scheduler.engine.base import EngineRequest
-from shared.pages import adapter_root
+from shared.pages import prefix_root
 
 if TYPE_CHECKING:
     from services.scheduler.engine.grammar import SeqGrammar
@@ -43,7 +43,7 @@ class Seq:
     ended: bool = False  # finished, aborted or failed: results still in flight for it are dropped
     host_bound: bool = False  # its sampling reads its tokens on the host (grammar, penalties); set below
     # LoRA (lora.py): the slot of its adapter once bound to it (0: unbound, or the base model), and the first
-    # page's parent digest, so its prefix-cache pages are its adapter's alone.
+    # page's parent digest, so its prefix-cache pages are its adapter's and its cache salt's alone.
     adapter_slot: int = 0
     digest_root: bytes = b""
     # A prefill-only embedding (pooling.py): its pooled final hidden state so far on the device (mean pooling:
@@ -55,8 +55,8 @@ class Seq:
 
     def __post_init__(self) -> None:
         self.uid = self.req.uid
-        if self.req.adapter is not None:
-            self.digest_root = adapter_root(self.req.adapter)
+        if self.req.adapter is not None or self.req.cache_salt:
+            self.digest_root = prefix_root(self.req.adapter, self.req.cache_salt)
         p = self.req.params
         self.pooling = p.pooling
         self.host_bound = p.guided is not None or (

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.api.edge.admin import AdminSocket, admin_socket_path, call
+from services.api.edge.admin import AdminSocket, admin_socket_path, call, control_sockets
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -43,3 +43,18 @@ async def test_a_dead_predecessors_socket_is_replaced_and_a_named_directory_kept
 
 def test_the_default_path_is_per_port():
     assert admin_socket_path("", 8001).parent.name == "rsinfer-api-8001"
+
+
+async def test_each_api_worker_has_its_own_socket_and_a_drain_finds_them_all(tmp_path: Path):
+    base = tmp_path / "api.sock"
+    assert control_sockets(str(base), 8000) == [base]  # none yet: the one process's, for the error to name
+    paths = [admin_socket_path(str(base), 8000, worker) for worker in (0, 1)]
+    assert [p.name for p in paths] == ["api-0.sock", "api-1.sock"]
+    assert admin_socket_path("", 8000, 1) == admin_socket_path("", 8000).with_name("control-1.sock")
+    sockets = [AdminSocket(_service(), p, 60.0) for p in paths]
+    for s in sockets:
+        await s.start()
+    (tmp_path / "api-x.sock").touch()  # not a socket: nobody to drain
+    assert control_sockets(str(base), 8000) == paths
+    for s in sockets:
+        await s.close()

@@ -31,3 +31,25 @@ def test_errors_answered_by_the_protocol_say_so_too():
     assert "x-should-retry: false" in head and head.count("connection: close") == 1
     assert "x-should-retry" not in raw_response(ApiError(408, "slow head")).decode().lower()
     assert "retry-after: 1" in raw_response(ApiError(503, "busy", retry_after=1)).decode().lower()
+
+
+async def test_a_pool_run_dry_is_overload_not_an_unreachable_broker(redis_server):
+    """A BlockingConnectionPool whose connections are all held answers its waiters ConnectionError("No connection
+    available.") after its timeout: that is this process overloaded (503 overloaded), not Redis unreachable."""
+    from redis.asyncio import BlockingConnectionPool
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError
+
+    from services.api.errors import broker_error
+
+    pool = BlockingConnectionPool.from_url(redis_server.url, max_connections=1, timeout=0.05)
+    held = await pool.get_connection()
+    try:
+        with pytest.raises(RedisConnectionError) as dry:
+            await pool.get_connection()
+    finally:
+        await pool.release(held)
+        await pool.disconnect()
+    assert broker_error(dry.value).code == "overloaded"
+    assert broker_error(RedisConnectionError("Error 111 connecting")).code == "broker_unavailable"
+    assert broker_error(OutOfMemoryError("OOM")).code == "broker_full"

@@ -79,6 +79,13 @@ def test_a_conversation_with_tools_becomes_the_chat_request_it_stands_for():
     assert req.template_kwargs() == {"enable_thinking": False}
 
 
+def test_the_fields_of_every_generating_endpoint_are_taken():
+    """cache_salt and slo, as on chat (services/api/answer/admission.py reads them off the body)."""
+    req = MessagesRequest.model_validate(body(cache_salt="team-x", slo={"ttft_ms": 500}))
+    assert req.cache_salt == "team-x" and req.slo is not None and req.slo.ttft_ms == 500
+    assert "cache_salt" in refusal(body(cache_salt="")).named_message()
+
+
 @pytest.mark.parametrize(("choice", "expected"), [
     (None, ToolChoice("auto")), ({"type": "auto"}, ToolChoice("auto")), ({"type": "any"}, ToolChoice("required")),
     ({"type": "none"}, ToolChoice("none")), ({"type": "any", "disable_parallel_tool_use": True},

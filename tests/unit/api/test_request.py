@@ -169,6 +169,38 @@ async def test_a_request_past_its_deadline_ends_with_a_504():
     assert (info.value.status, info.value.code, req.end_reason) == (504, "request_timeout", "timeout")
 
 
+def slo_reader(sub, ttft_ms: int) -> SingleRequest:
+    """A request with a TTFT target of `ttft_ms` (services/api/answer/slo.py), no tolerance."""
+    ctx = shared()
+    ctx.settings = types.SimpleNamespace(slo_tolerance_ms=0.0)
+    shared.sub = sub
+    return SingleRequest(ctx, RequestInfo("u", "m", 1, time.time() + 60, slo_ttft_ms=ttft_ms,  # type: ignore[arg-type]
+                                          created_at=time.time()))
+
+
+@pytest.mark.timeout(10)
+async def test_no_first_reply_by_its_ttft_target_ends_it_with_a_503_not_served_late():
+    req = slo_reader(QueueSub(), ttft_ms=50)
+    replies = req.replies(idle_s=5)
+    with pytest.raises(EndedEarly) as info:
+        await anext(replies)
+    assert (info.value.status, info.value.code, req.end_reason) == (503, "slo_missed", "slo_missed")
+    assert info.value.retry_after is not None
+
+
+@pytest.mark.timeout(10)
+async def test_once_its_first_reply_came_a_request_runs_past_its_ttft_target():
+    sub = QueueSub()
+    req = slo_reader(sub, ttft_ms=100)
+    replies = req.replies(idle_s=0.05)
+    sub.queue.put_nowait(("1-0", encode(ev(0, 1))))
+    assert len(await anext(replies)) == 1
+    for _ in range(4):  # 0.2 s idle: past the target, and still open
+        assert await anext(replies) == []
+    sub.queue.put_nowait(("2-0", encode(ev(1, 2, finish="stop"))))
+    assert len(await anext(replies)) == 1 and req.done
+
+
 @pytest.mark.timeout(10)
 async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a_fence_ends_and_say_when_idle():
     """What `replies(idle_s)` yields of each read: an empty batch when nothing came for `idle_s`, the events in

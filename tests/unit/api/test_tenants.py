@@ -98,6 +98,8 @@ def test_json_is_read_too_and_two_keys_of_one_tenant_agree():
     ("- {key: {LONG}, tenant: a, weight: 0}", "keys[0].weight"),
     ("- {key: {LONG}, tenant: a, weight: 1001}", "keys[0].weight"),
     ("- {key: {LONG}, tenant: a, weight: 1.5}", "keys[0].weight"),
+    ("- {key: {LONG}, tenant: a, cache_salt: ''}", "keys[0].cache_salt"),
+    ("- {key: {LONG}, tenant: a, cache_salt: 7}", "keys[0].cache_salt"),
     ("{key: {LONG}}", "a list of key entries"),
     ("- [unclosed", "not YAML or JSON"),
 ])
@@ -275,3 +277,13 @@ def test_the_file_changes_are_seen_by_inode_too(tmp_path):
     os.replace(tmp, link)
     ring.checked_at -= 2
     assert ring.tenant(B_KEY).name == "team-a" and ring.tenant(A_KEY) is None
+
+
+def test_a_policy_may_share_its_prefix_cache_scope_and_a_tenant_has_its_own_by_default():
+    table = parse_keys(json.dumps([{"key": A_KEY, "tenant": "a", "cache_salt": "docs"},
+                                   {"key": B_KEY, "tenant": "b", "cache_salt": "docs"},
+                                   {"key": C_KEY, "tenant": "docs"}, {"key": ADMIN_KEY, "tenant": "ops"}]))
+    scopes = {t.name: t.cache_scope for t in table.digests.values()}
+    assert scopes["a"] == scopes["b"] == "salt:docs"
+    assert scopes["docs"] == "tenant:docs" and scopes["ops"] == "tenant:ops", "a salt never names a tenant's own scope"
+    assert OPEN.cache_scope == ""

@@ -28,7 +28,7 @@ def test_an_entry_written_before_decodes_and_encodes_to_the_same_json(raw, typ):
 def test_what_both_jobs_carry_is_declared_once():
     shared = set(RequestJob.__struct_fields__)
     assert {"uid", "model", "pod", "created_at", "deadline", "params", "background", "priority", "trace",
-            "adapter", "tenant", "weight", "v"} == shared
+            "adapter", "tenant", "weight", "cache_salt", "slo_ttft_ms", "slo_tpot_ms", "v"} == shared
     for typ in (TokenizeJob, ScheduleJob):
         assert shared <= set(typ.__struct_fields__) and not shared & set(typ.__annotations__)
     assert RequestJob.__struct_config__.tag is None  # not a message of its own

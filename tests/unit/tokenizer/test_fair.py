@@ -116,3 +116,15 @@ def test_parked_jobs_come_back_into_the_emptiest_lanes_first_within_the_cap():
     assert refills({"a": 6}, ["a", "b", "c"], targets, max_held=10) == {"b": 4}  # b, then c: no room left
     assert refills({"x": 9}, ["b", "c"], targets, max_held=10) == {"b": 1}
     assert refills({"x": 12}, ["b"], targets, max_held=10) == {}
+
+
+def test_within_a_lane_deadlines_go_first_earliest_first_and_others_keep_their_order():
+    due = {"a-late": 9.0, "a-soon": 2.0, "a-soon2": 2.0, "b-soon": 1.0}
+    q: FairQueue[str] = FairQueue(lambda item: due.get(item, float("inf")))
+    for item in ("a0", "a1", "a-late", "a2", "a-soon", "a-soon2"):
+        q.push("a", 1, item)
+    for item in ("b0", "b-soon"):
+        q.push("b", 1, item)
+    # a's lane: its deadlines first (earliest first, ties in arrival order), then the rest FIFO; b's turn still
+    # comes after one of a's: a deadline is earlier only within its own tenant's lane
+    assert q.take(8) == ["a-soon", "b-soon", "a-soon2", "b0", "a-late", "a0", "a1", "a2"]

@@ -39,10 +39,14 @@ class RequestInfo:
     n: int  # choices
     deadline: float  # unix s
     background: bool = False  # outlives its client
+    slo_ttft_ms: int = 0  # its latency targets (services/api/answer/slo.py), enforced by the process that submits it
+    slo_tpot_ms: int = 0
+    created_at: float = 0.0  # unix s
 
     @classmethod
     def of_job(cls, job: TokenizeJob) -> RequestInfo:
-        return cls(job.uid, job.model, job.params.n, job.deadline, job.background)
+        return cls(job.uid, job.model, job.params.n, job.deadline, job.background, job.slo_ttft_ms, job.slo_tpot_ms,
+                   job.created_at)
 
     @classmethod
     def of_record(cls, uid: str, record: dict, timeout_s: float) -> RequestInfo:

@@ -30,7 +30,11 @@ class DeadlineExceeded(Exception):
     pass
 
 
-def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
+class SloMissed(Exception):
+    """No first token by the request's time-to-first-token target and the tolerance (services/api/answer/slo.py)."""
+
+
+def ended_early(e: StageFailed | DeadlineExceeded | SloMissed | HubError) -> EndedEarly:
     if isinstance(e, StageFailed):
         # A stage's deadline error is the same end as our own deadline; other errors the stage already ended.
         err = e.error
@@ -40,4 +44,9 @@ def ended_early(e: StageFailed | DeadlineExceeded | HubError) -> EndedEarly:
     if isinstance(e, DeadlineExceeded):
         return EndedEarly(EndReason.TIMEOUT, ApiError(504, "the request did not finish before its deadline",
                                                       code="request_timeout"))
+    if isinstance(e, SloMissed):
+        return EndedEarly(EndReason.SLO_MISSED, ApiError(
+            503, "the request got no first token within its time-to-first-token target (and --slo-tolerance-ms) and "
+            "was ended rather than served late; retry later or with a longer target", code="slo_missed",
+            retry_after=1))
     return EndedEarly(EndReason.BROKER_UNAVAILABLE, redis_down())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -26,7 +27,8 @@ from redis.exceptions import RedisError
 from services.api.answer.reply_hub import HubError, Inbox
 from services.api.answer.request.api_request import Batch, RequestInfo, Writes, bare_uid
 from services.api.answer.request.context import RequestContext
-from services.api.answer.request.early_end import DeadlineExceeded, StageFailed, ended_early
+from services.api.answer.request.early_end import DeadlineExceeded, SloMissed, StageFailed, ended_early
+from services.api.answer.slo import slo_met
 from services.api.errors import ApiError
 from shared import streams
 from shared.messages import Reply, ReplyCheckpoint, ReplyError, ReplyEvent, ReplyFence, TokenizeJob, decode
@@ -61,6 +63,11 @@ class SingleRequest:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.times_first_token = True  # a group's members leave it to the group
+        # Its TTFT target (services/api/answer/slo.py): no reply by then (unix s) ends it (`SloMissed`), not served
+        # late; infinite without a target, and once its first reply came.
+        self.slo = (info.slo_ttft_ms, info.slo_tpot_ms)
+        self.slo_due = (info.created_at + info.slo_ttft_ms / 1000 + ctx.settings.slo_tolerance_ms / 1000
+                        if info.slo_ttft_ms else math.inf)
 
     @property
     def counts(self) -> OrderedReplies:
@@ -139,8 +146,10 @@ class SingleRequest:
             async for batch in self._ordered(idle_s):
                 if batch and self.first_token_at is None and self.times_first_token:
                     self.first_token()
+                if batch and self.slo_due != math.inf:
+                    self.slo_due = math.inf
                 yield batch
-        except (StageFailed, DeadlineExceeded, HubError) as e:
+        except (StageFailed, DeadlineExceeded, SloMissed, HubError) as e:
             error = ended_early(e)
             self.end_reason = error.reason
             raise error from None
@@ -166,17 +175,22 @@ class SingleRequest:
 
     async def _next_entries(self, idle_s: float | None) -> list[tuple[str, bytes]] | None:
         """The reply entries that arrived, once one did; None after `idle_s` without any. DeadlineExceeded once
-        the deadline passed."""
-        remaining = self.deadline - time.time()
+        the deadline passed, SloMissed once its TTFT target did with no reply."""
+        now = time.time()
+        remaining, slo_left = self.deadline - now, self.slo_due - now
         if remaining <= 0:
             raise DeadlineExceeded()
-        wait = remaining if idle_s is None else min(remaining, idle_s)
+        if slo_left <= 0:
+            raise SloMissed()
+        wait = min(remaining, slo_left, math.inf if idle_s is None else idle_s)
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
         # as an entry arrives, and a request whose client left would then never be aborted.
         try:
             async with asyncio.timeout(wait):
                 first = await self.sub.get()
         except TimeoutError:
+            if wait == slo_left:
+                raise SloMissed() from None
             if wait < remaining:
                 return None
             raise DeadlineExceeded() from None
@@ -274,3 +288,8 @@ class SingleRequest:
         metrics.duration.labels(model).observe(time.monotonic() - self.started)
         metrics.prompt_tokens.labels(model).inc(order.prompt_tokens)
         metrics.generated_tokens.labels(model).inc(order.completion_tokens)
+        if self.first_token_at is not None and self.done:
+            metrics.served(model, time.monotonic() - self.first_token_at)
+        if any(self.slo) and self.times_first_token:
+            met = self.done and slo_met(self.slo, self.started, self.first_token_at, order.completion_tokens)
+            metrics.slo.labels(model, "met" if met else "missed").inc()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from services.api.answer.formats import CompletionFormat, GenerateFormat, Head
 from services.api.answer.schemas.field_checks import FORBID, TOKEN_PROMPTS, BadRequest, one_of
-from services.api.answer.schemas.sampling_fields import MAX_N, SamplingFields
+from services.api.answer.schemas.sampling_fields import MAX_N, CacheSalt, SamplingFields, SloTargets
 from services.api.answer.schemas.submission import Budget, FieldLimits, Stamp, Submission, submission
 from shared.messages import SamplingParams
 
@@ -107,6 +107,8 @@ class GenerateRequest(BaseModel):
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     lora_path: str | None = None  # SGLang's: the name of the LoRA adapter to run with
     # (services/api/lora_api/adapters.py)
+    cache_salt: CacheSalt | None = None
+    slo: SloTargets | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:

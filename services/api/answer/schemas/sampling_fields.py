@@ -17,10 +17,22 @@ from services.api.answer.schemas.field_checks import (
     refuse_unless,
     schema_text,
 )
+from services.api.answer.slo import MAX_SLO_MS
+from services.api.multitenancy.tenants import MAX_CACHE_SALT
 from shared.messages import Guided, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)]  # vLLM's `cache_salt`
+SloMs = Annotated[int, Field(ge=1, le=MAX_SLO_MS)]
+
+
+class SloTargets(BaseModel):
+    """`slo`: the request's latency targets, in milliseconds (services/api/answer/slo.py; as the `x-slo-*` headers)."""
+
+    model_config = FORBID
+    ttft_ms: SloMs | None = None
+    tpot_ms: SloMs | None = None
 
 
 class StreamOptions(BaseModel):
@@ -73,6 +85,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     lora_path: str | None = None  # SGLang's: the name of the LoRA adapter to run with
     # (services/api/lora_api/adapters.py)
+    cache_salt: CacheSalt | None = None  # vLLM's: prefix-cache pages are shared only with the same salt (and tenant)
+    slo: SloTargets | None = None  # latency targets (services/api/answer/slo.py)
 
     @field_validator("stop")
     @classmethod

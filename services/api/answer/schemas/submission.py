@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.api.answer.formats import Format
+from services.api.answer.slo import Slo
 from shared.messages import SamplingParams, TokenizeJob
 
 
@@ -58,12 +59,15 @@ class Stamp:
     new_uid: Callable[[], str]
     model_info: dict
     adapter: str | None = None  # the LoRA adapter the request names (services/api/lora_api/adapters.py)
+    cache_salt: str = ""  # its prefix-cache scope (shared/pages.py `isolation_salt`)
+    slo: Slo | None = None  # its latency targets (services/api/answer/slo.py), if any
 
     def job(self, timeout: float | None, background: bool | None, **fields: Any) -> TokenizeJob:
-        now = time.time()
+        now, slo = time.time(), self.slo
         return TokenizeJob(uid=self.new_uid(), model=self.model, pod=self.pod, created_at=now,
                            deadline=now + (min(timeout, self.timeout_s) if timeout else self.timeout_s),
-                           background=bool(background), adapter=self.adapter, **fields)
+                           background=bool(background), adapter=self.adapter, cache_salt=self.cache_salt,
+                           slo_ttft_ms=slo.ttft_ms if slo else 0, slo_tpot_ms=slo.tpot_ms if slo else 0, **fields)
 
 
 @dataclass(frozen=True)
