@@ -46,7 +46,8 @@ def keyed(stack, tmp_path_factory) -> Iterator[str]:
     s = Stack(stack.redis_url, stack.model_dir, stack.namespace, stack.log_dir)
     s.port = free_port()
     try:
-        s.start("api-messages", "api", RSINFER_API_KEYS_FILE=str(keys), RSINFER_RESUME_WINDOW_S="5")
+        s.start("api-messages", "api", RSINFER_API_KEYS_FILE=str(keys), RSINFER_RESUME_WINDOW_S="5",
+                RSINFER_GRACE_PERIOD_S="1")
         wait_for(lambda: api_ready(s.base_url), timeout=60)
         yield s.base_url
     finally:
