@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from services.api.answer.reply_hub import Inbox
 from services.api.answer.request.api_request import RequestInfo
 from services.api.answer.request.early_end import EndedEarly
 from services.api.answer.request.group import RequestGroup
@@ -34,19 +35,12 @@ def reader(sub, n: int = 1, deadline: float | None = None, redis=None, ctx=None)
     return SingleRequest(ctx or shared(redis), RequestInfo("u", "m", n, deadline or time.time() + 60))  # type: ignore[arg-type]
 
 
-class QueueSub:
-    """The Inbox surface a request reads: get() and drain() over a queue of (entry id, raw entry)."""
-
-    uid, key = "u", "k"
+class QueueSub(Inbox):
+    """The Inbox a request reads, fed by the test instead of a hub: get(wait_s) and drain() over its queue of
+    (entry id, raw entry)."""
 
     def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def get(self):
-        return await self.queue.get()
-
-    def drain(self):
-        return [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        super().__init__("u", "k")
 
 
 def ev(start, end, index=0, finish=None):
