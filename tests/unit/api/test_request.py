@@ -183,6 +183,28 @@ async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a
     assert got == [("1-0", "[0:1]"), ("6-0", "[1:2]")] and req.done
 
 
+async def test_a_reader_arms_one_timer_per_request_not_one_per_entry(monkeypatch):
+    """Every wait for the next entry is bounded (the idle ping, the deadline), but by the inbox's one alarm: a timer
+    handle per entry (asyncio.timeout's) was a measurable part of the API's cost per chunk at GPU step rates
+    (issue 34). The idle wait still ends on time after many entries."""
+    loop = asyncio.get_running_loop()
+    timers = []
+
+    def call_at(when, callback, *args, **kwargs):
+        timers.append(when)
+        return type(loop).call_at(loop, when, callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", call_at)
+    sub = Inbox("u", "k")
+    req = reader(sub, deadline=time.time() + 30)
+    replies = req.replies(idle_s=0.2)
+    for i in range(100):
+        sub.queue.put_nowait((f"{i + 1}-0", encode(ev(i, i + 1))))
+        assert [e.text for _, e in await anext(replies)] == [f"[{i}:{i + 1}]"]
+    assert len(timers) <= 2, len(timers)
+    assert await asyncio.wait_for(anext(replies), 2) == []  # idle: nothing came for 0.2 s
+
+
 async def test_a_drain_waits_until_the_last_open_request_ends():
     ctx = Requests(ApiSettings(), types.SimpleNamespace(redis=None, keys=None), None, "pod",  # type: ignore[arg-type]
                    tracer=None, metrics=Metrics(None))
