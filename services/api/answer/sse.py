@@ -47,8 +47,9 @@ PING = b": ping\n"
 
 
 def sse_event(data: bytes, event_id: str | None = None, _chunk: dict | None = None) -> bytes:
-    head = f"id: {event_id}\n".encode() if event_id else b""
-    return head + b"data: " + data + b"\n\n"
+    if event_id:
+        return b"id: %s\ndata: %s\n\n" % (event_id.encode(), data)
+    return b"data: %s\n\n" % data
 
 
 def named_event(data: bytes, _event_id: str | None, chunk: dict) -> bytes:
