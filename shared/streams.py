@@ -144,11 +144,31 @@ async def ack_delete(redis: Redis, key: str, group: str, ids: Sequence[str]) -> 
 
 
 # -- reading without a group -----------------------------------------------------------------------------------
+def lean_reads(client: Any) -> None:
+    """Have `client`'s XREAD replies come as `read` returns them, each entry's payload taken straight from the
+    reply: redis-py would build a dict of every entry's fields and `read` a list of each. Only for a client
+    of its own that reads nothing but `read` (the reply hub's shards)."""
+    client.set_response_callback("XREAD", _payloads)
+
+
+def _payloads(resp: Any, **_options: Any) -> list[tuple[str, list[tuple[str, bytes]]]]:
+    """XREAD's reply as RESP3 ({key: entries}) or RESP2 ([[key, entries]]) gives it, each entry [id, [field,
+    value, ...]], as [(key, [(entry_id, payload)])]; an entry without the `data` field has an empty payload."""
+    rows = resp.items() if isinstance(resp, dict) else resp or ()
+    return [(as_str(key), [(as_str(eid), _field(flat)) for eid, flat in entries]) for key, entries in rows]
+
+
+def _field(flat: list) -> bytes:
+    if len(flat) == 2 and flat[0] == FIELD:  # every entry but a control stream's
+        return flat[1]
+    return dict(zip(flat[::2], flat[1::2], strict=True)).get(FIELD, b"")
+
+
 async def read(redis: Redis, positions: dict[str, str], count: int, block_ms: int | None
-               ) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
-    """XREAD over many streams from the given ids; returns [(key, [(entry_id, fields)])]."""
-    resp = await redis.xread(positions, count=count, block=block_ms)
-    return [(as_str(key), [(as_str(eid), fields) for eid, fields in entries]) for key, entries in resp or []]
+               ) -> list[tuple[str, list[tuple[str, bytes]]]]:
+    """XREAD over many streams from the given ids, on a client set up by `lean_reads`; returns [(key,
+    [(entry_id, payload)])]."""
+    return await redis.xread(positions, count=count, block=block_ms) or []
 
 
 async def read_range(redis: Redis, key: str, after: str = "-", count: int | None = None

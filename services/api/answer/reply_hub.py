@@ -62,28 +62,66 @@ class Inbox:
     def __init__(self, uid: str, key: str, after: str = "0-0"):
         self.uid, self.key = uid, key
         self.last_id = after  # "0-0": from the beginning, so entries written before the read blocks are not missed
-        self.queue: asyncio.Queue[tuple[str, bytes] | HubError] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[str, bytes] | HubError | None] = asyncio.Queue()
         self.paused = False
         self.failed = False
         self.shard: Any = None
         self.resume_at = 0
+        self.due: float | None = None  # a timed `get` is waiting until then (the loop's clock)
+        self.alarm: asyncio.TimerHandle | None = None
 
-    async def get(self) -> tuple[str, bytes]:
+    async def get(self, wait_s: float | None = None) -> tuple[str, bytes] | None:
+        """The next entry; None once `wait_s` seconds passed without one."""
         # Resume reading before waiting: a caller that drained the queue would otherwise wait forever on a
         # stream that is left out of reads.
         if self.paused and self.queue.qsize() <= self.resume_at:
             self.paused = False
             await self.shard.wake()
-        item = await self.queue.get()
+        if wait_s is not None and self.queue.empty():
+            self._wait_until(asyncio.get_running_loop().time() + wait_s)
+        try:
+            item = await self.queue.get()
+            while item is None and wait_s is None:  # a timed wait's end that came too late for it
+                item = await self.queue.get()
+        finally:
+            self.due = None
         if isinstance(item, HubError):
             raise item
         return item
+
+    def _wait_until(self, due: float) -> None:
+        """One timer per inbox, not one per wait (asyncio.timeout's cost on every entry): the alarm rings at the
+        due time of the wait that set it, and a later wait finds it set early enough and leaves it; when it
+        rings, `_ring` sets it again for the wait under way, or ends that wait if it is due."""
+        self.due = due
+        if self.alarm is None or self.alarm.when() > due:
+            if self.alarm is not None:
+                self.alarm.cancel()
+            self.alarm = asyncio.get_running_loop().call_at(due, self._ring)
+
+    def _ring(self) -> None:
+        self.alarm = None
+        if self.due is None:
+            return  # nothing waits now: the next timed wait sets the alarm
+        loop = asyncio.get_running_loop()
+        if loop.time() < self.due:
+            self.alarm = loop.call_at(self.due, self._ring)
+        elif self.queue.empty():
+            self.queue.put_nowait(None)  # the waiting `get` returns None
+
+    def close(self) -> None:
+        """No alarm left behind once its request is done with it."""
+        if self.alarm is not None:
+            self.alarm.cancel()
+            self.alarm = None
 
     def drain(self) -> list[tuple[str, bytes]]:
         """Everything already queued, without waiting (lets the caller coalesce entries into one chunk)."""
         out = []
         while not self.queue.empty():
             item = self.queue.get_nowait()
+            if item is None:
+                continue  # a timed wait's end that came as an entry did (`_ring`)
             if isinstance(item, HubError):
                 self.queue.put_nowait(item)
                 break
@@ -95,6 +133,7 @@ class _Shard:
     def __init__(self, hub: ReplyHub, index: int, slot: int, guest: bool = False):
         self.hub, self.index, self.slot, self.guest = hub, index, slot, guest
         self.redis = connect_single(hub.url, **hub.redis_options)
+        streams.lean_reads(self.redis)
         self.control = hub.keys.control(hub.pod, index, slots.uid_in_slot(slot))
         self.control_id = "$"
         # reply stream -> the inboxes reading it: a request's own, and in the same process a reattach to it or
@@ -115,11 +154,7 @@ class _Shard:
     async def _loop(self) -> None:
         failing_since = None
         while True:
-            positions = {self.control: self.control_id}
-            for key, inboxes in self.subs.items():
-                reading = [sub.last_id for sub in inboxes if not sub.paused]
-                if reading:
-                    positions[key] = min(reading, key=streams.id_tuple)
+            positions = self._positions()
             try:
                 if self.control_id == "$":  # learn the control stream's tip once, so wakes aren't missed
                     self.control_id = await self._control_tip()
@@ -134,6 +169,19 @@ class _Shard:
                 continue
             self._dispatch(resp, positions)
 
+    def _positions(self) -> dict[str, str]:
+        """Where the next read starts in each stream: the earliest position of its inboxes not paused."""
+        positions = {self.control: self.control_id}
+        for key, inboxes in self.subs.items():
+            if len(inboxes) == 1:  # as nearly every stream is read: by its request's own inbox alone
+                if not inboxes[0].paused:
+                    positions[key] = inboxes[0].last_id
+                continue
+            reading = [sub.last_id for sub in inboxes if not sub.paused]
+            if reading:
+                positions[key] = min(reading, key=streams.id_tuple)
+        return positions
+
     async def _control_tip(self) -> str:
         return await streams.last_id(self.redis, self.control) or "0-0"
 
@@ -147,19 +195,22 @@ class _Shard:
                 continue
             read_from = positions.get(key)
             for sub in self.subs.get(key, ()):
-                if read_from is not None and not sub.paused and not streams.id_after(read_from, sub.last_id):
-                    self._deliver(sub, entries)
+                if read_from is not None and not sub.paused and (
+                        read_from == sub.last_id or not streams.id_after(read_from, sub.last_id)):
+                    self._deliver(sub, entries, read_from)
 
-    def _deliver(self, sub: Inbox, entries: list) -> None:
-        """The entries past the inbox's position (all of them unless another inbox of its stream read from further
-        back: entries are in order, so the first one past it starts what is new)."""
-        start = next((k for k, (entry_id, _) in enumerate(entries) if streams.id_after(entry_id, sub.last_id)),
-                     len(entries))
+    def _deliver(self, sub: Inbox, entries: list[tuple[str, bytes]], read_from: str | None) -> None:
+        """The entries past the inbox's position (all of them when the read started there, as it does unless
+        another inbox of its stream read from further back: entries are in order, so the first one past it
+        starts what is new)."""
+        start = 0 if read_from == sub.last_id else next(
+            (k for k, (entry_id, _) in enumerate(entries) if streams.id_after(entry_id, sub.last_id)), len(entries))
         if start == len(entries):
             return
         sub.last_id = entries[-1][0]
-        for entry_id, fields in entries[start:]:
-            sub.queue.put_nowait((entry_id, streams.payload(fields)))
+        put = sub.queue.put_nowait
+        for entry in entries[start:] if start else entries:
+            put(entry)
         if sub.queue.qsize() >= self.hub.high_water:
             sub.paused = True
 
@@ -279,6 +330,7 @@ class ReplyHub:
         if not inboxes:
             shard.subs.pop(sub.key, None)
         sub.queue.put_nowait(HubError("unsubscribed"))  # whoever still waits on it ends, not hangs
+        sub.close()
         if shard.guest and not shard.subs and shard in self.shards:
             self.shards.remove(shard)
             task = asyncio.create_task(shard.close(), name=f"reply-hub-close-{shard.index}")

@@ -2,7 +2,8 @@
 request's ordered replies, through its format, into SSE events (`sse_event` frames each chunk), and every stream
 is sent with `SSEResponse`: a plain ASGI response, lean on the per-chunk path.
 
-Per chunk it does one `send` and nothing else: no task group, lock or cancel scope per send (sse-starlette's
+Per batch of replies it does one `send` (its chunks joined; the stream's closing events go with the end of
+its body) and nothing else: no task group, lock or cancel scope per send (sse-starlette's
 cost), and the send goes straight to the server, past the middleware stack's wrappers (`Guard` hands us the
 server's `send`; they only note that a response started, and nothing after the start can be turned into
 another response). Around the chunks, three watchers, each one task for the stream's whole life:
@@ -46,8 +47,9 @@ PING = b": ping\n"
 
 
 def sse_event(data: bytes, event_id: str | None = None, _chunk: dict | None = None) -> bytes:
-    head = f"id: {event_id}\n".encode() if event_id else b""
-    return head + b"data: " + data + b"\n\n"
+    if event_id:
+        return b"id: %s\ndata: %s\n\n" % (event_id.encode(), data)
+    return b"data: %s\n\n" % data
 
 
 def named_event(data: bytes, event_id: str | None, chunk: dict) -> bytes:
@@ -59,30 +61,33 @@ def named_event(data: bytes, event_id: str | None, chunk: dict) -> bytes:
 DONE = sse_event(b"[DONE]")
 
 
+class Ending(bytes):
+    """The last bytes of a stream (its closing chunks and [DONE]): `SSEResponse` sends them as the response's
+    last body, once the events' source ended, in one write with the chunked body's end."""
+
+
 async def answer_events(first: tuple[list[dict], str | None], rest: AsyncIterator[Batch], fmt: Format,
                         counts: Counts, replay_until: str | None = None) -> AsyncIterator[bytes]:
-    """A stream's events: the first batch's chunks (formatted while the response was held back), then each batch
-    of ordered replies as it comes (`Format.batch_chunks`: entries up to `replay_until` are not sent again), the
-    format's closing chunks (the usage if asked), and [DONE] where the format ends so. An end before the request
-    finished (services/api/answer/request/early_end.py EndedEarly) is the format's failure chunks (the error's body)."""
+    """A stream's events, one bytes per batch (one write to the client): the first batch's chunks (formatted
+    while the response was held back), then each batch of ordered replies as it comes (`Format.batch_chunks`:
+    entries up to `replay_until` are not sent again), and last (`Ending`) the format's closing chunks (the
+    usage if asked) and [DONE] where the format ends so. An end before the request finished
+    (services/api/answer/request/early_end.py EndedEarly) is the format's failure chunks (the error's body)."""
     frame = named_event if fmt.named_events else sse_event
     try:
         chunks, event_id = first
-        for chunk in chunks:
-            yield frame(orjson.dumps(chunk), event_id, chunk)
+        if chunks:
+            yield b"".join([frame(orjson.dumps(chunk), event_id, chunk) for chunk in chunks])
         async for batch in rest:
             if not batch:
                 continue  # nothing arrived for a while (pings keep the connection)
             chunks, event_id = fmt.batch_chunks(batch, counts, replay_until)
-            for chunk in chunks:
-                yield frame(orjson.dumps(chunk), event_id, chunk)
-        for chunk in fmt.closing_chunks(counts):
-            yield frame(orjson.dumps(chunk), None, chunk)
+            if chunks:
+                yield b"".join([frame(orjson.dumps(chunk), event_id, chunk) for chunk in chunks])
+        last = [frame(orjson.dumps(chunk), None, chunk) for chunk in fmt.closing_chunks(counts)]
     except ApiError as e:
-        for chunk in fmt.failure_chunks(e.body()):
-            yield frame(orjson.dumps(chunk), None, chunk)
-    if fmt.sends_done:
-        yield DONE
+        last = [frame(orjson.dumps(chunk), None, chunk) for chunk in fmt.failure_chunks(e.body())]
+    yield Ending(b"".join(last) + (DONE if fmt.sends_done else b""))
     await fmt.settle()
 
 
@@ -108,6 +113,7 @@ class SSEResponse(Response):
         self.ping_s, self.send_timeout, self.closing = ping_s, send_timeout, closing
         self.last_send = time.monotonic()
         self.sending_since: float | None = None
+        self.ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         send = scope.get(RAW_SEND, send)
@@ -142,8 +148,6 @@ class SSEResponse(Response):
             await asyncio.gather(pump, *watchers, return_exceptions=True)
         if pump in done:
             pump.result()  # an error in the chunk source is logged by the caller
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
             return None
         reason = next(watchers[t] for t in done if t in watchers)
         if reason == EndReason.SERVER_SHUTDOWN and self.farewell is not None:
@@ -153,12 +157,21 @@ class SSEResponse(Response):
         return reason
 
     async def _pump(self, send: Send) -> None:
+        """Send the chunks as they come, and the `Ending` as the response's last body once the source ended (the
+        Responses API stores its final object after its last event, before the response ends)."""
+        ending = b""
         async for chunk in self.chunks:
-            await self._send(send, chunk)
+            if chunk.__class__ is Ending:
+                ending += chunk
+            else:
+                await self._send(send, chunk)
+        self.ended = True  # no ping after the body's end
+        with contextlib.suppress(Exception):
+            await self._send(send, ending, more_body=False)
 
-    async def _send(self, send: Send, body: bytes) -> None:
+    async def _send(self, send: Send, body: bytes, more_body: bool = True) -> None:
         self.sending_since = time.monotonic()
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": body, "more_body": more_body})
         self.last_send, self.sending_since = time.monotonic(), None
 
     async def _disconnected(self, receive: Receive) -> None:
@@ -178,5 +191,5 @@ class SSEResponse(Response):
         """Every `ping_s`, busy or not (a proxy may count only its own idle time), unless a send is pending."""
         while True:
             await asyncio.sleep(self.ping_s)
-            if self.sending_since is None:
+            if self.sending_since is None and not self.ended:
                 await self._send(send, PING)

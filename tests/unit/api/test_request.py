@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from services.api.answer.reply_hub import Inbox
 from services.api.answer.request.api_request import RequestInfo
 from services.api.answer.request.early_end import EndedEarly
 from services.api.answer.request.group import RequestGroup
@@ -34,19 +35,12 @@ def reader(sub, n: int = 1, deadline: float | None = None, redis=None, ctx=None)
     return SingleRequest(ctx or shared(redis), RequestInfo("u", "m", n, deadline or time.time() + 60))  # type: ignore[arg-type]
 
 
-class QueueSub:
-    """The Inbox surface a request reads: get() and drain() over a queue of (entry id, raw entry)."""
-
-    uid, key = "u", "k"
+class QueueSub(Inbox):
+    """The Inbox a request reads, fed by the test instead of a hub: get(wait_s) and drain() over its queue of
+    (entry id, raw entry)."""
 
     def __init__(self):
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def get(self):
-        return await self.queue.get()
-
-    def drain(self):
-        return [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        super().__init__("u", "k")
 
 
 def ev(start, end, index=0, finish=None):
@@ -219,6 +213,28 @@ async def test_the_replies_skip_checkpoints_and_unreadable_entries_refuse_what_a
                                                    finish_reason="stop"))))
     got = [(eid, e.text) for eid, e in await anext(replies)]
     assert got == [("1-0", "[0:1]"), ("6-0", "[1:2]")] and req.done
+
+
+async def test_a_reader_arms_one_timer_per_request_not_one_per_entry(monkeypatch):
+    """Every wait for the next entry is bounded (the idle ping, the deadline), but by the inbox's one alarm: a timer
+    handle per entry (asyncio.timeout's) was a measurable part of the API's cost per chunk at GPU step rates
+    (issue 34). The idle wait still ends on time after many entries."""
+    loop = asyncio.get_running_loop()
+    timers = []
+
+    def call_at(when, callback, *args, **kwargs):
+        timers.append(when)
+        return type(loop).call_at(loop, when, callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", call_at)
+    sub = Inbox("u", "k")
+    req = reader(sub, deadline=time.time() + 30)
+    replies = req.replies(idle_s=0.2)
+    for i in range(100):
+        sub.queue.put_nowait((f"{i + 1}-0", encode(ev(i, i + 1))))
+        assert [e.text for _, e in await anext(replies)] == [f"[{i}:{i + 1}]"]
+    assert len(timers) <= 2, len(timers)
+    assert await asyncio.wait_for(anext(replies), 2) == []  # idle: nothing came for 0.2 s
 
 
 async def test_a_drain_waits_until_the_last_open_request_ends():

@@ -13,7 +13,6 @@ process that submitted it, and unless it finished decides whether to abort it ev
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -183,17 +182,16 @@ class SingleRequest:
         if slo_left <= 0:
             raise SloMissed()
         wait = min(remaining, slo_left, math.inf if idle_s is None else idle_s)
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands
-        # as an entry arrives, and a request whose client left would then never be aborted.
-        try:
-            async with asyncio.timeout(wait):
-                first = await self.sub.get()
-        except TimeoutError:
+        # The inbox's own timer, not asyncio.timeout (one timer handle per entry) nor wait_for (on Python 3.11
+        # it can swallow a cancellation that lands as an entry arrives, and a request whose client left would
+        # then never be aborted).
+        first = await self.sub.get(wait)
+        if first is None:
             if wait == slo_left:
-                raise SloMissed() from None
+                raise SloMissed()
             if wait < remaining:
                 return None
-            raise DeadlineExceeded() from None
+            raise DeadlineExceeded()
         return [first, *self.sub.drain()]
 
     def _decoded(self, entry_id: str, raw: bytes) -> Reply | None:
