@@ -10,16 +10,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from openai.types.responses import Response
 
 from rsinfer.launcher import api_ready
 from rsinfer.redis_server import free_port
 from tests.support.helpers import sse_payloads, wait_for
+from tests.support.openai_types import strict_event, strict_response
 from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
-EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
            "additionalProperties": False}
 SHORT = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}}, "required": ["answer"],
@@ -43,7 +42,7 @@ def second_api(stack):
 
 
 def strict(obj: dict) -> Response:
-    return Response.model_validate(obj)
+    return strict_response(obj)
 
 
 def chat_text(stack, messages, max_tokens: int, fmt: dict | None = None) -> str:
@@ -115,7 +114,7 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(stack):
             "text": {"format": LONG}}
     events = raw_events(stack.base_url, body)
     for ev in events:
-        EVENTS.validate_python(ev)
+        strict_event(ev)
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
@@ -128,7 +127,7 @@ def test_background_stream_resumes_on_another_process(stack, second_api):
             "background": True, "stream": True, "text": {"format": LONG}}
     whole = raw_events(stack.base_url, body)
     for ev in whole:
-        EVENTS.validate_python(ev)
+        strict_event(ev)
     expected = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
     head = raw_events(stack.base_url, body, cut_after=12)  # the client goes away; the response goes on
     rid, last = head[0]["response"]["id"], head[-1]["sequence_number"]

@@ -195,7 +195,7 @@ class ResponseFormat(Format):
         self._emit("response.output_item.added", output_index=at, item=dict(item))
         self._emit("response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=arguments)
         self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                   arguments=arguments, name=name)
+                   arguments=arguments)
         item.update(arguments=arguments, status="completed")
         self.output.append(item)
         self._emit("response.output_item.done", output_index=at, item=dict(item))

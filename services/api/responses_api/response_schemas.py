@@ -348,9 +348,11 @@ class ResponseRequest(BaseModel):
 
     def submission(self, params: SamplingParams, stamp: Stamp, messages: list[ChatMessage],
                    fmt: ResponseFormat) -> Submission:
+        effort = self.reasoning.effort if self.reasoning else None
+        # a hybrid reasoner's switch (Qwen3's templates read `enable_thinking`) follows the effort asked for
+        thinking = {"enable_thinking": effort != "none"} if effort is not None else None
         job = stamp.job(None, self.background, params=params, messages=messages, tools=self.tool_dicts(),
-                        tool_choice=self.tool_choice_struct(),
-                        chat_template_kwargs=template_kwargs(None, self.reasoning.effort if self.reasoning else None))
+                        tool_choice=self.tool_choice_struct(), chat_template_kwargs=template_kwargs(thinking, effort))
         fmt.start(job.uid, int(job.created_at))
         return submission([job], fmt, "response", self.stream, annotations=self.annotations())
 
