@@ -224,12 +224,31 @@ def test_json_schema_text_format_validates(stack):
     ({"input": "x" * (4 << 20)}, "input", 400),  # --max-stored-response-bytes
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", 400),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", 400),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", 400),
+    ({"input": "hi", "truncation": "auto"}, "truncation", 400),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", 400),
+    ({"input": "hi", "prompt_cache_key": "k" * 300}, "prompt_cache_key", 400),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", 400),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "forged"}]}, "input[0].encrypted_content",
+     400),
 ])
 def test_bad_requests_are_refused_naming_the_field(stack, body, param, status):
     resp = httpx.post(f"{stack.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert resp.status_code == status, resp.text[:300]
     err = resp.json()["error"]
     assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_the_fields_agent_sdks_send_are_honoured_and_kept(stack):
+    """What the Agents SDK and Codex send on every call (before: `include` was a 400 even as [])."""
+    r = stack.client().responses.create(
+        model=MODEL, input="Hi", max_output_tokens=4, temperature=0, include=[], prompt_cache_key="conv-7",
+        safety_identifier="user-7", prompt_cache_retention="in_memory", max_tool_calls=2, top_logprobs=0,
+        truncation="disabled", conversation=None, prompt=None, context_management=None, store=False)
+    strict(r.model_dump(by_alias=True, exclude_unset=True))
+    assert r.prompt_cache_key == "conv-7" and r.safety_identifier == "user-7" and r.max_tool_calls == 2
+    record = stack.redis().hgetall(stack.keys.request(r.id.removeprefix("resp_")))
+    assert record["prompt_cache_key"] == "conv-7" and record["safety_identifier"] == "user-7"
 
 
 def test_unknown_and_malformed_ids(stack):
