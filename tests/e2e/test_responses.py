@@ -251,6 +251,26 @@ def test_the_fields_agent_sdks_send_are_honoured_and_kept(stack):
     assert record["prompt_cache_key"] == "conv-7" and record["safety_identifier"] == "user-7"
 
 
+def test_reasoning_round_trips_sealed_and_only_where_sealed(stack, second_api):
+    """A stateless client gets its reasoning sealed (`encrypted_content`) and hands it back on its next turn;
+    the API process that sealed it opens it, another one with a key of its own (no --responses-key) refuses it
+    naming the field."""
+    ask = {"role": "user", "content": "Paris?"}
+    first = stack.client().responses.create(model=MODEL, input=[ask], reasoning={"effort": "medium"}, store=False,
+                                            include=["reasoning.encrypted_content"], max_output_tokens=40,
+                                            temperature=0)
+    strict(first.model_dump(by_alias=True, exclude_unset=True))
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content and reasoning.content[0].text
+    assert reasoning.content[0].text not in reasoning.encrypted_content
+    turn = [ask, *[o.model_dump(exclude_none=True) for o in first.output], {"role": "user", "content": "And?"}]
+    again = stack.client().responses.create(model=MODEL, input=turn, store=False, max_output_tokens=4)
+    assert again.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:
+        second_api.responses.create(model=MODEL, input=turn, store=False, max_output_tokens=4)
+    assert e.value.body["param"] == "input[1].encrypted_content"
+
+
 def test_unknown_and_malformed_ids(stack):
     for path, status in (("/v1/responses/resp_nope", 404), ("/v1/responses/bad%20id", 400),
                          ("/v1/responses/resp_nope/input_items", 404)):
