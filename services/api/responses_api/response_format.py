@@ -180,8 +180,8 @@ class ResponseFormat(Format):
             self._emit("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                        text=text)
             item["content"] = [{"type": "reasoning_text", "text": text}]
-            if self.parse.get("seal") and self.sealer is not None:
-                item["encrypted_content"] = self.sealer.seal(text, self.shown["model"])
+            if self.parse.get("seal") is not None and self.sealer is not None:  # the tenant's name
+                item["encrypted_content"] = self.sealer.seal(text, self.shown["model"], self.parse["seal"])
         self._emit("response.output_item.done", output_index=at, item=copy.deepcopy(item))
 
     def _call(self, name: str, arguments: str) -> None:

@@ -65,7 +65,7 @@ def not_found(response_id: str) -> ApiError:
                     param="response_id", code="response_not_found")
 
 
-def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
+def answer_parsing(body: ResponseRequest, model_info: dict, tenant: str) -> dict:
     """How the model's answers are split: reasoning where its tokenizer detected a reasoning format, tool calls
     when the request offers tools it may call."""
     out: dict = {}
@@ -77,7 +77,7 @@ def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
     if body.tools and body.tool_choice != "none" and model_info.get("tool_call_parser", "none") != "none":
         out["tools"] = model_info["tool_call_parser"]
     if body.encrypts():
-        out["seal"] = True  # reasoning items carry encrypted_content
+        out["seal"] = tenant  # reasoning items carry encrypted_content, sealed for this tenant
     return out
 
 
@@ -132,7 +132,7 @@ class ResponseBody:
         body = self.request
         messages = body.messages(self.history.items, self.items)
         fits_context(messages, None, stamp.model_info, "input")
-        parse = answer_parsing(body, stamp.model_info)
+        parse = answer_parsing(body, stamp.model_info, self.tenant.name)
         fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
         fmt.sealer = self.sealer
         sub = body.submission(params, stamp, messages, fmt)
@@ -185,7 +185,7 @@ class Responses:
         stored response (with `store`) counted against the tenant's bounds: it is written when the request is
         opened; `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
         history = await self.conversation(body.previous_response_id, tenant)
-        items = body.input_items(lambda value, param: self.sealer.open(value, body.model, param))
+        items = body.input_items(lambda value, param: self.sealer.open(value, body.model, tenant.name, param))
         prepared = ResponseBody(body, tenant, history, items, self.store, self.sealer)
         admitted = await self.service.admission.admit(prepared, tenant, new_uid)
         fmt = admitted.submission.fmt

@@ -39,7 +39,7 @@ def request(**body) -> ResponseRequest:
 
 
 def opener(value: str, param: str) -> str:
-    return SEALER.open(value, "m", param)
+    return SEALER.open(value, "m", "t1", param)
 
 
 def items(*raw: dict) -> list[dict]:
@@ -47,7 +47,7 @@ def items(*raw: dict) -> list[dict]:
 
 
 def test_every_item_type_an_agent_sends_becomes_chat_messages():
-    sealed = SEALER.seal("I should call the tool.", "m")
+    sealed = SEALER.seal("I should call the tool.", "m", "t1")
     conversation = items(
         {"role": "developer", "content": "Be terse."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix it"}]},
@@ -81,9 +81,11 @@ def test_every_item_type_an_agent_sends_becomes_chat_messages():
     ({"type": "function_call", "call_id": "c", "name": "f"}, "input"),
     ({"type": "custom_tool_call_output", "call_id": "c", "output": {"x": 1}}, "input"),
     ({"type": "reasoning", "summary": [], "encrypted_content": "bm90IHNlYWxlZA=="}, "input[0].encrypted_content"),
-    ({"type": "reasoning", "summary": [], "encrypted_content": SEALER.seal("t", "other-model")},
+    ({"type": "reasoning", "summary": [], "encrypted_content": SEALER.seal("t", "other-model", "t1")},
      "input[0].encrypted_content"),
-    ({"type": "reasoning", "summary": [], "encrypted_content": Sealer(b"o" * 32).seal("t", "m")},
+    ({"type": "reasoning", "summary": [], "encrypted_content": SEALER.seal("t", "m", "another-tenant")},
+     "input[0].encrypted_content"),
+    ({"type": "reasoning", "summary": [], "encrypted_content": Sealer(b"o" * 32).seal("t", "m", "t1")},
      "input[0].encrypted_content"),
 ])
 def test_items_that_cannot_be_honoured_are_refused_naming_them(item, param):
@@ -93,7 +95,7 @@ def test_items_that_cannot_be_honoured_are_refused_naming_them(item, param):
 
 
 def test_a_tampered_encrypted_content_is_refused():
-    sealed = bytearray(SEALER.seal("secret plan", "m").encode())
+    sealed = bytearray(SEALER.seal("secret plan", "m", "t1").encode())
     sealed[20] = ord("A") if sealed[20] != ord("A") else ord("B")
     with pytest.raises(BadRequest) as e:
         items({"type": "reasoning", "summary": [], "encrypted_content": sealed.decode()})
@@ -117,7 +119,8 @@ def test_reasoning_and_a_custom_tool_call_round_trip():
     """The output, valid for the SDK's types, is the next turn's input: the sealed reasoning opens to what the
     model thought, the custom call is the template's function call of `input`."""
     req = request(tools=[PATCH], include=["reasoning.encrypted_content"], store=False)
-    f = ResponseFormat(req.shown(None), {"tools": "hermes", "reasoning": "qwen3", "seal": req.encrypts()})
+    assert req.encrypts()
+    f = ResponseFormat(req.shown(None), {"tools": "hermes", "reasoning": "qwen3", "seal": "t1"})
     f.sealer = SEALER
     f.start("u1", 1700000000)
     out = run(f, ["<think>patch it</think>", '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "a b"}}\n'
