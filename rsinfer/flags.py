@@ -37,7 +37,8 @@ FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "usage_flush_s", "fair_queueing", "fair_watermark", "fair_max_held", "fair_poll_ms", "slo_tolerance_ms")),
     ("Responses and Batch API", "stored responses, files and batches: how many, how large, how long", (
         "response_ttl_s", "max_stored_response_bytes", "max_stored_responses_per_tenant",
-        "max_stored_response_bytes_per_tenant", "max_response_chain", "max_response_items", "file_ttl_s",
+        "max_stored_response_bytes_per_tenant", "max_response_chain", "max_response_items", "responses_key",
+        "responses_key_file", "file_ttl_s",
         "max_files_per_tenant", "max_file_bytes_per_tenant", "max_batch_lines", "batch_max_inflight",
         "batch_max_backlog", "batch_priority", "batch_claim_idle_s", "batch_max_running",
         "batch_max_running_per_tenant", "batch_sweep_s")),

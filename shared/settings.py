@@ -36,7 +36,7 @@ class SecretFiles(EnvSettings):
 
     @model_validator(mode="after")
     def _read_secret_files(self) -> SecretFiles:
-        for name in ("redis_password", "api_key"):
+        for name in ("redis_password", "api_key", "responses_key"):
             path = getattr(self, f"{name}_file", "")
             if not path:
                 continue
@@ -339,7 +339,8 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                  "requests get 503 with Retry-After")
     listen_backlog: int = Field(4096, ge=1, description="connections waiting to be accepted (at most somaxconn)")
     max_json_depth: int = Field(64, ge=2, description="deepest nesting of objects and lists in a request body")
-    max_user_chars: int = Field(256, ge=1, description="longest `user` and `safety_identifier` (OpenAI's limit)")
+    max_user_chars: int = Field(256, ge=1, description="longest `user`, `safety_identifier` and a "
+                                "response's `prompt_cache_key` (OpenAI's limit)")
     max_metadata_pairs: int = Field(16, ge=0, description="most `metadata` pairs (OpenAI's limit)")
     max_metadata_key_chars: int = Field(64, ge=1, description="longest `metadata` key (OpenAI's limit)")
     max_metadata_value_chars: int = Field(512, ge=1, description="longest `metadata` value (OpenAI's limit)")
@@ -405,6 +406,11 @@ class ApiSettings(CommonSettings, StorageSettings, AdapterSettings, DrainSetting
                                     "conversation is read link by link)")
     max_response_items: int = Field(1024, ge=1, description="most items of a response's conversation: its "
                                     "input and the conversation of its previous_response_id")
+    responses_key: str | None = Field(None, description="key sealing reasoning items' `encrypted_content` (32 "
+                                      "bytes as base64, e.g. `openssl rand -base64 32`): the same for every API "
+                                      "process; unset: each makes its own at start, with a warning")
+    responses_key_file: str = Field("", description="file holding --responses-key (instead of the flag, which "
+                                    "`ps` shows)")
     # -- The Batch API (services/api/batch_api/batches.py, services/api/batch_api/files.py).
     file_ttl_s: int = Field(30 * 86400, ge=60, description="how long an uploaded or a batch's output file is kept")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests in one batch's input file (OpenAI's)")

@@ -1004,3 +1004,14 @@ def test_the_api_keys_key_must_be_a_file_name(helm_bin):
     proc = helmbin.helm("template", "rs", str(helmbin.CHART), "--set", "auth.apiKeysSecret=k",
                         "--set", "auth.apiKeysKey=../etc/passwd")
     assert proc.returncode != 0 and "apiKeysKey" in proc.stdout + proc.stderr
+
+
+def test_the_api_pods_share_the_responses_key(render):
+    """The key sealing reasoning `encrypted_content` reaches every API pod from the release's Secret; rendered
+    without a cluster and none given there is none (no random key per render: a GitOps sync would change it)."""
+    docs = render(VALUES["internal-redis"], sets=["auth.responsesKey=a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2U="])
+    api = next(d for d in kube.by_kind(docs, "Deployment").values() if "api" in d["metadata"]["name"])
+    env = kube.resolve_env(kube.pod_spec(api)["containers"][0], docs, "api-0")
+    assert env["RSINFER_RESPONSES_KEY"] == "a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2V5a2U="
+    (secret,) = kube.by_kind(render(VALUES["internal-redis"]), "Secret").values()
+    assert "responses-key" not in secret["data"]

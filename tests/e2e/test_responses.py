@@ -10,16 +10,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from openai.types.responses import Response
 
 from rsinfer.launcher import api_ready
 from rsinfer.redis_server import free_port
 from tests.support.helpers import sse_payloads, wait_for
+from tests.support.openai_types import strict_event, strict_response
 from tests.support.stack import MODEL
 
 pytestmark = pytest.mark.timeout(120)
-EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
            "additionalProperties": False}
 SHORT = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}}, "required": ["answer"],
@@ -43,7 +42,7 @@ def second_api(stack):
 
 
 def strict(obj: dict) -> Response:
-    return Response.model_validate(obj)
+    return strict_response(obj)
 
 
 def chat_text(stack, messages, max_tokens: int, fmt: dict | None = None) -> str:
@@ -115,7 +114,7 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(stack):
             "text": {"format": LONG}}
     events = raw_events(stack.base_url, body)
     for ev in events:
-        EVENTS.validate_python(ev)
+        strict_event(ev)
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
@@ -128,7 +127,7 @@ def test_background_stream_resumes_on_another_process(stack, second_api):
             "background": True, "stream": True, "text": {"format": LONG}}
     whole = raw_events(stack.base_url, body)
     for ev in whole:
-        EVENTS.validate_python(ev)
+        strict_event(ev)
     expected = "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta")
     head = raw_events(stack.base_url, body, cut_after=12)  # the client goes away; the response goes on
     rid, last = head[0]["response"]["id"], head[-1]["sequence_number"]
@@ -225,12 +224,51 @@ def test_json_schema_text_format_validates(stack):
     ({"input": "x" * (4 << 20)}, "input", 400),  # --max-stored-response-bytes
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", 400),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", 400),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include", 400),
+    ({"input": "hi", "truncation": "auto"}, "truncation", 400),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", 400),
+    ({"input": "hi", "prompt_cache_key": "k" * 300}, "prompt_cache_key", 400),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", 400),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "forged"}]}, "input[0].encrypted_content",
+     400),
 ])
 def test_bad_requests_are_refused_naming_the_field(stack, body, param, status):
     resp = httpx.post(f"{stack.base_url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert resp.status_code == status, resp.text[:300]
     err = resp.json()["error"]
     assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_the_fields_agent_sdks_send_are_honoured_and_kept(stack):
+    """What the Agents SDK and Codex send on every call (before: `include` was a 400 even as [])."""
+    r = stack.client().responses.create(
+        model=MODEL, input="Hi", max_output_tokens=4, temperature=0, include=[], prompt_cache_key="conv-7",
+        safety_identifier="user-7", prompt_cache_retention="in_memory", max_tool_calls=2, top_logprobs=0,
+        truncation="disabled", conversation=None, prompt=None, context_management=None, store=False)
+    strict(r.model_dump(by_alias=True, exclude_unset=True))
+    assert r.prompt_cache_key == "conv-7" and r.safety_identifier == "user-7" and r.max_tool_calls == 2
+    record = stack.redis().hgetall(stack.keys.request(r.id.removeprefix("resp_")))
+    assert record["prompt_cache_key"] == "conv-7" and record["safety_identifier"] == "user-7"
+
+
+def test_reasoning_round_trips_sealed_and_only_where_sealed(stack, second_api):
+    """A stateless client gets its reasoning sealed (`encrypted_content`) and hands it back on its next turn;
+    the API process that sealed it opens it, another one with a key of its own (no --responses-key) refuses it
+    naming the field."""
+    ask = {"role": "user", "content": "Paris?"}
+    first = stack.client().responses.create(model=MODEL, input=[ask], reasoning={"effort": "medium"}, store=False,
+                                            include=["reasoning.encrypted_content"], max_output_tokens=40,
+                                            temperature=0)
+    strict(first.model_dump(by_alias=True, exclude_unset=True))
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content and reasoning.content[0].text
+    assert reasoning.content[0].text not in reasoning.encrypted_content
+    turn = [ask, *[o.model_dump(exclude_none=True) for o in first.output], {"role": "user", "content": "And?"}]
+    again = stack.client().responses.create(model=MODEL, input=turn, store=False, max_output_tokens=4)
+    assert again.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:
+        second_api.responses.create(model=MODEL, input=turn, store=False, max_output_tokens=4)
+    assert e.value.body["param"] == "input[1].encrypted_content"
 
 
 def test_unknown_and_malformed_ids(stack):

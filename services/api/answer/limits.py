@@ -5,7 +5,8 @@ services/api/edge/app.py `Guard` and services/api/edge/http.py).
 
 - nesting: the body's objects and lists nest at most `max_json_depth` deep (deeper ones crash encoders and
   templates further on);
-- what the request record keeps for its TTL: OpenAI's limits on `user`, `safety_identifier` and `metadata`;
+- what the request record keeps for its TTL: OpenAI's limits on `user`, `safety_identifier` and `metadata`
+  (`prompt_cache_key` as `user`);
 - free text that travels with the job but is not the prompt: stop strings (UTF-8 bytes, each and together),
   `stop_token_ids`, `logit_bias`, a structured-output constraint, `tools`, `chat_template_kwargs`. Prompts and
   messages are bounded by the body limit and by the model's context: text of more bytes than the context's
@@ -125,9 +126,10 @@ class Limits:
 
     # -- what the request record keeps ------------------------------------------------------------------
     def record_fields(self, user: str | None, safety_identifier: str | None = None,
-                      metadata: dict[str, str] | None = None) -> None:
+                      metadata: dict[str, str] | None = None, prompt_cache_key: str | None = None) -> None:
         s = self.s
-        for name, value in (("user", user), ("safety_identifier", safety_identifier)):
+        for name, value in (("user", user), ("safety_identifier", safety_identifier),
+                            ("prompt_cache_key", prompt_cache_key)):
             if value is not None and len(value) > s.max_user_chars:
                 raise too_large(name, f"`{name}` is {len(value)} characters; at most {s.max_user_chars} "
                                 "(--max-user-chars)")

@@ -8,19 +8,27 @@ and can send exactly those after N. Item ids and call ids are derived from the r
 
 A response's output items are, in order: its reasoning (where the model's answers have it), its message, and its
 function calls (services/api/answer/parsers.py splits the answer), each announced (`response.output_item.added`),
-streamed (`.delta`) and closed (`.done`) in turn.
+streamed (`.delta`) and closed (`.done`) in turn. A call of a custom tool (a function of one string, `input`, to the
+template: services/api/responses_api/response_schemas.py) is a `custom_tool_call` with that string as its input.
+With `include: ["reasoning.encrypted_content"]` a reasoning item carries its text sealed with the server's key
+(services/api/responses_api/sealing.py; a fresh nonce each time, so the value differs between reads of one
+response, and each opens to the same text).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.api.answer.formats import Counts, Format, Head
 from services.api.answer.parsers import AnswerParser
 from shared.messages import ReplyEvent
 from shared.request_states import Finish
+
+if TYPE_CHECKING:
+    from services.api.responses_api.sealing import Sealer
 
 ENDS = {Finish.STOP: "completed", Finish.LENGTH: "incomplete", Finish.ABORT: "cancelled", Finish.ERROR: "failed"}
 END_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -46,6 +54,16 @@ def response_error(err: dict) -> dict:
     return {"code": code, "message": f"{ours}: {message}" if ours else message}
 
 
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the model wrote: their `input` string, else (a model that wrote
+    something else) the arguments as they are."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
 class ResponseFormat(Format):
     """`shown`: the request's fields the response object echoes (services/api/responses_api/response_schemas.py
     `shown`); `parse`: how answers are split (reasoning, tool calls), as for chat."""
@@ -69,6 +87,8 @@ class ResponseFormat(Format):
         self.opened = False
         self.on_end: Callable[[dict], Awaitable[None]] | None = None  # stores the final object (responses.py)
         self.final: dict | None = None
+        self.sealer: Sealer | None = None  # seals reasoning when `parse` says so (responses.py sets it)
+        self.custom = {t["name"] for t in shown.get("tools") or [] if t.get("type") == "custom"}
 
     def start(self, uid: str, created: int) -> None:
         """The uid and time of the job it answers, once known (services/api/responses_api/response_schemas.py)."""
@@ -160,18 +180,34 @@ class ResponseFormat(Format):
             self._emit("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                        text=text)
             item["content"] = [{"type": "reasoning_text", "text": text}]
+            if self.parse.get("seal") is not None and self.sealer is not None:  # the tenant's name
+                item["encrypted_content"] = self.sealer.seal(text, self.shown["model"], self.parse["seal"])
         self._emit("response.output_item.done", output_index=at, item=copy.deepcopy(item))
 
     def _call(self, name: str, arguments: str) -> None:
         self._close_current()
+        if name in self.custom:
+            self._custom_call(name, custom_input(arguments))
+            return
         at = len(self.output)
         item = {"id": f"fc_{self.uid}_{at}", "type": "function_call", "call_id": f"call_{self.uid}_{at}",
                 "name": name, "arguments": "", "status": "in_progress"}
         self._emit("response.output_item.added", output_index=at, item=dict(item))
         self._emit("response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=arguments)
         self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                   arguments=arguments, name=name)
+                   arguments=arguments)
         item.update(arguments=arguments, status="completed")
+        self.output.append(item)
+        self._emit("response.output_item.done", output_index=at, item=dict(item))
+
+    def _custom_call(self, name: str, text: str) -> None:
+        at = len(self.output)
+        item = {"id": f"ctc_{self.uid}_{at}", "type": "custom_tool_call", "call_id": f"call_{self.uid}_{at}",
+                "name": name, "input": ""}
+        self._emit("response.output_item.added", output_index=at, item=dict(item))
+        self._emit("response.custom_tool_call_input.delta", item_id=item["id"], output_index=at, delta=text)
+        self._emit("response.custom_tool_call_input.done", item_id=item["id"], output_index=at, input=text)
+        item["input"] = text
         self.output.append(item)
         self._emit("response.output_item.done", output_index=at, item=dict(item))
 

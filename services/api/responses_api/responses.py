@@ -49,8 +49,10 @@ from services.api.answer.service import ApiService
 from services.api.errors import ApiError
 from services.api.multitenancy.tenants import Tenant
 from services.api.responses_api.response_format import ResponseFormat
-from services.api.responses_api.response_schemas import ResponseRequest, as_input, response_uid
+from services.api.responses_api.response_items import as_input
+from services.api.responses_api.response_schemas import ResponseRequest, response_uid
 from services.api.responses_api.response_store import ResponseStore, Stored
+from services.api.responses_api.sealing import Sealer, key_from_setting
 from shared.messages import SamplingParams
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
 
@@ -64,7 +66,7 @@ def not_found(response_id: str) -> ApiError:
                     param="response_id", code="response_not_found")
 
 
-def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
+def answer_parsing(body: ResponseRequest, model_info: dict, tenant: str) -> dict:
     """How the model's answers are split: reasoning where its tokenizer detected a reasoning format, tool calls
     when the request offers tools it may call."""
     out: dict = {}
@@ -75,11 +77,15 @@ def answer_parsing(body: ResponseRequest, model_info: dict) -> dict:
                          "reasoning")
     if body.tools and body.tool_choice != "none" and model_info.get("tool_call_parser", "none") != "none":
         out["tools"] = model_info["tool_call_parser"]
+    if body.encrypts():
+        out["seal"] = tenant  # reasoning items carry encrypted_content, sealed for this tenant
     return out
 
 
-def format_of_doc(meta: dict[str, Any], uid: str) -> ResponseFormat:
-    return ResponseFormat(meta["shown"], meta.get("parse"), uid, int(meta.get("created", 0)))
+def format_of_doc(meta: dict[str, Any], uid: str, sealer: Sealer | None = None) -> ResponseFormat:
+    fmt = ResponseFormat(meta["shown"], meta.get("parse"), uid, int(meta.get("created", 0)))
+    fmt.sealer = sealer
+    return fmt
 
 
 @dataclass
@@ -103,6 +109,7 @@ class ResponseBody:
     history: Conversation
     items: list[dict[str, Any]]
     store: ResponseStore
+    sealer: Sealer | None = None
     lora_path: str | None = None
     stored: dict[str, bytes] = field(default_factory=dict)
 
@@ -116,7 +123,10 @@ class ResponseBody:
 
     @property
     def cache_salt(self) -> str | None:
-        return self.request.cache_salt
+        """`cache_salt`, and OpenAI's `prompt_cache_key` with it: requests that name different keys share no
+        prefix-cache pages, and those that name one key route to the pages cached for it (shared/pages.py)."""
+        salt, key = self.request.cache_salt, self.request.prompt_cache_key
+        return salt if key is None else f"{salt or ''}\x1fprompt_cache_key:{key}"
 
     @property
     def slo(self) -> SloTargets | None:
@@ -134,8 +144,9 @@ class ResponseBody:
         body = self.request
         messages = body.messages(self.history.items, self.items)
         fits_context(messages, None, stamp.model_info, "input")
-        parse = answer_parsing(body, stamp.model_info)
+        parse = answer_parsing(body, stamp.model_info, self.tenant.name)
         fmt = ResponseFormat(body.shown(body.previous_response_id), parse)
+        fmt.sealer = self.sealer
         sub = body.submission(params, stamp, messages, fmt)
         if body.store is False:
             return sub
@@ -153,6 +164,7 @@ class Responses:
     def __init__(self, ctx: ApiContext, service: ApiService):
         self.ctx, self.service, self.max_chain = ctx, service, ctx.settings.max_response_chain
         self.store = ResponseStore(ctx.redis, ctx.keys, ctx.settings, ctx.metrics.responses)
+        self.sealer = Sealer(key_from_setting(ctx.settings.responses_key))
         self.followers: set[asyncio.Task] = set()  # background responses this process follows to their end
 
     async def close(self) -> None:
@@ -185,7 +197,8 @@ class Responses:
         stored response (with `store`) counted against the tenant's bounds: it is written when the request is
         opened; `new_uid`: the uid its job takes (a batch's line has its own), else the reply hub's."""
         history = await self.conversation(body.previous_response_id, tenant)
-        prepared = ResponseBody(body, tenant, history, body.input_items(), self.store)
+        items = body.input_items(lambda value, param: self.sealer.open(value, body.model, tenant.name, param))
+        prepared = ResponseBody(body, tenant, history, items, self.store, self.sealer)
         admitted = await self.service.admission.admit(prepared, tenant, new_uid, headers)
         fmt = admitted.submission.fmt
         assert isinstance(fmt, ResponseFormat)
@@ -289,7 +302,7 @@ class Responses:
             return final
         record = await self.ctx.store.record(uid)
         if not record:  # the request's keys expired before its final object was stored
-            return {**format_of_doc(meta, uid).obj("failed"),
+            return {**format_of_doc(meta, uid, self.sealer).obj("failed"),
                     "error": {"code": "server_error", "message": "response_expired: the response's output "
                                                           "expired before it was stored"}}
         if record.get("status") not in TERMINAL:
@@ -299,7 +312,7 @@ class Responses:
     async def rebuild(self, uid: str, meta: dict[str, Any], owner: str, record: dict) -> dict[str, Any] | None:
         """The final object from the reply stream, read to its end (then stored); None if it does not end within
         REBUILD_S (an aborted request no worker has picked up yet)."""
-        fmt = format_of_doc(meta, uid)
+        fmt = format_of_doc(meta, uid, self.sealer)
         req = await self.ctx.requests.attach(uid, record, None)
         try:
             async with asyncio.timeout(REBUILD_S):
@@ -320,7 +333,7 @@ class Responses:
         if final is not None:
             return final
         status = (await self.ctx.store.field([uid], "status"))[uid]
-        return format_of_doc(meta, uid).obj("queued" if status in NOT_SCHEDULED else "in_progress")
+        return format_of_doc(meta, uid, self.sealer).obj("queued" if status in NOT_SCHEDULED else "in_progress")
 
     async def resume(self, http: HttpRequest, doc: Stored, starting_after: int | None):
         """The stream's events again, from its start or after event `starting_after`."""
@@ -332,7 +345,7 @@ class Responses:
         if not record:
             raise ApiError(410, f"the events of `resp_{uid}` expired (--request-ttl-s)", param="response_id",
                            code="reply_expired")
-        fmt = format_of_doc(meta, uid)
+        fmt = format_of_doc(meta, uid, self.sealer)
         fmt.skip_through = -1 if starting_after is None else starting_after
         fmt.on_end = lambda final: self.store.finish(uid, doc.owner, final)
         return await self.service.stream(http, self.ctx.requests.attach(uid, record, None), fmt)
@@ -351,7 +364,7 @@ class Responses:
             await self.ctx.store.abort_now(uid, EndReason.API, record.get("model"))
         final = (await self.final(uid, meta, doc.owner) if not record else
                  await self.rebuild(uid, meta, doc.owner, record))
-        return final or format_of_doc(meta, uid).obj("cancelled")
+        return final or format_of_doc(meta, uid, self.sealer).obj("cancelled")
 
     async def delete(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
         doc = await self.doc(response_id, tenant)

@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter, ValidationError
+from openai.types.responses import Response
+from pydantic import ValidationError
 
 from services.api.responses_api.response_format import ResponseFormat
 from services.api.responses_api.response_schemas import ResponseRequest
 from shared.messages import ReplyEvent
-
-EVENTS = TypeAdapter(ResponseStreamEvent)
+from tests.support.openai_types import strict_event, strict_response
 
 
 @dataclass
@@ -48,14 +47,14 @@ def run(f: ResponseFormat, evs: list[ReplyEvent], batches: list[int]) -> list[di
 def test_text_stream_events_parse_with_the_sdk_types():
     out = run(fmt(), events(["Hel", "lo", " there"]), [1, 2])
     for ev in out:
-        EVENTS.validate_python(ev)
+        strict_event(ev)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     assert [e["type"] for e in out] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.completed"]
-    final = Response.model_validate(out[-1]["response"])
+    final = strict_response(out[-1]["response"])
     assert final.output_text == "Hello there" and final.status == "completed"
     assert final.usage.output_tokens == 3 and final.usage.input_tokens == 7
 
@@ -78,10 +77,10 @@ def test_length_ends_incomplete_and_abort_cancelled():
     out = run(fmt(), events(["a", "b"], "length"), [2])
     assert out[-1]["type"] == "response.incomplete"
     assert out[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
-    EVENTS.validate_python(out[-1])
+    strict_event(out[-1])
     f = fmt()
     f.add(events(["a"], "abort"))
-    assert Response.model_validate(f.response(Counts())).status == "cancelled"
+    assert strict_response(f.response(Counts())).status == "cancelled"
 
 
 def test_tool_calls_are_function_call_items_with_stable_ids():
@@ -89,8 +88,8 @@ def test_tool_calls_are_function_call_items_with_stable_ids():
     tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
     out = run(fmt({"tools": "hermes"}, tools=tools), events([call[:20], call[20:]]), [1, 1])
     for ev in out:
-        EVENTS.validate_python(ev)
-    final = Response.model_validate(out[-1]["response"])
+        strict_event(ev)
+    final = strict_response(out[-1]["response"])
     [item] = final.output
     assert item.type == "function_call" and item.name == "get_weather" and item.call_id == "call_u1_0"
     assert item.arguments == '{"city": "Paris"}'
@@ -101,7 +100,7 @@ def test_failure_is_a_failed_response():
     f = fmt()
     f.chunks(events(["a"], None)[:1], Counts())  # type: ignore[arg-type]
     [ev] = f.failure_chunks({"error": {"message": "boom", "code": "engine_error", "type": "server_error"}})
-    EVENTS.validate_python(ev)
+    strict_event(ev)
     assert ev["type"] == "response.failed"
     assert ev["response"]["error"] == {"code": "server_error", "message": "engine_error: boom"}
 
@@ -110,8 +109,8 @@ def test_reasoning_is_its_own_output_item_before_the_message():
     out = run(fmt({"reasoning": "deepseek_r1"}, reasoning={"effort": "low"}),
               events(["<think>let me ", "see</think>", "It is 4."]), [1, 1, 1])
     for ev in out:
-        EVENTS.validate_python(ev)
-    final = Response.model_validate(out[-1]["response"])
+        strict_event(ev)
+    final = strict_response(out[-1]["response"])
     reasoning, message = final.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "let me see"
     assert message.type == "message" and final.output_text == "It is 4."
@@ -124,7 +123,7 @@ def test_a_prompt_that_opened_the_thinking_makes_the_first_text_reasoning():
     message, whose text is what follows it."""
     evs = events(["let me ", "see</think>\n\n", "It is 4."])
     evs[0] = ReplyEvent(start=0, end=1, text="let me ", prompt_tokens=7, thinking=True)
-    final = Response.model_validate(run(fmt({"reasoning": "qwen3"}), evs, [1, 2])[-1]["response"])
+    final = strict_response(run(fmt({"reasoning": "qwen3"}), evs, [1, 2])[-1]["response"])
     reasoning, _ = final.output
     assert reasoning.content[0].text == "let me see" and final.output_text == "It is 4."
 
@@ -133,7 +132,7 @@ def test_a_tool_call_cut_by_max_output_tokens_is_not_text():
     tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
     out = run(fmt({"tools": "hermes"}, tools=tools), events(["Let me check.\n<tool_", 'call>\n{"name": "get_w'],
                                                            "length"), [1, 1])
-    final = Response.model_validate(out[-1]["response"])
+    final = strict_response(out[-1]["response"])
     assert final.status == "incomplete" and final.output_text == "Let me check.\n"
     assert "<tool_call>" not in str(out)
 
