@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -62,6 +63,8 @@ def main() -> None:
     rank = int(sys.argv[1])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a signal to the pod's process group: rank 0 drains, then stops us
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
     threading.Thread(target=watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
     payload = json.loads(sys.stdin.read())
