@@ -143,7 +143,7 @@ def rank_device(setting: str, rank: int):
     return device
 
 
-def load_shard(settings: SchedulerSettings, model_path: str, device, rank: int, world: int):
+def load_shard(settings: SchedulerSettings, model_path: str, device, rank: int, groups):
     """The model loaded on the CPU, cut down to this rank's shard, then moved to its device (so a device never
     holds more than its share)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -154,7 +154,7 @@ def load_shard(settings: SchedulerSettings, model_path: str, device, rank: int, 
     dtype = pick_dtype(settings.dtype, device, config)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                  trust_remote_code=settings.trust_remote_code)
-    shard_model(model, rank, world)
+    shard_model(model, rank, settings.tensor_parallel_size, groups.step)
     return model.to(device).eval()
 
 
@@ -182,7 +182,7 @@ def build_tensor_parallel(settings: SchedulerSettings, model_path: str, adapters
 
     device = rank_device(settings.device, 0)
     group = TensorParallelGroup.start(settings, model_path, device)
-    model = load_shard(settings, model_path, device, 0, settings.tensor_parallel_size)
+    model = load_shard(settings, model_path, device, 0, group.groups)
     ranks = group.joined(weight_bytes(model))
     eos = eos_token_ids(model_path, model.config)
     param = next(model.parameters())

@@ -111,9 +111,11 @@ class ModelRunner:
                 return self._call(meta, ids, keep)
         try:  # every rank runs this forward: they learn its inputs first
             self.tp.publish(rows, ids, keep)
-            return self._call(meta, ids, keep)
+            logits = self._call(meta, ids, keep)
         except Exception as exc:  # a collective failed or timed out: the ranks no longer agree
             self.tp.fail(exc)
+        self.tp.done()
+        return logits
 
     @torch.inference_mode()
     def run_packed(self, rows: list[RowSpec], ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ same forward on its shard (tp_shard.py), each rank's KV cache holding its share 
 page ids. The inputs travel as int64 tensors, no pickle: a fixed header, then one body, then the ids (on the
 device, where an overlapped step patched in the previous step's sampled tokens).
 
-One unit: rank 0 watches its workers and, when one exits, or a collective of a step fails or outlasts
+One unit: rank 0 watches its workers and, when one exits, or a step's collectives fail or the step outlasts
 --tp-timeout-s (a hung rank), kills the rest and exits nonzero; its held requests are taken over by a peer
 scheduler as after any crash. A worker exits when rank 0 does (it watches its parent) or when a collective fails.
 The wait for the next step is on a gloo group of its own with a long timeout: a scheduler may idle for hours.
@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -46,12 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_ranks(rank: int, world: int, port: int, device: torch.device, timeout_s: float):
-    """Join the group; return the control group (gloo, CPU, long timeout) the step headers travel on."""
+@dataclass(frozen=True)
+class Groups:
+    step: object  # the forward's collectives (NCCL on CUDA): --tp-timeout-s, past which a rank counts as hung
+    control: object  # gloo on the CPU, long timeout: start-up, and the wait for the next step's header
+
+
+def init_ranks(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> Groups:
+    """Join the group (rank 0 listens on `port`; the others may take their time to start)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+                            timeout=IDLE_TIMEOUT)
+    step = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return Groups(step, dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,8 @@ class Step:
 class StepChannel:
     """Rank 0 sends each step's inputs; the other ranks receive them."""
 
-    def __init__(self, device: torch.device, control):
-        self.device, self.control = device, control
+    def __init__(self, device: torch.device, groups: Groups):
+        self.device, self.control, self.step = device, groups.control, groups.step
 
     def send(self, rows: list[RowSpec], ids: torch.Tensor, keep: torch.Tensor, zero: list[int]) -> None:
         pages = [p for r in rows for p in r.pages]
@@ -75,8 +83,8 @@ class StepChannel:
                             + pages + zero, dtype=torch.int64)
         dist.broadcast(head, 0, group=self.control)
         dist.broadcast(body, 0, group=self.control)
-        dist.broadcast(ids.contiguous(), 0)
-        dist.broadcast(keep.contiguous(), 0)
+        dist.broadcast(ids.contiguous(), 0, group=self.step)
+        dist.broadcast(keep.contiguous(), 0, group=self.step)
 
     def stop(self) -> None:
         dist.broadcast(torch.tensor([OP_STOP, 0, 0, 0, 0, 0], dtype=torch.int64), 0, group=self.control)
@@ -92,8 +100,8 @@ class StepChannel:
         dist.broadcast(body, 0, group=self.control)
         ids = torch.empty(n_ids, dtype=torch.int64, device=self.device)
         keep = torch.empty(n_keep, dtype=torch.int64, device=self.device)
-        dist.broadcast(ids, 0)
-        dist.broadcast(keep, 0)
+        dist.broadcast(ids, 0, group=self.step)
+        dist.broadcast(keep, 0, group=self.step)
         flat = body.tolist()
         starts, news, counts = flat[:n_rows], flat[n_rows:2 * n_rows], flat[2 * n_rows:3 * n_rows]
         at, rows = 3 * n_rows, []
@@ -127,12 +135,13 @@ class TensorParallelGroup:
     def __init__(self, size: int, timeout_s: float, device: torch.device):
         self.size, self.timeout_s, self.device = size, timeout_s, device
         self.procs: list[subprocess.Popen] = []
-        self.control = None
+        self.groups: Groups | None = None
         self.channel: StepChannel | None = None
         self.ranks: list[dict] = []
         self.kv_tokens = 0
         self.pending_zero: list[int] = []
         self._stopping = threading.Event()
+        self._step_since: float | None = None  # when the step now running was published (the watch's hang check)
 
     @classmethod
     def start(cls, settings, model_path: str, device: torch.device) -> TensorParallelGroup:
@@ -148,15 +157,15 @@ class TensorParallelGroup:
             proc.stdin.close()
             group.procs.append(proc)
         threading.Thread(target=group._watch, name="tp-watch", daemon=True).start()
-        group.control = init_ranks(0, group.size, port, device, settings.tp_timeout_s)
-        group.channel = StepChannel(device, group.control)
+        group.groups = init_ranks(0, group.size, port, device, settings.tp_timeout_s)
+        group.channel = StepChannel(device, group.groups)
         log.info("tensor parallel: %d ranks (%s), workers %s", group.size, dist.get_backend(),
                  [p.pid for p in group.procs])
         return group
 
     def joined(self, weight_bytes: int) -> list[dict]:
         """After sharding: learn every rank's weights and device (logged; in the heartbeat)."""
-        self.ranks = exchange_info(self.control, self.device, weight_bytes)
+        self.ranks = exchange_info(self.groups.control, self.device, weight_bytes)
         for r in self.ranks:
             log.info("tensor parallel rank %d: pid %d on %s, %.1f MiB of weights", r["rank"], r["pid"], r["device"],
                      r["weight_bytes"] / 2**20)
@@ -164,7 +173,7 @@ class TensorParallelGroup:
 
     def agree_pages(self, pages: int, page_size: int) -> int:
         self.kv_tokens = (pages - 1) * page_size
-        return agree_pages(self.control, pages)
+        return agree_pages(self.groups.control, pages)
 
     def note_zero(self, pages: list[int]) -> None:
         """Pages rank 0 cleared: the other ranks clear theirs before the next step."""
@@ -173,7 +182,12 @@ class TensorParallelGroup:
     def publish(self, rows: list[RowSpec], ids: torch.Tensor, keep: torch.Tensor) -> None:
         assert self.channel is not None
         zero, self.pending_zero = self.pending_zero, []
+        self._step_since = time.monotonic()
         self.channel.send(rows, ids, keep, zero)
+
+    def done(self) -> None:
+        """The step's forward returned on rank 0 (every rank took part in its collectives)."""
+        self._step_since = None
 
     def fail(self, exc: BaseException) -> NoReturn:
         """A step's collective failed or timed out: the ranks disagree on what ran, so none may go on."""
@@ -203,6 +217,9 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _watch(self) -> None:
+        """Down at once when a worker exits, or when a step outlasts --tp-timeout-s: a rank that hangs (stopped, a
+        stuck kernel) may hold every other rank in a collective that no transport timeout ends (a gloo send waits
+        for its receiver)."""
         while not self._stopping.wait(WATCH_EVERY_S):
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
@@ -210,6 +227,11 @@ class TensorParallelGroup:
                     log.critical("tensor-parallel rank %d (pid %d) exited with %s; taking the group down", rank,
                                  proc.pid, code)
                     self._down(1)
+            since = self._step_since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                log.critical("a tensor-parallel step has not completed in %.0f s (--tp-timeout-s): a rank hangs; "
+                             "taking the group down", self.timeout_s)
+                self._down(1)
 
     def _down(self, code: int) -> NoReturn:
         self._stopping.set()

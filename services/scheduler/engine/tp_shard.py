@@ -12,6 +12,7 @@ one rank's so that the paged engine sizes its KV cache for that share.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,9 @@ def plan(config, rank: int, world: int, vocab: int) -> Shard:
     return Shard(rank, world, per, kv_per, kv_first, inter // world, vocab)
 
 
-def shard_model(model: nn.Module, rank: int, world: int) -> Shard:
-    """Split `model`'s weights in place for `rank` of `world` (torch.distributed initialised); its config then
-    describes one rank's share of the heads and MLP."""
+def shard_model(model: nn.Module, rank: int, world: int, group=None) -> Shard:
+    """Split `model`'s weights in place for `rank` of `world`, its collectives on `group` (torch.distributed
+    initialised; None: the default group); its config then describes one rank's share of the heads and MLP."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
@@ -70,13 +71,13 @@ def shard_model(model: nn.Module, rank: int, world: int) -> Shard:
         raise UnshardableModel(f"{type(model).__name__}: tensor parallelism needs separate q/k/v/o and gate/up/down "
                                f"projections in every layer (found {len(attn)} attention and {len(mlp)} MLP modules)")
     for module in attn:
-        _shard_attention(module, shard, head_dim)
+        _shard_attention(module, shard, head_dim, group)
     for module in mlp:
         lo = rank * shard.intermediate
         _columns(module.gate_proj, lo, shard.intermediate)
         _columns(module.up_proj, lo, shard.intermediate)
-        _rows(module.down_proj, lo, shard.intermediate, rank)
-    _shard_vocab(model, shard)
+        _rows(module.down_proj, lo, shard.intermediate, rank, group)
+    _shard_vocab(model, shard, group)
     config.head_dim = head_dim
     config.num_attention_heads = shard.heads
     config.num_key_value_heads = shard.kv_heads
@@ -88,7 +89,7 @@ def _layers(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     return [m for m in model.modules() if all(isinstance(getattr(m, n, None), nn.Linear) for n in names)]
 
 
-def _shard_attention(module: nn.Module, shard: Shard, head_dim: int) -> None:
+def _shard_attention(module: nn.Module, shard: Shard, head_dim: int, group) -> None:
     for norm in ("q_norm", "k_norm"):  # per-head norms (Qwen3) need nothing; a norm over all heads cannot split
         weight = getattr(getattr(module, norm, None), "weight", None)
         if weight is not None and weight.shape[-1] != head_dim:
@@ -97,7 +98,7 @@ def _shard_attention(module: nn.Module, shard: Shard, head_dim: int) -> None:
     _columns(module.q_proj, q_lo, shard.heads * head_dim)
     _columns(module.k_proj, shard.kv_first * head_dim, shard.kv_heads * head_dim)
     _columns(module.v_proj, shard.kv_first * head_dim, shard.kv_heads * head_dim)
-    _rows(module.o_proj, q_lo, shard.heads * head_dim, shard.rank)
+    _rows(module.o_proj, q_lo, shard.heads * head_dim, shard.rank, group)
     module.num_key_value_groups = shard.heads // shard.kv_heads
     for name, value in (("num_heads", shard.heads), ("num_key_value_heads", shard.kv_heads)):
         if hasattr(module, name):
@@ -112,21 +113,21 @@ def _columns(linear: nn.Linear, lo: int, n: int) -> None:
     linear.out_features = n
 
 
-def _rows(linear: nn.Linear, lo: int, n: int, rank: int) -> None:
+def _rows(linear: nn.Linear, lo: int, n: int, rank: int, group) -> None:
     """Keep input features [lo, lo + n); the ranks' partial outputs are summed (the bias added once)."""
     linear.weight = nn.Parameter(linear.weight.data[:, lo:lo + n].clone(), requires_grad=False)
     if linear.bias is not None and rank != 0:
         linear.bias = None
     linear.in_features = n
-    linear.register_forward_hook(_all_reduce)
+    linear.register_forward_hook(functools.partial(_all_reduce, group))
 
 
-def _all_reduce(_module: nn.Module, _args, out: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(out)
+def _all_reduce(group, _module: nn.Module, _args, out: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(out, group=group)
     return out
 
 
-def _shard_vocab(model: nn.Module, shard: Shard) -> None:
+def _shard_vocab(model: nn.Module, shard: Shard, group) -> None:
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     per = -(-shard.vocab // shard.world)
@@ -134,11 +135,11 @@ def _shard_vocab(model: nn.Module, shard: Shard) -> None:
     tied = embed is not None and getattr(embed, "weight", None) is head.weight
     weight = _vocab_rows(head.weight.data, lo, per)
     bias = None if head.bias is None else _vocab_rows(head.bias.data, lo, per)
-    new_head = VocabParallelHead(weight, shard.vocab, bias)
+    new_head = VocabParallelHead(weight, shard.vocab, bias, group)
     model.set_output_embeddings(new_head)
     if type(embed) is nn.Embedding:  # a subclass may scale or offset its lookups: it stays whole
         rows = new_head.weight if tied else nn.Parameter(_vocab_rows(embed.weight.data, lo, per), requires_grad=False)
-        model.set_input_embeddings(VocabParallelEmbedding(rows, lo, embed.weight.shape[0]))
+        model.set_input_embeddings(VocabParallelEmbedding(rows, lo, embed.weight.shape[0], group))
 
 
 def _vocab_rows(weight: torch.Tensor, lo: int, per: int) -> torch.Tensor:
@@ -153,10 +154,10 @@ class VocabParallelEmbedding(nn.Module):
     """The embedding rows of one rank's vocabulary slice; a token's vector comes from the rank that holds it
     (the others add zeros)."""
 
-    def __init__(self, weight: nn.Parameter, lo: int, vocab: int):
+    def __init__(self, weight: nn.Parameter, lo: int, vocab: int, group=None):
         super().__init__()
         self.weight = weight
-        self.lo, self.vocab = lo, vocab
+        self.lo, self.vocab, self.group = lo, vocab, group
         self.num_embeddings, self.embedding_dim = vocab, weight.shape[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -164,7 +165,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
         out = out * mine[..., None].to(out.dtype)
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.group)
         return out
 
 
@@ -172,16 +173,16 @@ class VocabParallelHead(nn.Module):
     """The LM head rows of one rank's vocabulary slice; every rank gets the full logits (all-gathered), only
     rank 0 samples from them. `vocab`: the full vocabulary (what the engine and grammars size for)."""
 
-    def __init__(self, weight: torch.Tensor | nn.Parameter, vocab: int, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor | nn.Parameter, vocab: int, bias: torch.Tensor | None = None, group=None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.vocab = vocab
+        self.vocab, self.group = vocab, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight, self.bias).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts, dim=-1)[..., :self.vocab]
 
 

@@ -43,15 +43,15 @@ def serve(rank: int, payload: dict) -> None:
     world = int(payload["world"])
     torch.set_num_threads(torch_threads(settings.threads))
     device = rank_device(settings.device, rank)
-    control = init_ranks(rank, world, int(payload["port"]), device, settings.tp_timeout_s)
-    model = load_shard(settings, payload["model_path"], device, rank, world)
-    exchange_info(control, device, weight_bytes(model))
+    groups = init_ranks(rank, world, int(payload["port"]), device, settings.tp_timeout_s)
+    model = load_shard(settings, payload["model_path"], device, rank, groups)
+    exchange_info(groups.control, device, weight_bytes(model))
     log.info("rank %d/%d on %s: %.1f MiB of weights", rank, world, device, weight_bytes(model) / 2**20)
-    pages = agree_pages(control, 0)
+    pages = agree_pages(groups.control, 0)
     dtype = next(model.parameters()).dtype
     kv = KVCache(attention_geometry(model).kv_shape(settings.page_size), pages, dtype, device)
     runner = ModelRunner(model, make_backend("auto", kv, model, dtype), settings.page_size)
-    channel = StepChannel(device, control)
+    channel = StepChannel(device, groups)
     while (step := channel.receive()) is not None:
         if step.zero:
             kv.zero_pages(step.zero)

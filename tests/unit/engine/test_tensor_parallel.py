@@ -73,16 +73,16 @@ def _runner(model):
 
 def _rank(rank: int, world: int, port: int, shape: dict, out: str) -> None:
     torch.set_num_threads(1)
-    control = init_ranks(rank, world, port, torch.device("cpu"), 60)
+    groups = init_ranks(rank, world, port, torch.device("cpu"), 60)
     model = copy.deepcopy(_BUILT[0])  # forked: the parent's model, built once
     full = weight_bytes(model)
     reference = None
     if rank == 0:
         ref_runner = _runner(copy.deepcopy(_BUILT[0]))
         reference = _steps(ref_runner, ref_runner.forward)
-    shard_model(model, rank, world)
+    shard_model(model, rank, world, groups.step)
     runner = _runner(model)
-    channel = StepChannel(torch.device("cpu"), control)
+    channel = StepChannel(torch.device("cpu"), groups)
 
     def run(rows, ids, keep):
         if rank == 0:  # as the engine's rank 0 does: broadcast, then run
@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, port: int, shape: dict, out: str) -> None:
 
     got = _steps(runner, run)
     sizes = [None] * world
-    dist.all_gather_object(sizes, weight_bytes(model), group=control)
+    dist.all_gather_object(sizes, weight_bytes(model), group=groups.control)
     if rank == 0:
         channel.stop()
         diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, reference, strict=True))
@@ -129,3 +129,60 @@ def test_plan_refuses_shapes_that_do_not_split():
         plan(Qwen3Config(**{**TINY, "num_attention_heads": 12, "num_key_value_heads": 3}), 0, 2, 512)
     replicated = [plan(Qwen3Config(**TINY), r, 4, 512) for r in range(4)]  # 1 query head each, 2 KV heads
     assert [(s.heads, s.kv_heads, s.kv_first) for s in replicated] == [(1, 1, 0), (1, 1, 0), (1, 1, 1), (1, 1, 1)]
+
+
+# rank 0 as the scheduler builds it (the factory starts rank 1), then one request stepped when told on stdin
+RANK0 = """
+import sys
+from services.scheduler.engine.base import EngineRequest
+from services.scheduler.engine.factory import build_engine
+from shared.messages import SamplingParams
+from shared.settings import SchedulerSettings
+engine = build_engine(SchedulerSettings(device="cpu", dtype="float32", threads=1, max_kv_tokens=512,
+                                        tensor_parallel_size=2, tp_timeout_s=2), sys.argv[1])
+print(" ".join(str(r["pid"]) for r in engine.group.ranks), flush=True)
+sys.stdin.readline()
+engine.add(EngineRequest("u", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0)))
+while engine.has_work():
+    engine.step()
+print("finished", flush=True)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(120)
+# a rank that exits (SIGKILL) is the pipeline test's: tests/e2e/test_tensor_parallel.py
+@pytest.mark.parametrize("fault", ["hang"])
+def test_a_rank_that_hangs_takes_the_group_down(random_model_dir, fault):
+    """A hung rank (stopped) holds rank 0's next step past --tp-timeout-s; rank 0's watch then kills the other ranks
+    and exits nonzero, none left running (a rank that exits is seen at once)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.helpers import wait_for
+
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0, str(random_model_dir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pids = [int(p) for p in rank0.stdout.readline().split()]
+        assert len(pids) == 2 and pids[0] == rank0.pid, pids
+        os.kill(pids[1], signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
+        began = time.monotonic()
+        rank0.stdin.write("go\n")
+        rank0.stdin.flush()
+        assert rank0.wait(30) != 0
+        assert time.monotonic() - began < 20
+        wait_for(lambda: _gone(pids[1]), timeout=10)
+        assert "finished" not in rank0.stdout.read()
+    finally:
+        rank0.kill()
+        rank0.wait()
