@@ -175,11 +175,16 @@ def build_tensor_parallel(settings: SchedulerSettings, model_path: str, adapters
     if settings.max_loras:
         raise ValueError("--tensor-parallel-size with --max-loras is not supported: LoRA slots would have to be "
                          "split like the layers they wrap (their B by columns, their A by rows) on every rank")
+    from transformers import AutoConfig
+
     from services.scheduler.engine.model_geometry import attention_geometry, max_context
     from services.scheduler.engine.paged import PagedEngine
     from services.scheduler.engine.tp_group import TensorParallelGroup
-    from services.scheduler.engine.tp_shard import weight_bytes
+    from services.scheduler.engine.tp_shard import plan, weight_bytes
 
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan(text, 0, settings.tensor_parallel_size, text.vocab_size)  # a shape that cannot split: refused before any start
     device = rank_device(settings.device, 0)
     group = TensorParallelGroup.start(settings, model_path, device)
     model = load_shard(settings, model_path, device, 0, group.groups)

@@ -186,3 +186,18 @@ def test_a_rank_that_hangs_takes_the_group_down(random_model_dir, fault):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_what_cannot_run_tensor_parallel_is_refused_before_any_rank_starts(random_model_dir):
+    from services.scheduler.engine.factory import build_engine
+    from shared.settings import SchedulerSettings
+
+    def build(**kw):
+        return build_engine(SchedulerSettings(device="cpu", threads=1, max_kv_tokens=256, **kw), str(random_model_dir))
+
+    with pytest.raises(UnshardableModel, match="must divide the query heads"):
+        build(tensor_parallel_size=3)  # the demo model has 4 query heads
+    with pytest.raises(ValueError, match="not supported: LoRA slots would have to be split"):
+        build(tensor_parallel_size=2, max_loras=1)
+    with pytest.raises(ValueError, match="needs the paged engine"):
+        build(tensor_parallel_size=2, engine="simple")
