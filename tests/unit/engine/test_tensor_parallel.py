@@ -109,7 +109,6 @@ def _rank(rank: int, world: int, port: int, shape: dict, out: str) -> None:
 @pytest.mark.parametrize(("shape", "world"), [(QWEN3_06B, 2), (TINY, 4)], ids=["qwen3-0.6b-shape-tp2", "tiny-tp4"])
 def test_sharded_forward_equals_unsharded(shape, world, tmp_path):
     out = tmp_path / "result.json"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # fork: the ranks start with the model built and torch and transformers imported (spawn: seconds each)
     _BUILT[:] = [_model(shape)]
     mp.start_processes(_rank, args=(world, free_port(), shape, str(out)), nprocs=world, join=True, start_method="fork")
@@ -157,6 +156,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # two processes start (~10 s on 2 cores)
 @pytest.mark.timeout(120)
 # a rank that exits (SIGKILL) is the pipeline test's: tests/e2e/test_tensor_parallel.py
 @pytest.mark.parametrize("fault", ["hang"])
