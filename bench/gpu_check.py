@@ -20,7 +20,9 @@ Sections, each written to the results file as soon as it is done, and skipped on
 6. lora (bf16, random adapters of rank 16 on every projection and rank 8 on q/v): greedy text of the base and
    4 adapters mixed, through grouped torch matmuls (torch attention, and flashinfer attention) and flashinfer's
    segment GEMM (eager, and from the LoRA decode graphs); the first segment GEMM warm-up's time (a JIT
-   compile); decode ms per step at batch 16 and 64 with 0, 1 and 4 distinct adapters per engine.
+   compile); decode ms per step at batch 16 and 64 with 0, 1 and 4 distinct adapters per engine;
+7. tensor_parallel (bench/gpu_check_tp.py), on 2 GPUs or more: TP=1 vs TP=2 greedy agreement, decode ms per
+   step, all-reduce time per step; skipped, saying so, on one GPU and on CPU.
 Without flashinfer it reports the torch engine alone. Figures only: nothing here fails on a slow result.
 """
 
@@ -649,6 +651,9 @@ def run(args: argparse.Namespace) -> None:
     check.section("syncs", check.syncs, 30)
     check.section("sampling", check.sampling, 5)
     check.section("lora", check.lora, 60)
+    from bench.gpu_check_tp import tp_section  # 7: two GPUs or more; skipped, saying so, on one
+
+    check.section("tensor_parallel", lambda: tp_section(check), 90)
     check.save()
     print(f"wrote {check.out} after {check.report['elapsed_s']} s")
 

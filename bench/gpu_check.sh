@@ -6,7 +6,9 @@
 # engine, host ms per step, GPU ms per step from back-to-back graph replays and the GPU's busy share; host syncs
 # per step by sampling mode; flashinfer's sampling kernels against the filtered softmax; LoRA adapters through
 # flashinfer's segment GEMM (eager and from graphs) against grouped torch matmuls, and decode ms per step at batch
-# 16/64 with 0, 1 and 4 adapters (its first warm-up JIT-compiles the segment GEMM: its time is reported). Sections write their
+# 16/64 with 0, 1 and 4 adapters (its first warm-up JIT-compiles the segment GEMM: its time is reported); on a machine
+# with 2 GPUs or more, tensor parallelism: TP=1 vs TP=2 greedy agreement, decode ms per step and all-reduce time per
+# step (bench/gpu_check_tp.py; on one GPU it skips and says so). Sections write their
 # results as they finish, to $OUT/gpu-check.json when $OUT is set (the device runner's output folder), else
 # bench/results/gpu-check.json, and start only while the time budget (GPU_CHECK_BUDGET_S, 270 s) allows.
 # Without flashinfer it runs and reports the torch engine alone.

@@ -538,6 +538,7 @@ def markdown(r: dict, plots: list[str], history: list[dict] | None = None, *, ho
     lines += host_section(host or {})
     lines += lora_section(lora or {})
     lines += lora_routing_section(lora_routing or {})
+    lines += report_rates.tp_section(load(report_rates.TP_RESULTS) if report_rates.TP_RESULTS.exists() else {})
     if history:
         lines += ["", "## Run to run", "",
                   "The headline figures of every recorded run (`bench/results/history.jsonl`), newest first; on a "
@@ -582,6 +583,8 @@ METHOD = [
     "by itself; the page keeps its last results from `bench/results/lora-step.json`).",
     "- **LoRA routing**: `bench/lora_routing.py`, described with its table above (not part of `make bench` either; "
     "its last results are in `bench/results/lora-routing.json`).",
+    "- **Tensor parallelism on CPU**: `bench/tp_bench.py`, described with its table above (not part of `make bench` "
+    "either; its last results are in `bench/results/tp-step.json`).",
     "- **GPU step rate** and **guidellm sweeps**: described with their tables above (sections `gpurate` and "
     "`guidellm`).",
     "- TTFT is from sending the request to its first non-empty chunk; ITL p50/p99 over the gaps between chunks "

@@ -154,3 +154,36 @@ def slo_section(g: dict) -> list[str]:
         lines.append(f"| {label} | {s['met']}/{s['probes']} | {s['late']} | {refusal} | {s['ended_missed']} | {ttft} "
                      f"| {s['goodput_per_s']}/s | {c['met']:.0f}/{c['missed']:.0f}/{c['refused']:.0f} |")
     return lines
+
+
+TP_RESULTS = Path(__file__).resolve().parent / "results" / "tp-step.json"
+
+
+def tp_section(tp: dict) -> list[str]:
+    """Tensor parallelism on CPU over gloo, from bench/tp_bench.py's results (issue 36)."""
+    shapes = tp.get("shapes") or {}
+    if not shapes:
+        return []
+    cfg, machine = tp.get("config", {}), tp.get("machine", {})
+    lines = ["", "## Tensor parallelism on CPU: what the collectives cost per step (issue 36)", "",
+             f"`bench/tp_bench.py`: the paged engine built by the scheduler's factory with `--tensor-parallel-size` 1 "
+             f"and 2 (a real worker process, gloo over loopback), {cfg.get('batch', '?')} greedy rows decoding, "
+             f"{cfg.get('dtype', 'float32')}, one torch thread per rank; median step of a run, median of "
+             f"{cfg.get('runs', '?')} interleaved runs. Collectives: rank 0's wall time inside torch.distributed calls "
+             "per step (two all-reduces per layer, one for the embedding, the logits' all-gather and the step's "
+             "four broadcasts), which on a loaded 2-core machine is mostly waiting for the other rank to be "
+             f"scheduled. Measured {tp.get('when', '?')} on {machine.get('cpus', '?')} CPUs, load average "
+             f"{' / '.join(str(x) for x in machine.get('loadavg') or [])} before: a figure, not a goal. On CPU a "
+             "second rank buys no speed (both ranks share the same cores); tensor parallelism is for models larger "
+             "than one GPU, where NCCL over NVLink all-reduces a decode step's activations in microseconds "
+             "(`bench/gpu_check.sh` measures it on a machine with 2 GPUs or more).", "",
+             "| model | TP=1 ms/step | TP=2 ms/step | TP=2 collectives per step | their ms per step "
+             "| greedy TP=1 = TP=2 |",
+             "|---|---|---|---|---|---|"]
+    for shape, r in shapes.items():
+        one, two = r.get("tp1", {}), r.get("tp2", {})
+        lines.append(f"| {shape} | {one.get('wall_ms', 0):.2f} (best {one.get('best_wall_ms', 0):.2f}) | "
+                     f"{two.get('wall_ms', 0):.2f} (best {two.get('best_wall_ms', 0):.2f}) | "
+                     f"{two.get('collectives', 0):.0f} | {two.get('collective_ms', 0):.2f} | "
+                     f"{'yes' if r.get('greedy_agree') else 'no'} |")
+    return lines

@@ -92,6 +92,7 @@ async def overview(redis, keys: Keys, requests: RequestStore, heartbeat_ttl_s: f
                    ) -> list[str]:
     workers = await live_workers(redis, keys, heartbeat_ttl_s)
     lines = worker_tables(workers, time.time())
+    lines += rank_lines(workers)
     lines.append(f"{'MODEL':32} {'STAGE':12} {'LAG':>6} {'PENDING':>8}")
     # declared models too: one scaled to zero has requests waiting for its workers
     for model in sorted({w.model for w in workers if w.model} | set(await declared_models(redis, keys))):
@@ -148,7 +149,8 @@ def worker_tables(workers: list, now: float) -> list[str]:
     lines: list[str] = []
     for role in sorted({w.role for w in workers}):
         rows = sorted((w for w in workers if w.role == role), key=lambda w: w.id)
-        reported = list(dict.fromkeys(k for w in rows for k, v in w.load.items() if not isinstance(v, dict)))
+        reported = list(dict.fromkeys(k for w in rows for k, v in w.load.items() if not isinstance(v, dict)
+                                      and k not in TABLES_OF_THEIR_OWN))
         columns = [c for c in FIRST_COLUMNS if c in reported] + [c for c in reported if c not in FIRST_COLUMNS]
         cells = [[cut(w.id, 36), cut(w.model or "-", 24)] for w in rows]
         header = ["WORKER", "MODEL"]
@@ -167,6 +169,21 @@ def worker_tables(workers: list, now: float) -> list[str]:
             lines += textwrap.wrap(f"(also in its heartbeat: {', '.join(left_out)})", WIDTH)
         lines.append("")
     return lines
+
+
+TABLES_OF_THEIR_OWN = ("tp_ranks",)  # a figure per rank: rank_lines
+
+
+def rank_lines(workers: list) -> list[str]:
+    """The ranks of each tensor-parallel scheduler (services/scheduler/engine/tp_group.py): process, device, the
+    weights it holds and its KV cache (each holds its share of the KV heads for every token)."""
+    rows = [[w.id, str(r.get("rank")), str(r.get("pid")), str(r.get("device")),
+             f"{(r.get('weight_bytes') or 0) / 2**20:.1f}", str(r.get("kv_tokens"))]
+            for w in sorted(workers, key=lambda w: w.id) for r in w.load.get("tp_ranks") or []]
+    if not rows:
+        return []
+    return ["TENSOR-PARALLEL RANKS", *aligned([["WORKER", "RANK", "PID", "DEVICE", "WEIGHTS_MIB", "KV_TOKENS"], *rows]),
+            ""]
 
 
 def _cell(name: str, value, now: float) -> str:

@@ -267,6 +267,12 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
                            "0 = no adapters (a request naming one is refused)")
     max_lora_rank: int = Field(16, ge=1, le=512, description="highest LoRA rank served: every slot is sized "
                                "for it, and an adapter of a higher rank is refused when it loads")
+    # -- tensor parallelism (services/scheduler/engine/tp_group.py): one process per device, one unit
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="devices one scheduler shards the model over "
+                                      "(Megatron-style tensor parallelism; this process is rank 0 and starts the "
+                                      "others); 1 = none")
+    tp_timeout_s: float = Field(30.0, gt=0, le=3600, description="a collective of a tensor-parallel step that does "
+                                "not complete within this many seconds (a hung rank) takes the group down")
 
 
 # -- Draining (services/api/edge/admin.py): a pod-local control socket, never an HTTP route -----------------------

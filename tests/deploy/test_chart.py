@@ -458,6 +458,16 @@ def test_scheduler_gets_a_gpu_by_default_and_none_on_cpu(render):
             assert "nvidia.com/gpu" not in str(dep)
 
 
+def test_a_tensor_parallel_scheduler_gets_a_gpu_per_rank_and_its_shared_memory(render):
+    docs = render(sets=["stages.scheduler.settings.tensor_parallel_size=4", "stages.scheduler.shmSize=8Gi"])
+    spec = kube.pod_spec(scheduler(docs))
+    (c,) = spec["containers"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 4 and c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert next(v for v in spec["volumes"] if v["name"] == "shm")["emptyDir"] == {"medium": "Memory",
+                                                                                  "sizeLimit": "8Gi"}
+    assert config(docs)["demo.scheduler.RSINFER_TENSOR_PARALLEL_SIZE"] == "4"
+
+
 def test_model_sources(render):
     docs = render(VALUES["internal-redis"])
     for stage in STAGES:

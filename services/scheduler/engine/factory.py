@@ -112,6 +112,8 @@ def build_engine(settings: SchedulerSettings, model_path: str, adapters: Adapter
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(torch_threads(settings.threads))
+    if settings.tensor_parallel_size > 1:
+        return build_tensor_parallel(settings, model_path, adapters)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device, config)
@@ -130,12 +132,75 @@ def build_engine(settings: SchedulerSettings, model_path: str, adapters: Adapter
     return engine
 
 
+def rank_device(setting: str, rank: int):
+    """Rank r runs on GPU r (one process per device), or on the CPU."""
+    device = pick_device(setting)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return device
+
+
+def load_shard(settings: SchedulerSettings, model_path: str, device, rank: int, groups):
+    """The model loaded on the CPU, cut down to this rank's shard, then moved to its device (so a device never
+    holds more than its share)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.scheduler.engine.tp_shard import shard_model
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
+    dtype = pick_dtype(settings.dtype, device, config)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                 trust_remote_code=settings.trust_remote_code)
+    shard_model(model, rank, settings.tensor_parallel_size, groups.step)
+    return model.to(device).eval()
+
+
 def grammar_cache(settings: SchedulerSettings, model_path: str, model, eos: set[int]):
     """Structured outputs: grammars over the model's (padded) vocabulary, compiled off the step thread."""
     from services.scheduler.engine.grammar import GrammarCache
+    from services.scheduler.engine.tp_shard import output_vocab
 
-    return GrammarCache(model_path, model.get_output_embeddings().weight.shape[0], eos, settings.trust_remote_code,
+    return GrammarCache(model_path, output_vocab(model), eos, settings.trust_remote_code,
                         settings.grammar_mask_budget_ms)
+
+
+def build_tensor_parallel(settings: SchedulerSettings, model_path: str, adapters: AdapterSource | None) -> Engine:
+    """The paged engine as rank 0 of --tensor-parallel-size ranks (tp_group.py): the workers started, the model
+    sharded on every rank, one KV pool size agreed, warmed up together."""
+    if settings.engine != "paged":
+        raise ValueError(f"--tensor-parallel-size needs the paged engine (got --engine {settings.engine})")
+    if settings.max_loras:
+        raise ValueError("--tensor-parallel-size with --max-loras is not supported: LoRA slots would have to be "
+                         "split like the layers they wrap (their B by columns, their A by rows) on every rank")
+    from transformers import AutoConfig
+
+    from services.scheduler.engine.model_geometry import attention_geometry, max_context
+    from services.scheduler.engine.paged import PagedEngine
+    from services.scheduler.engine.tp_group import TensorParallelGroup
+    from services.scheduler.engine.tp_shard import plan, weight_bytes
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=settings.trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan(text, 0, settings.tensor_parallel_size, text.vocab_size)  # a shape that cannot split: refused before any start
+    device = rank_device(settings.device, 0)
+    group = TensorParallelGroup.start(settings, model_path, device)
+    model = load_shard(settings, model_path, device, 0, group.groups)
+    ranks = group.joined(weight_bytes(model))
+    eos = eos_token_ids(model_path, model.config)
+    param = next(model.parameters())
+    bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
+    free = min(r["free_bytes"] for r in ranks)
+    pages = tp_kv_pages(settings, bytes_per_token, max_context(model), device, free)
+    # CUDA graphs would capture the collectives' launches: not yet, each step runs eagerly
+    config = replace(engine_config(settings), num_pages=group.agree_pages(pages, settings.page_size), cuda_graphs=False)
+    engine = PagedEngine(model, eos, config)
+    engine.join(group)  # every rank's pool has rank 0's size
+    engine.warm_up()
+    engine.grammars = grammar_cache(settings, model_path, model, eos)
+    return engine
 
 
 def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory: DeviceMemory | None = None,
@@ -143,16 +208,12 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory
     """The paged engine, warmed up. Its KV pool is --max-kv-tokens, or on CUDA (`memory`) what a warmed-up
     probe engine leaves free (its LoRA slots, segment GEMM workspace and LoRA graphs allocated), or on CPU a
     share of RAM less the LoRA slots."""
-    from services.scheduler.engine.config import EngineConfig
     from services.scheduler.engine.model_geometry import attention_geometry, max_context
     from services.scheduler.engine.paged import PagedEngine
 
     param = next(model.parameters())
     bytes_per_token = attention_geometry(model).kv_shape(settings.page_size).bytes_per_token(param.dtype)
-    config = EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
-                          prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
-                          cuda_graphs=settings.cuda_graphs, overlap=settings.overlap, max_loras=settings.max_loras,
-                          max_lora_rank=settings.max_lora_rank)
+    config = engine_config(settings)
     if memory is None and param.device.type == "cuda":
         memory = CudaMemory(param.device)
     if settings.max_kv_tokens or memory is None:
@@ -163,6 +224,31 @@ def build_paged_engine(settings: SchedulerSettings, model, eos: set[int], memory
     engine = PagedEngine(model, eos, replace(config, num_pages=pages), adapters=adapters)
     engine.warm_up()
     return engine
+
+
+def engine_config(settings: SchedulerSettings):
+    """The paged engine's configuration from the settings, its pool the probe's."""
+    from services.scheduler.engine.config import EngineConfig
+
+    return EngineConfig(num_pages=PROBE_PAGES, page_size=settings.page_size, max_running=settings.max_running,
+                        prefill_budget=settings.chunk_size, prefix_cache=settings.prefix_cache,
+                        cuda_graphs=settings.cuda_graphs, overlap=settings.overlap, max_loras=settings.max_loras,
+                        max_lora_rank=settings.max_lora_rank)
+
+
+def tp_kv_pages(settings: SchedulerSettings, bytes_per_token: int, context: int, device, free_bytes: int) -> int:
+    """A tensor-parallel rank's pool (bytes_per_token: one rank's share of the KV heads): --max-kv-tokens; on
+    CUDA a share of the memory the least free rank has after loading its weights, with headroom for the
+    activations kept (no probe warm-up: it would have to run on every rank); on CPU, a rank's share of RAM."""
+    if settings.max_kv_tokens or device.type != "cuda":
+        ranks = settings.model_copy(update={"kv_memory_fraction": settings.kv_memory_fraction /
+                                            settings.tensor_parallel_size})
+        return kv_num_pages(ranks, bytes_per_token, context)
+    budget = int(free_bytes * settings.kv_memory_fraction) - 4 * MIN_MARGIN_BYTES
+    if budget < bytes_per_token * settings.page_size:
+        raise RuntimeError(f"no GPU memory left for the KV cache on some rank ({free_bytes / 2**30:.2f} GiB free "
+                           "after loading the weights); raise --tensor-parallel-size or set --max-kv-tokens")
+    return budget // bytes_per_token // settings.page_size + 1
 
 
 def lora_bytes(settings: SchedulerSettings, model) -> int:

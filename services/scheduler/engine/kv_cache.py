@@ -48,6 +48,7 @@ class KVCache:
         self._v = torch.empty(dims, dtype=dtype, device=device)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
+        self.on_zero: Callable[[list[int]], None] | None = None  # tensor parallelism: the other ranks clear theirs
         self.zero_pages([SCRATCH_PAGE])
 
     @property
@@ -60,6 +61,8 @@ class KVCache:
         (idx,) = to_device([pages], torch.int64, self._k.device)
         self._k.index_fill_(1, idx, 0)
         self._v.index_fill_(1, idx, 0)
+        if self.on_zero is not None:
+            self.on_zero(pages)
 
 
 class PagePool:

@@ -17,10 +17,12 @@ import torch
 from services.scheduler.engine import attention
 from services.scheduler.engine.attention import AttentionBackend, ForwardContext, RowSpec, build_metadata
 from services.scheduler.engine.cuda_graph import DeviceTokens
+from services.scheduler.engine.tp_shard import output_vocab
 from services.scheduler.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from services.scheduler.engine.lora import LoraManager
+    from services.scheduler.engine.tp_group import TensorParallelGroup
 
 
 class ModelRunner:
@@ -31,9 +33,10 @@ class ModelRunner:
         self.page_size = page_size
         self.device = next(model.parameters()).device
         model.config._attn_implementation = attention.ATTN_NAME
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_vocab(model)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.lora: LoraManager | None = None  # LoRA adapters' slots and ops, when --max-loras is set
+        self.tp: TensorParallelGroup | None = None  # rank 0 of a tensor-parallel group: each step is broadcast
 
     @torch.inference_mode()
     def forward(self, rows: list[RowSpec], input_ids: list[int], sample_idx: list[int],
@@ -103,9 +106,27 @@ class ModelRunner:
         lora = contextlib.nullcontext()
         if adapters is not None and self.lora is not None:
             lora = self.lora.applied(self.lora.step_batch(adapters, meta.q_lens))
-        with lora:
-            out = self.model(input_ids=ids[None], position_ids=meta.positions[None], use_cache=False,
-                             logits_to_keep=keep, rsinfer_ctx=ForwardContext(self.backend, meta))
+        if self.tp is None:
+            with lora:
+                return self._call(meta, ids, keep)
+        try:  # every rank runs this forward: they learn its inputs first
+            self.tp.publish(rows, ids, keep)
+            logits = self._call(meta, ids, keep)
+        except Exception as exc:  # a collective failed or timed out: the ranks no longer agree
+            self.tp.fail(exc)
+        self.tp.done()
+        return logits
+
+    @torch.inference_mode()
+    def run_packed(self, rows: list[RowSpec], ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel worker rank's part of the step rank 0 broadcast (tp_worker.py)."""
+        meta = build_metadata(rows, self.page_size, self.device)
+        self.backend.prepare(meta)
+        return self._call(meta, ids, keep)
+
+    def _call(self, meta, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids[None], position_ids=meta.positions[None], use_cache=False,
+                         logits_to_keep=keep, rsinfer_ctx=ForwardContext(self.backend, meta))
         return out.logits[0].float()
 
 

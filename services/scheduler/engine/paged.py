@@ -19,6 +19,7 @@ it (that step does not overlap). Outputs are the same tokens as without overlap,
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from services.scheduler.engine.resolve import StepResolver
 from services.scheduler.engine.sampling import Sampler
 from services.scheduler.engine.scheduler import BatchScheduler, Scheduled
 from services.scheduler.engine.warm_up import run_warm_up
+
+if TYPE_CHECKING:
+    from services.scheduler.engine.tp_group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class PagedEngine:
                              config.page_size)
         self.intake = RequestIntake(self.scheduler, self.pool, limits, self.lora, self.resolver)
         self._inflight: InFlight | None = None
+        self.group: TensorParallelGroup | None = None  # tensor parallelism: this is rank 0 (join)
         self.steps = 0
         self._pending: list[StepOutput] = []  # outputs due without a forward (resumed, finished)
         # What room() answers: the scheduler asks from its event loop while a step runs in its thread (it reads
@@ -95,6 +100,12 @@ class PagedEngine:
         self._room = self._free_room()
         log.info("paged engine: %s attention, %d pages x %d tokens, context %d", backend.name,
                  self.pool.usable, config.page_size, self.max_context)
+
+    def join(self, group: TensorParallelGroup) -> None:
+        """Run as rank 0 of a tensor-parallel group (tp_group.py): each forward is broadcast to the other ranks,
+        and the pages cleared here are cleared there."""
+        self.group = self.runner.tp = group
+        self.kv.on_zero = group.note_zero
 
     def warm_up(self) -> float:
         """Run every batch shape once (kernels compile, buffers are allocated) and leave the engine as it
@@ -160,6 +171,7 @@ class PagedEngine:
             "preemptions": s.preemptions,
             "steps": self.steps,
             **(self.lora.stats() if self.lora is not None else {"lora_slots": 0}),
+            **(self.group.stats() if self.group is not None else {}),
         }
 
     def prefix_changes(self) -> tuple[list[bytes], list[bytes]]:
@@ -194,6 +206,8 @@ class PagedEngine:
             self.grammars.close()
         if self.lora is not None:
             self.lora.close()
+        if self.group is not None:
+            self.group.stop()
 
     # ---- the step
 

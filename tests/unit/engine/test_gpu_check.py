@@ -62,6 +62,7 @@ def test_the_check_runs_on_cpu(tmp_path):
     sections = report["sections"]
     assert not report["skipped"] and all("error" not in s for s in sections.values()), sections
     assert sections["agreement"]["flashinfer+graphs_vs_torch"]["identical"] == "8/8"
+    assert "needs 2 or more GPUs" in sections["tensor_parallel"]["skipped_why"]  # and says so
     assert set(sections["decode"]) == {"torch", "flashinfer", "flashinfer+graphs", "seconds"}
     assert sections["syncs"]["temperature@4"]["result_waits_per_step"] == 1
     texts = sections["lora"]["texts"]

@@ -55,6 +55,19 @@ def test_a_wide_load_fits_120_columns_and_names_what_it_leaves_out():
     assert "figure_number_29," in note and note.strip().endswith("lora_adapters)")
 
 
+def test_a_tensor_parallel_schedulers_ranks_get_a_table():
+    ranks = [{"rank": r, "pid": 100 + r, "device": f"cuda:{r}", "weight_bytes": 3 << 29, "kv_tokens": 4096}
+             for r in range(2)]
+    workers = [WorkerInfo("scheduler", "s1@1", "m", 1000.0, {"running": 1, "tensor_parallel_size": 2,
+                                                              "tp_ranks": ranks})]
+    lines = worker_tables(workers, 1000.0) + operator_commands.rank_lines(workers)
+    assert "{" not in "".join(lines)
+    assert "TP_RANKS" not in " ".join(lines) and "TENSOR_PARALLEL_SIZE" in " ".join(lines)
+    at = lines.index("TENSOR-PARALLEL RANKS")
+    assert lines[at + 1].split() == ["WORKER", "RANK", "PID", "DEVICE", "WEIGHTS_MIB", "KV_TOKENS"]
+    assert lines[at + 3].split() == ["s1@1", "1", "101", "cuda:1", "1536.0", "4096"]
+
+
 def args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"uid": None, "watch": None, "all": False, **kw})
 
