@@ -126,8 +126,9 @@ class RequestStore:
         return int(await self.redis.hincrby(self.keys.request(uid), "epoch", 1))
 
     def refresh(self, pipe: Pipeline, uid: str) -> None:
-        """Refresh the TTL of a running request's reply stream (without writing it); its record's runs past its
-        deadline already (`create`)."""
+        """Refresh the TTLs of a running request's record and reply stream (without writing either): a choice's
+        end (n > 1) set the record's to `ttl` while the others run on."""
+        pipe.expire(self.keys.request(uid), self.ttl)
         pipe.expire(self.keys.reply(uid), self.ttl)
 
     # -- the reply stream ---------------------------------------------------------------------------------------
