@@ -9,6 +9,10 @@ token, the worst case per token), first `--requests` of 1 token, then as many of
 commandstats is read around each run, and around an idle window (heartbeats, sweeps, registry refreshes) whose
 rate per second, times each run's length, is taken out. With C(T) the commands of one request of T tokens:
 per token = (C(T) - C(1)) / (T - 1), fixed = C(1) - per token.
+
+Two figures: the commands Redis executes (INFO commandstats: those a script or a MULTI runs count, and MULTI and
+EXEC themselves), and the commands clients send (MONITOR during the same windows: a script call counts once, the
+commands it runs none; MULTI and EXEC count). MONITOR costs Redis a little; the counts do not depend on it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,20 +37,59 @@ RESULTS = ROOT / "bench/results/request-commands.json"
 STEP_MS = 2.0
 
 
-def measured(stack: BenchStack, bodies: list[bytes]) -> tuple[dict[str, int], float, int]:
-    """(commands by name, seconds, requests delivered) of sending `bodies` one at a time."""
+class Sent:
+    """The commands clients send while it is open, by name (MONITOR; what scripts run is left out)."""
+
+    def __init__(self, url: str):
+        import redis
+
+        self.url, self.counts, self.open = url, Counter(), True
+        self.client = redis.Redis.from_url(url)
+        self.monitor = self.client.monitor().__enter__()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while self.open:
+            cmd = self.monitor.next_command()
+            if cmd.get("client_type") == "lua" or not self.open:
+                continue
+            words = cmd["command"].split(" ", 2)
+            name = words[0].lower()
+            if name in ("xinfo", "client", "config", "script", "xgroup") and len(words) > 1:
+                name = f"{name}|{words[1].lower()}"  # as INFO commandstats names subcommands
+            if name != "info":
+                self.counts[name] += 1
+
+    def close(self) -> dict[str, int]:
+        self.open = False
+        self.client.ping()  # the monitor's next line, so that its reader sees it closed
+        self.thread.join(5)
+        self.monitor.__exit__(None, None, None)
+        self.client.close()
+        return dict(self.counts)
+
+
+def measured(stack: BenchStack, bodies: list[bytes]) -> tuple[dict[str, int], dict[str, int], float, int]:
+    """(commands executed by name, commands sent by name, seconds, requests delivered) of sending `bodies` one at
+    a time."""
     url = stack.redis_server.url  # type: ignore[union-attr]
+    sent = Sent(url)
     before, t0 = redis_commands(url), time.monotonic()
     result = run_load(stack.urls, bodies, 1)
     seconds = time.monotonic() - t0
-    return command_delta(before, redis_commands(url)), seconds, len(result.ok)
+    executed = command_delta(before, redis_commands(url))
+    return executed, sent.close(), seconds, len(result.ok)
 
 
-def idle_rate(stack: BenchStack, seconds: float) -> dict[str, float]:
+def idle_rate(stack: BenchStack, seconds: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Commands executed and sent per second while nothing is sent."""
     url = stack.redis_server.url  # type: ignore[union-attr]
+    sent = Sent(url)
     before = redis_commands(url)
     time.sleep(seconds)  # the idle window is what is measured: nothing is sent during it
-    return {k: v / seconds for k, v in command_delta(before, redis_commands(url)).items()}
+    executed = command_delta(before, redis_commands(url))
+    return {k: v / seconds for k, v in executed.items()}, {k: v / seconds for k, v in sent.close().items()}
 
 
 def per_request(calls: dict[str, int], seconds: float, requests: int, idle: dict[str, float]) -> dict[str, float]:
@@ -67,17 +112,22 @@ def run(requests: int, tokens: int, idle_s: float) -> dict:
     env = {"scheduler": {"RSINFER_ENGINE": "synthetic", "RSINFER_STEP_MS": str(STEP_MS)}}
     with BenchStack(str(ensure_demo_model()), DEMO_MODEL_NAME, env=env) as stack:
         run_load(stack.urls, [completion_body(DEMO_MODEL_NAME, "warm up", 4)] * 4, 1)
-        idle = idle_rate(stack, idle_s)
-        costs, delivered = {}, {}
+        idle, idle_sent = idle_rate(stack, idle_s)
+        costs, sent, delivered = {}, {}, {}
         for t in (1, tokens):
             bodies = [completion_body(DEMO_MODEL_NAME, f"request {i}", t) for i in range(requests)]
-            calls, seconds, ok = measured(stack, bodies)
+            calls, sends, seconds, ok = measured(stack, bodies)
             costs[t], delivered[t] = per_request(calls, seconds, ok, idle), ok
+            sent[t] = per_request(sends, seconds, ok, idle_sent)
     fixed, per_token = split(costs[1], costs[tokens], tokens)
+    sent_fixed, sent_per_token = split(sent[1], sent[tokens], tokens)
     return {"requests": requests, "tokens": tokens, "step_ms": STEP_MS, "delivered": delivered,
             "idle_per_s": {k: round(v, 2) for k, v in idle.items()}, "one_token": costs[1],
             f"{tokens}_tokens": costs[tokens], "fixed": fixed, "per_token": per_token,
             "fixed_total": round(sum(fixed.values()), 1), "per_token_total": round(sum(per_token.values()), 2),
+            "sent_fixed": sent_fixed, "sent_per_token": sent_per_token,
+            "sent_fixed_total": round(sum(sent_fixed.values()), 1),
+            "sent_per_token_total": round(sum(sent_per_token.values()), 2),
             "loadavg": loadavg(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -89,12 +139,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     out = run(args.requests, args.tokens, args.idle_s)
-    print(f"Redis commands per request: fixed {out['fixed_total']}, per token {out['per_token_total']} "
-          f"({args.requests} streamed requests of 1 and of {args.tokens} tokens, one at a time; load {out['loadavg']})")
-    width = max(map(len, [*out["fixed"], *out["per_token"]]), default=8)
-    print(f"  {'command':<{width}}  fixed  per token")
-    for name in sorted(set(out["fixed"]) | set(out["per_token"]), key=lambda k: -out["fixed"].get(k, 0.0)):
-        print(f"  {name:<{width}}  {out['fixed'].get(name, 0.0):5.2f}  {out['per_token'].get(name, 0.0):9.2f}")
+    print(f"Redis commands per request, executed: fixed {out['fixed_total']}, per token {out['per_token_total']}; "
+          f"sent: fixed {out['sent_fixed_total']}, per token {out['sent_per_token_total']} ({args.requests} "
+          f"streamed requests of 1 and of {args.tokens} tokens, one at a time; load {out['loadavg']})")
+    names = set(out["fixed"]) | set(out["per_token"]) | set(out["sent_fixed"]) | set(out["sent_per_token"])
+    width = max(map(len, names), default=8)
+    print(f"  {'command':<{width}}  executed: fixed  per token   sent: fixed  per token")
+    for name in sorted(names, key=lambda k: (-out["fixed"].get(k, 0.0), k)):
+        row = [out[k].get(name, 0.0) for k in ("fixed", "per_token", "sent_fixed", "sent_per_token")]
+        print(f"  {name:<{width}}  {row[0]:15.2f}  {row[1]:9.2f}  {row[2]:11.2f}  {row[3]:9.2f}")
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

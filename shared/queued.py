@@ -31,6 +31,7 @@ from shared.keys import Keys
 from shared.messages import RequestJob
 
 CEILING = 2  # the queue never holds more than this many times --max-queued (tenants within their shares)
+TTL_SLACK_S = 300  # how far past the latest deadline a refresh of the keys' TTL reaches (`ENTER`)
 
 _DROP = """
 local function drop(uid)
@@ -71,12 +72,15 @@ for i = 7, #ARGV do
     mine, total = mine + 1, total + 1
   end
 end
-redis.call('HSET', KEYS[4], tenant, weight)
-for i = 1, 4 do  -- never shortened: the keys outlive the latest deadline of their jobs
-  if redis.call('TTL', KEYS[i]) < ttl then redis.call('EXPIRE', KEYS[i], ttl) end
+if weights[tenant] ~= weight then redis.call('HSET', KEYS[4], tenant, weight) end
+-- Never shortened: the keys outlive the latest deadline of their jobs. They are created and emptied together (a
+-- job's uid, its tenant and its count go in and out as one), so the jobs' TTL stands for all four, and each
+-- refresh reaches SLACK seconds past what is needed, so that most calls find it long enough and write none.
+if redis.call('TTL', KEYS[1]) < ttl then
+  for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ttl + SLACK) end
 end
 return {1, total, mine, share}
-""".replace("CEILING", str(CEILING))
+""".replace("CEILING", str(CEILING)).replace("SLACK", str(TTL_SLACK_S))
 
 # KEYS: jobs, owners, counts, weights. ARGV: uids...
 LEAVE = _DROP + """

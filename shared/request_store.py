@@ -1,6 +1,7 @@
 """What a request leaves in Redis, written and read through one object: its record (`rsinfer:req:{<uid>}`), its
-reply stream and its abort flags with their notifications (docs/design.md, "Request record"). Every write
-refreshes the key's TTL, so nothing outlives its request.
+reply stream and its abort flags with their notifications (docs/design.md, "Request record"). Every key has a
+TTL: the record's runs past its deadline from its creation and `ttl` past its end; a reply stream's is refreshed
+with its writes.
 
 A process makes one `RequestStore` with its TTL and reply cap. Writes are queued on a pipeline the caller executes
 once for a whole batch (no method adds a round trip to it); reads are one round trip however many requests they
@@ -62,8 +63,10 @@ class RequestStore:
     def create(self, pipe: Pipeline, uid: str, deadline: float, **fields: Any) -> None:
         """Write a new request's record (`queued`, with its deadline and `fields`) and enter it in the index of
         requests in flight (`Keys.inflight`, one ZADD), which it leaves when its record ends (`set_status`) or,
-        were that end lost, once past its deadline (`prune_inflight`)."""
+        were that end lost, once past its deadline (`prune_inflight`). Its TTL runs `ttl` past its deadline, so the
+        stages' writes before its end need not refresh it: every stage drops a request past its deadline."""
         self.set_status(pipe, uid, Status.QUEUED, deadline=f"{deadline:.3f}", **fields)
+        pipe.expire(self.keys.request(uid), max(self.ttl, int(deadline - time.time()) + 1 + self.ttl))
         pipe.zadd(self.keys.inflight(), {uid: deadline})
 
     async def inflight(self, most: int) -> tuple[int, list[str]]:
@@ -75,15 +78,16 @@ class RequestStore:
         return int(count), [u.decode() if isinstance(u, bytes) else u for u in uids]
 
     def set_status(self, pipe: Pipeline, uid: str, status: str | None = None, **fields: Any) -> None:
-        """HSET the record (status plus any fields, e.g. prompt_tokens; None values are not written) and refresh
-        its TTL. A terminal status takes the request out of the index of requests in flight."""
+        """HSET the record (status plus any fields, e.g. prompt_tokens; None values are not written). A terminal
+        status sets its TTL (`ttl` from now) and takes the request out of the index of requests in flight; a
+        write before that leaves the TTL `create` gave it (past the request's deadline)."""
         mapping = {k: _field(v) for k, v in fields.items() if v is not None}
         if status:
             mapping["status"] = status
         mapping["updated_at"] = f"{time.time():.3f}"
         pipe.hset(self.keys.request(uid), mapping=mapping)
-        pipe.expire(self.keys.request(uid), self.ttl)
         if status in TERMINAL:
+            pipe.expire(self.keys.request(uid), self.ttl)
             pipe.zrem(self.keys.inflight(), uid)
 
     def count_generated(self, pipe: Pipeline, uid: str, tokens: int) -> None:
@@ -122,7 +126,8 @@ class RequestStore:
         return int(await self.redis.hincrby(self.keys.request(uid), "epoch", 1))
 
     def refresh(self, pipe: Pipeline, uid: str) -> None:
-        """Refresh the TTLs of a running request's record and reply stream (without writing either)."""
+        """Refresh the TTLs of a running request's record and reply stream (without writing either): a choice's
+        end (n > 1) set the record's to `ttl` while the others run on."""
         pipe.expire(self.keys.request(uid), self.ttl)
         pipe.expire(self.keys.reply(uid), self.ttl)
 

@@ -23,7 +23,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from shared.messages import encode
-from shared.redis_conn import barrier
+from shared.redis_conn import barrier, scripts_flagged
 
 FIELD = b"data"
 Target = Redis | Pipeline
@@ -74,6 +74,9 @@ _ACK_OWN = _script("ack_own")
 _READ_IN_ORDER = _script("read_in_order")
 _END_IF_DRAINED = _script("end_if_drained")
 _DELETE_IF_EMPTY = _script("delete_consumers_if_empty")
+# Flagged (without `allow-oom`): Redis 7+ refuses such a script whole when it is at its maxmemory (`ack`)
+_ACK_FLAGGED = "#!lua\nreturn redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))\n"
+_ACK_OWN_FLAGGED = "#!lua\n" + _ACK_OWN
 
 
 class Appender:
@@ -115,20 +118,28 @@ def ack(target: Target, key: str, group: str, ids: Sequence[str]) -> Any:
     (noeviction) refuses the writes before it (XADD, HSET) with OOM, but not a plain XACK: the entry would be
     acknowledged with its result refused. A command queued in MULTI is refused under OOM too, so the entry stays
     pending and is handled again once Redis has room (its writes, if they did land, are written again: every
-    stage drops such duplicates, as after a crash). A cluster's pipeline stops at the barrier already."""
-    return _in_own_transaction(target, lambda t: t.xack(key, group, *ids))
+    stage drops such duplicates, as after a crash). A cluster's pipeline stops at the barrier already.
+    On a Redis that takes script flags the XACK goes in a flagged script instead, refused under OOM as the MULTI
+    is: one command sent, not three (shared/redis_conn.py `scripts_flagged`)."""
+    return _in_own_transaction(target, lambda t: t.xack(key, group, *ids),
+                               lambda t: t.eval(_ACK_FLAGGED, 1, key, group, *ids))
 
 
 def ack_own(target: Target, key: str, member: Member, ids: Sequence[str]) -> Any:
     """`ack` of only those of `ids` that `member` still holds. A worker that was stalled (SIGSTOP) past the claim
     idle time can end a request a peer has since taken over, and a plain XACK would end the peer's entry too:
     the peer would then drop the request as taken from it, and nobody would finish it."""
-    return _in_own_transaction(target, lambda t: t.eval(_ACK_OWN, 1, key, member.group, member.consumer, *ids))
+    args = (1, key, member.group, member.consumer, *ids)
+    return _in_own_transaction(target, lambda t: t.eval(_ACK_OWN, *args), lambda t: t.eval(_ACK_OWN_FLAGGED, *args))
 
 
-def _in_own_transaction(target: Target, queue: Callable[[Any], Any]) -> Any:
+def _in_own_transaction(target: Target, queue: Callable[[Any], Any], flagged: Callable[[Any], Any]) -> Any:
+    """`queue` on `target` after a barrier, in a MULTI/EXEC of its own on a standalone Redis's pipeline, or there
+    `flagged` (a script refused whole under OOM too) where the server takes script flags."""
     barrier(target)
     if isinstance(target, Pipeline) and not target.is_transaction:
+        if scripts_flagged():
+            return flagged(target)
         target.execute_command("MULTI")
         queue(target)
         return target.execute_command("EXEC")

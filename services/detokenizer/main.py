@@ -125,9 +125,11 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         end = it.start + len(it.ids)
         mark = self._marks(it, finish)
         if finish is not None:
+            # One choice: the sum of its choices' tokens is its own, written with its end (not an HINCRBY more)
             self.requests.set_status(pipe, it.uid, status_after(finish), finish_reason=finish,
-                                     completion_tokens=end)
-            self.requests.count_generated(pipe, it.uid, end)
+                                     completion_tokens=end, generated_tokens=end if it.n == 1 else None)
+            if it.n > 1:
+                self.requests.count_generated(pipe, it.uid, end)
             self._remember(it, end)
             if it.n == 1:  # its last range (one redone later reads the record again)
                 self.stops.pop(it.uid)

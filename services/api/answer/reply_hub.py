@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_MS = 2000
 CONTROL_TTL_S = 3600
+CONTROL_REFRESH_S = 60  # a control stream XADD recreated (Redis lost it) goes at most this long without a TTL
 OUTAGE_S = 10.0  # Redis unreachable this long: fail every subscription rather than hang
 CLUSTER_OUTAGE_S = 30.0  # a cluster failover: cluster-node-timeout (15 s by default) plus the election
 
@@ -136,15 +137,20 @@ class _Shard:
         streams.lean_reads(self.redis)
         self.control = hub.keys.control(hub.pod, index, slots.uid_in_slot(slot))
         self.control_id = "$"
+        self.refreshed_at = -CONTROL_REFRESH_S  # when `wake_in` last queued the control stream's EXPIRE
         # reply stream -> the inboxes reading it: a request's own, and in the same process a reattach to it or
         # the read that rebuilds its final object (each gets every entry after its own position)
         self.subs: dict[str, list[Inbox]] = {}
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
 
     def wake_in(self, pipe) -> None:
-        """Queue the XADD that wakes this shard's blocked read (so it re-reads its key set)."""
+        """Queue the XADD that wakes this shard's blocked read (so it re-reads its key set), and an EXPIRE of the
+        control stream once CONTROL_REFRESH_S passed since the last: not one per request."""
         streams.add_fields(pipe, self.control, {"op": "wake"}, maxlen=64)
-        pipe.expire(self.control, CONTROL_TTL_S)
+        now = time.monotonic()
+        if now - self.refreshed_at >= CONTROL_REFRESH_S:
+            self.refreshed_at = now
+            pipe.expire(self.control, CONTROL_TTL_S)
 
     async def wake(self) -> None:
         async with self.hub.redis.pipeline(transaction=False) as pipe:

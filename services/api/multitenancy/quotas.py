@@ -50,16 +50,18 @@ USAGE = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
 HANDLER = "h:"  # the member prefix of a handler's lease (no record: refreshed, never reaped)
 SLOT_GRACE_S = 30  # past its deadline a request's last stage writes its end: its slot outlives it by this much
 REAP_AFTER_S = 10  # a slot whose record is missing is an ended request only once its record had time to be written
+SLOTS_TTL_SLACK_S = 300  # how far past its latest slot's expiry a refresh of a tenant's slots' TTL reaches
 
-# The token bucket's level now, refilled since `tb_at` (full when the tenant has none yet). Shared by both scripts.
+# The token bucket's level now, refilled since `tb_at` (full when the tenant has none yet), from the window's `tb`
+# and `tb_at`; and the level kept, with `fields` (more of the window's) in the same HSET and one EXPIRE. Shared by
+# both scripts.
 LEVEL = """
-local function level_now(window, tpm, now)
-  local b = redis.call('HMGET', window, 'tb', 'tb_at')
-  if not b[1] then return tpm end
-  return math.min(tpm, tonumber(b[1]) + (now - tonumber(b[2])) * tpm / 60)
+local function level_now(tb, tb_at, tpm, now)
+  if not tb then return tpm end
+  return math.min(tpm, tonumber(tb) + (now - tonumber(tb_at)) * tpm / 60)
 end
-local function keep_level(window, tpm, now, level)
-  redis.call('HSET', window, 'tb', tostring(level), 'tb_at', tostring(now))
+local function keep_level(window, tpm, now, level, fields)
+  redis.call('HSET', window, 'tb', tostring(level), 'tb_at', tostring(now), unpack(fields))
   local refill = 0
   if tpm > 0 then refill = math.ceil((tpm - level) * 60 / tpm) end
   redis.call('EXPIRE', window, math.max(WINDOW_TTL, refill + 60))
@@ -77,13 +79,13 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local minute = math.floor(now / 60)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local open = redis.call('ZCARD', KEYS[1])
-local w = redis.call('HMGET', KEYS[2], 'w', 'req')
+local w = redis.call('HMGET', KEYS[2], 'w', 'req', 'tb', 'tb_at')
 local req = 0
 if tonumber(w[1]) == minute then req = tonumber(w[2]) or 0 end
 local conc, rpm, tpm, reserve = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local level, wait = 0, 0
 if tpm >= 0 then
-  level = level_now(KEYS[2], tpm, now)
+  level = level_now(w[3], w[4], tpm, now)
   if tpm > 0 and level < reserve then wait = math.ceil((reserve - level) * 60 / tpm) end
 end
 local refused = 0
@@ -96,20 +98,22 @@ if refused == 0 then
     local expiry = tonumber(ARGV[2])
     if expiry < 0 then expiry = now + tonumber(ARGV[3]) end
     redis.call('ZADD', KEYS[1], expiry, ARGV[1])
+    -- never shortened; a refresh reaches SLACK seconds further, so that most admissions write no EXPIRE
     local ttl = math.ceil(expiry - now) + 60
-    if redis.call('TTL', KEYS[1]) < ttl then redis.call('EXPIRE', KEYS[1], ttl) end
+    if redis.call('TTL', KEYS[1]) < ttl then redis.call('EXPIRE', KEYS[1], ttl + SLACK) end
     open = open + 1
   end
   req = req + 1
-  redis.call('HSET', KEYS[2], 'w', minute, 'req', req)
-  redis.call('EXPIRE', KEYS[2], WINDOW_TTL)
   if tpm >= 0 then
     level = level - reserve
-    keep_level(KEYS[2], tpm, now, level)
+    keep_level(KEYS[2], tpm, now, level, {'w', minute, 'req', req})
+  else
+    redis.call('HSET', KEYS[2], 'w', minute, 'req', req)
+    redis.call('EXPIRE', KEYS[2], WINDOW_TTL)
   end
 end
 return {refused, open, req, math.floor(level), math.ceil(60 * (minute + 1) - now), wait}
-""".replace("WINDOW_TTL", str(WINDOW_TTL_S))
+""".replace("WINDOW_TTL", str(WINDOW_TTL_S)).replace("SLACK", str(SLOTS_TTL_SLACK_S))
 
 # KEYS: the tenant's slots, its window. ARGV: slot member ('' for none), tokens per minute (-1: none), tokens to
 # give back to the bucket (what was reserved less what was used; below zero takes the overshoot).
@@ -119,7 +123,8 @@ local tpm, refund = tonumber(ARGV[2]), tonumber(ARGV[3])
 if tpm >= 0 and refund ~= 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  keep_level(KEYS[2], tpm, now, math.min(tpm, level_now(KEYS[2], tpm, now) + refund))
+  local b = redis.call('HMGET', KEYS[2], 'tb', 'tb_at')
+  keep_level(KEYS[2], tpm, now, math.min(tpm, level_now(b[1], b[2], tpm, now) + refund), {})
 end
 return 1
 """

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.api.errors import ApiError
+from services.api.multitenancy import quotas as quotas_module
 from services.api.multitenancy.quotas import Lease, Quotas
 from services.api.multitenancy.tenancy import Tenancy
 from services.api.multitenancy.tenants import Policy, Tenant
@@ -240,3 +241,28 @@ def test_with_keys_a_request_the_guard_did_not_key_may_do_nothing(tmp_path):
     assert not nobody.admin and not tenancy.may_use(nobody, "rsinfer-demo")
     open_mode = Tenancy(ApiSettings(redis_url="redis://127.0.0.1:1/0"), None, None, CollectorRegistry())
     assert open_mode.tenant_of(SimpleNamespace(scope={})).admin
+
+
+async def test_an_admission_reads_and_writes_the_window_once(quotas):
+    """Issue 34: the admission script's fixed cost. The window (requests this minute, the token bucket) is read
+    in one HMGET and written in one HSET with one EXPIRE; the slots' TTL is refreshed with slack, so the next
+    admission (a later deadline within it) writes none."""
+    t = tenant(max_concurrent=5, requests_per_minute=100, tokens_per_minute=10_000)
+    r = quotas.redis
+
+    async def calls() -> dict[str, int]:
+        stats = await r.info("commandstats")
+        return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in ("hmget", "hset", "expire", "ttl")}
+
+    first = await admit(quotas, t, reserve=10)
+    before = await calls()
+    second = await quotas.admit(t, 10, uuid.uuid4().hex, time.time() + 90)
+    after = await calls()
+    assert {k: after[k] - before[k] for k in after} == {"hmget": 1, "hset": 1, "expire": 1, "ttl": 1}
+    slots_ttl = await r.ttl(quotas.keys.quota_slots(t.name))  # the first's: its slot's expiry + 60 s + the slack
+    assert 90 + 30 + 60 <= slots_ttl <= 60 + 30 + 61 + quotas_module.SLOTS_TTL_SLACK_S
+    window = await r.hgetall(quotas.keys.quota_window(t.name))
+    assert int(window[b"req"]) == 2 and 9_979 <= float(window[b"tb"]) <= 9_981
+    for lease in (first, second):
+        await lease.release()
+    assert 9_999 <= float(await r.hget(quotas.keys.quota_window(t.name), "tb")) <= 10_000

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from services.api.answer import reply_hub
 from services.api.answer.reply_hub import HubLimits, Inbox, ReplyHub
 from shared import slots, streams
 from shared.keys import Keys
@@ -56,6 +57,26 @@ async def test_entries_written_before_subscribing_are_not_missed(hub_env):
     sub = await subscribe(hub, "early")
     _, raw = await asyncio.wait_for(sub.get(), 5)
     assert decode(raw, ReplyEvent).start == 0
+
+
+async def test_a_wake_refreshes_the_control_streams_ttl_once_a_while_not_per_request(hub_env):
+    """Issue 34: a request's subscription wakes its shard with one XADD; the control stream's EXPIRE goes with
+    the first wake and then once CONTROL_REFRESH_S passed, not with every request's."""
+    hub, redis, _ = hub_env
+    await subscribe(hub, "w0")
+    shard = hub.shards[0]
+    assert 0 < await redis.ttl(shard.control) <= reply_hub.CONTROL_TTL_S
+    queued = []
+    for i in range(3):
+        async with redis.pipeline(transaction=False) as pipe:
+            hub.register(Inbox(f"w{i + 1}", hub.keys.reply(f"w{i + 1}")), wake_in=pipe)
+            queued.append([c[0][0] for c in pipe.command_stack])
+            await pipe.execute()
+    assert queued == [["XADD"]] * 3
+    shard.refreshed_at -= reply_hub.CONTROL_REFRESH_S
+    async with redis.pipeline(transaction=False) as pipe:
+        shard.wake_in(pipe)
+        assert [c[0][0] for c in pipe.command_stack] == ["XADD", "EXPIRE"]
 
 
 async def test_slow_reader_is_paused_not_buffered(hub_env):

@@ -93,3 +93,19 @@ async def test_a_replica_that_never_saw_the_first_delta_reads_the_stop_strings_f
         await worker.handle([Delivery("2-0", DetokenizeBatch("s", 2, [first]))], claimed=False)
         await worker.handle([Delivery("3-0", DetokenizeBatch("s", 3, [second]))], claimed=False)
     assert not any("HGET" in c for c in commands) and worker.stops.get("v") == ["zzz"]
+
+
+async def test_a_one_choice_end_writes_its_generated_tokens_with_its_status(worker):
+    """Issue 34: a request of one choice has its `generated_tokens` (what its tenant is charged) written by the
+    HSET of its end, not an HINCRBY more; choices of an n > 1 request still sum theirs."""
+    r = worker.redis
+    before = (await r.info("commandstats")).get("cmdstat_hincrby", {}).get("calls", 0)
+    batch = DetokenizeBatch("s", 1, [TokenDelta(uid="one", start=0, ids=[69, 70, 71], prompt_tokens=3,
+                                                finish="length"),
+                                     *(TokenDelta(uid="two", start=0, ids=[69] * (i + 1), prompt_tokens=3, index=i,
+                                                  n=2, finish="length") for i in range(2))])
+    await worker.handle([Delivery("1-0", batch)], claimed=False)
+    after = (await r.info("commandstats")).get("cmdstat_hincrby", {}).get("calls", 0)
+    assert after - before == 2  # the two choices of "two"
+    one, two = [await r.hmget(worker.keys.request(u), "status", "generated_tokens") for u in ("one", "two")]
+    assert one == [b"finished", b"3"] and two[1] == b"3"

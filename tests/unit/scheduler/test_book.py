@@ -21,6 +21,7 @@ from services.scheduler.effects import (
 )
 from services.scheduler.engine.synthetic import SyntheticEngine, SyntheticVocab
 from services.scheduler.lanes import PageChanges, SchedulerLanes
+from shared import streams
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.keys import Keys
 from shared.messages import ReplyError, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob
@@ -200,7 +201,9 @@ def test_a_refused_admission_is_rolled_back():
     assert not book.running and not book.engine.has_work()
 
 
-def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline():
+@pytest.mark.parametrize("flagged", [False, True])
+def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline(flagged, monkeypatch):
+    monkeypatch.setattr(streams, "scripts_flagged", lambda: flagged)  # Redis 7+: one flagged script, no MULTI
     keys = Keys("t")
     redis = Redis()  # never connected: the pipeline only queues
     source = GroupConsumer(redis, keys.schedule("m"), Member("scheduler", "s1"), ScheduleJob, keys.dead())
@@ -214,8 +217,12 @@ def test_the_writer_acknowledges_once_after_every_write_of_the_pipeline():
                         Ack(["2-0"])])
     names = [c[0][0] for c in pipe.command_stack]
     # one acknowledgement, of the entries this scheduler still holds (shared/streams.py `ack_own`)
-    assert names[-3:] == ["MULTI", "EVAL", "EXEC"] and "XACK" not in names
-    ack = pipe.command_stack[-2][0]
+    if flagged:
+        assert names[-1] == "EVAL" and "MULTI" not in names and "XACK" not in names
+    else:
+        assert names[-3:] == ["MULTI", "EVAL", "EXEC"] and "XACK" not in names
+    ack = pipe.command_stack[-1 if flagged else -2][0]
+    assert ack[1].startswith("#!lua\n") == flagged
     assert ack[3:6] == (keys.schedule("m"), "scheduler", "s1")
     assert ack[6:] == ("1-0", "1-0", "2-0")  # "a" ended in its first step: entry 1-0 too
     assert {"XADD", "HSET", "SADD", "PEXPIRE"} <= set(names)

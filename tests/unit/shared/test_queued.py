@@ -89,6 +89,27 @@ async def test_a_job_whose_process_died_leaves_at_its_deadline(q, monkeypatch):
     monkeypatch.setattr(queued, "time", SimpleNamespace(time=lambda: time.time() + 0.3))
     got = await queued.enter(r, keys, jobs("a"), 3)
     assert got.admitted and got.total == 1 and await queued.figures(r, keys, MODEL) == {"a": 1}
-    assert 60 < await r.ttl(keys.queued(MODEL)) <= 121
+    assert 60 < await r.ttl(keys.queued(MODEL)) <= 121 + queued.TTL_SLACK_S
     assert (await queued.enter(r, keys, jobs("b", timeout=0.1), 3)).admitted
     assert await r.ttl(keys.queued(MODEL)) > 60  # a shorter deadline does not shorten the keys' life
+
+
+async def calls(r: Redis, *names: str) -> dict[str, int]:
+    stats = await r.info("commandstats")
+    return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in names}
+
+
+async def test_an_enter_within_the_keys_ttl_writes_no_ttl_nor_weight(q):
+    """Issue 34: the script's fixed cost per request. The keys' TTL is read once (the jobs' key stands for all
+    four) and refreshed with slack, so a later request's longer deadline within it writes no EXPIRE; an unchanged
+    weight is not written again."""
+    r, keys = q
+    assert (await queued.enter(r, keys, jobs("a", timeout=60), 10)).admitted
+    before = await calls(r, "ttl", "expire", "hset")
+    assert (await queued.enter(r, keys, jobs("a", timeout=90), 10)).admitted
+    after = await calls(r, "ttl", "expire", "hset")
+    assert {k: after[k] - before[k] for k in after} == {"ttl": 1, "expire": 0, "hset": 1}  # the job's owner
+    assert 90 + 60 <= await r.ttl(keys.queued_weights(MODEL)) <= 121 + queued.TTL_SLACK_S
+    assert (await queued.enter(r, keys, jobs("a", timeout=60 + queued.TTL_SLACK_S + 30), 10)).admitted
+    ttls = [await r.ttl(k) for k in queued._keys(keys, MODEL)]
+    assert min(ttls) > queued.TTL_SLACK_S + 60 + 30 and max(ttls) - min(ttls) <= 1  # past it: all four refreshed

@@ -32,19 +32,41 @@ async def replies_of(store: RequestStore, uid: str) -> list:
 
 async def test_the_record_is_written_with_its_ttl_and_read_back(store):
     async with store.redis.pipeline(transaction=False) as pipe:
-        store.set_status(pipe, "u1", Status.QUEUED, model="m", n=2, background=0, skipped=None)
+        store.create(pipe, "u1", time.time() + 300, model="m", n=2, background=0, skipped=None)
         store.attach(pipe, "u1", +1)
-        assert commands(pipe) == ["HSET", "EXPIRE", "HINCRBY"]  # queued: no round trip of their own
+        assert commands(pipe) == ["HSET", "EXPIRE", "ZADD", "HINCRBY"]  # queued: no round trip of their own
         await pipe.execute()
     record = await store.record("u1")
     assert record["status"] == "queued" == Status.QUEUED and record["model"] == "m" and record["n"] == "2"
     assert "skipped" not in record and record["attached"] == "1" and float(record["updated_at"]) > 0
-    assert 0 < await store.redis.ttl(store.keys.request("u1")) <= TTL
+    assert 300 + TTL - 2 <= await store.redis.ttl(store.keys.request("u1")) <= 300 + TTL + 1
     assert await store.record("nobody") == {}
     assert await store.field(["u1", "nobody"], "status") == {"u1": "queued", "nobody": None}
     assert await store.fields(["u1"], "model", "n", "gone") == {"u1": ["m", "2", None]}
     assert await store.field([], "status") == {} and await store.fields([], "status") == {}
     assert [await store.raise_epoch("u1") for _ in range(2)] == [1, 2]
+
+
+async def test_the_records_ttl_is_set_at_its_creation_and_its_end_not_by_the_writes_between(store):
+    """Issue 34: one EXPIRE per record at its creation (running past its deadline: every stage drops a request
+    past it) and one at its end; the stages' writes between (tokenized, running, marks) add none."""
+    redis, key = store.redis, store.keys.request("t1")
+    async with redis.pipeline(transaction=False) as pipe:
+        store.create(pipe, "t1", time.time() + 30, model="m")
+        await pipe.execute()
+    assert 30 + TTL - 2 <= await redis.ttl(key) <= 30 + TTL + 1
+    async with redis.pipeline(transaction=False) as pipe:
+        store.set_status(pipe, "t1", Status.TOKENIZED, prompt_tokens=3)
+        store.set_status(pipe, "t1", Status.RUNNING, scheduler="s1")
+        store.set_status(pipe, "t1", completion_tokens=16)
+        store.note_abort(pipe, "t1", EndReason.API)
+        assert commands(pipe) == ["HSET", "HSET", "HSET", "HSET", "EXPIRE"]  # the last: the abort flag's
+        await pipe.execute()
+    assert 30 + TTL - 3 <= await redis.ttl(key) <= 30 + TTL + 1
+    async with redis.pipeline(transaction=False) as pipe:
+        store.set_status(pipe, "t1", Status.FINISHED, completion_tokens=20)
+        await pipe.execute()
+    assert TTL - 2 <= await redis.ttl(key) <= TTL and not await redis.zscore(store.keys.inflight(), "t1")
 
 
 async def test_reply_entries_refresh_the_stream_ttl_only_where_asked(store):
@@ -141,9 +163,9 @@ async def test_every_write_is_queued_on_the_callers_pipeline_in_order(store):
         store.end_failed(pipe, "o2", deadline_error())
         store.abort(pipe, "o", EndReason.API, "m")
         store.stop_choice(pipe, "o", 0, "m")
-        assert commands(pipe) == ["HSET", "EXPIRE", "XADD", "EXPIRE", "EVAL", "HINCRBY", "XADD", "EXPIRE", "HSET",
-                                  "EXPIRE", "ZREM", "EXPIRE", "XADD", "EXPIRE", "HSET", "EXPIRE", "ZREM", "SET",
-                                  "XADD", "SET", "XADD"]
+        assert commands(pipe) == ["HSET", "XADD", "EXPIRE", "EVAL", "HINCRBY", "XADD", "EXPIRE", "HSET", "EXPIRE",
+                                  "ZREM", "EXPIRE", "XADD", "EXPIRE", "HSET", "EXPIRE", "ZREM", "SET", "XADD", "SET",
+                                  "XADD"]
         await pipe.execute()
     await store.abort_now("o3", EndReason.API, None)
     assert await store.abort_reasons(["o", "o3"]) == {"o": "api", "o3": "api"}

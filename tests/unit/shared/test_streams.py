@@ -22,18 +22,25 @@ async def test_trimmed_head_is_the_first_entry_kept_once_maxlen_cut_the_stream(e
     assert streams.id_after(ids[7].decode(), ids[6].decode()) and not streams.id_after("5-1", "5-10")
 
 
-async def test_an_entry_whose_output_redis_refused_for_memory_stays_pending():
+@pytest.mark.parametrize("flagged", [False, True], ids=["multi", "flagged-script"])
+async def test_an_entry_whose_output_redis_refused_for_memory_stays_pending(flagged, monkeypatch):
     """maxmemory with noeviction: Redis refuses the output's XADD with OOM but would take a plain XACK, which
-    would acknowledge an entry whose result is lost. The acknowledgement is refused with it; once Redis has room
-    the same pipeline lands both."""
+    would acknowledge an entry whose result is lost. The acknowledgement is refused with it (in a MULTI of its
+    own, or on Redis 7+ a flagged script); once Redis has room the same pipeline lands both."""
     from redis.exceptions import OutOfMemoryError
 
     from rsinfer.redis_server import RedisServer
+    from shared import redis_conn
     from shared.keys import Keys
     from shared.redis_conn import connect
 
     with RedisServer(maxmemory="4mb") as server:
         redis, keys = connect(server.url), Keys("oom")
+        takes_flags = int((await redis.info("server"))["redis_version"].split(".")[0]) >= 7
+        assert redis_conn.scripts_flagged() == takes_flags  # learnt as it connected
+        if flagged and not takes_flags:
+            pytest.skip("script flags need Redis 7")
+        monkeypatch.setattr(streams, "scripts_flagged", lambda: flagged)
         c = consumer(redis, keys, "a")
         await c.ensure_group()
         await streams.add(redis, keys.schedule("m"), job("u"))
