@@ -4,6 +4,7 @@ drains, then the stages, then Redis."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import secrets
@@ -101,6 +102,8 @@ class Up:
             "RSINFER_MODELS": ",".join(dict.fromkeys([*settings.model_names(), self.model]))}
         if self.redis is not None:  # its password from the file: in neither argv nor the environment
             common.update(RSINFER_REDIS_PASSWORD=None, RSINFER_REDIS_PASSWORD_FILE=str(password_file(self.redis)))
+        if not (settings.responses_key or settings.responses_key_file):  # one key for every API worker of this up
+            common["RSINFER_RESPONSES_KEY_FILE"] = str(responses_key_file(self.runtime))
         # each stage's liveness file is this stack's, so `rsinfer healthcheck` next to it reports this stack
         liveness = {role: str(self.runtime / f"{role}.alive") for role in ROLES if role != "api"}
         # where `rsinfer inspect`, `healthcheck` and `drain` find this stack without flags (rsinfer/local.py)
@@ -210,6 +213,16 @@ def embedded_redis(settings: UpSettings, workdir: Path) -> RedisServer:
     with os.fdopen(fd, "w") as f:
         f.write(password + "\n")
     return server.start()
+
+
+def responses_key_file(runtime: Path) -> Path:
+    """A random key sealing reasoning items (--responses-key-file) in a 0600 file of this up's 0700 directory:
+    its API processes, and its restarted workers, open each other's `encrypted_content`."""
+    path = runtime / "responses-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
+    return path
 
 
 def password_file(server: RedisServer) -> Path:

@@ -69,7 +69,9 @@ class Inbox:
         self.shard: Any = None
         self.resume_at = 0
         self.due: float | None = None  # a timed `get` is waiting until then (the loop's clock)
-        self.alarm: asyncio.TimerHandle | None = None
+        # uvloop's call_at answers a plain Handle (no `when()`) for a time already past: the alarm's time is kept
+        self.alarm: asyncio.Handle | None = None
+        self.alarm_at = 0.0
 
     async def get(self, wait_s: float | None = None) -> tuple[str, bytes] | None:
         """The next entry; None once `wait_s` seconds passed without one."""
@@ -95,10 +97,10 @@ class Inbox:
         due time of the wait that set it, and a later wait finds it set early enough and leaves it; when it
         rings, `_ring` sets it again for the wait under way, or ends that wait if it is due."""
         self.due = due
-        if self.alarm is None or self.alarm.when() > due:
+        if self.alarm is None or self.alarm_at > due:
             if self.alarm is not None:
                 self.alarm.cancel()
-            self.alarm = asyncio.get_running_loop().call_at(due, self._ring)
+            self.alarm, self.alarm_at = asyncio.get_running_loop().call_at(due, self._ring), due
 
     def _ring(self) -> None:
         self.alarm = None
@@ -106,7 +108,7 @@ class Inbox:
             return  # nothing waits now: the next timed wait sets the alarm
         loop = asyncio.get_running_loop()
         if loop.time() < self.due:
-            self.alarm = loop.call_at(self.due, self._ring)
+            self.alarm, self.alarm_at = loop.call_at(self.due, self._ring), self.due
         elif self.queue.empty():
             self.queue.put_nowait(None)  # the waiting `get` returns None
 

@@ -206,3 +206,21 @@ async def test_on_a_cluster_a_request_from_another_process_is_read_by_a_guest_sh
     await asyncio.gather(*hub.closing)
     assert guest.task.done() and not await redis.exists(guest.control)
     assert own.shard in hub.shards
+
+
+def test_a_timed_wait_already_due_under_uvloop_leaves_an_alarm_the_next_wait_can_read():
+    """uvloop (the API's loop) answers call_at for a time already past with a plain Handle, which has no `when()`:
+    a wait set while such an alarm is pending (a request whose deadline was already due, then waiting again) must
+    not fail (it did: AttributeError, a 500 to the client)."""
+    import uvloop
+
+    async def main() -> None:
+        inbox, loop = Inbox("u", "k"), asyncio.get_running_loop()
+        inbox._wait_until(loop.time() - 1)  # due at once: the alarm is a Handle
+        inbox._wait_until(loop.time() + 0.01)
+        assert await inbox.get(0.01) is None
+        inbox.queue.put_nowait(("1-0", b"x"))
+        assert await inbox.get(5) == ("1-0", b"x")
+        inbox.close()
+
+    uvloop.run(main())
