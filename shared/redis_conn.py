@@ -64,6 +64,11 @@ def scripts_flagged() -> bool:
     return bool(_flagged) and all(_flagged.values())
 
 
+def takes_script_flags(url: str) -> bool | None:
+    """What this process learnt of the server at `url` as it connected (None: not asked)."""
+    return _flagged.get(url)
+
+
 def _learn_flags(url: str, options: dict[str, Any]) -> None:
     if url in _flagged:
         return
