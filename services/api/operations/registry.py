@@ -141,6 +141,8 @@ class StageRegistry:
         while True:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
+            if asyncio.current_task().cancelling():  # stopped, but a Redis call of the refresh swallowed it
+                return
 
     async def stop(self) -> None:
         if self._task:  # a refresh can swallow the cancellation (shared/worker.py stop_task): never wait for ever

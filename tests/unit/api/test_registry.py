@@ -83,3 +83,4 @@ async def test_stop_ends_the_refresh_loop_whose_refresh_swallowed_the_cancellati
     done, _ = await asyncio.wait({stopping}, timeout=20)  # not a timeout around it: stop() ate that too
     registry._task.cancel()
     assert swallowed and done == {stopping} and registry._task.done()
+
