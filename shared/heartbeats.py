@@ -98,6 +98,8 @@ class Heartbeat:
                 log.warning("heartbeat failed: %s", e)
             except Exception:  # a heartbeat that dies makes a live worker look dead: never let it
                 log.exception("heartbeat failed")
+            if asyncio.current_task().cancelling():  # stopped, but the beat's Redis call swallowed it (`stop`)
+                return
             await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:

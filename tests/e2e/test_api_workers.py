@@ -160,3 +160,4 @@ def test_workers_that_die_at_start_stop_the_group_nonzero(group, tmp_path):
     assert proc.wait(90) == 1
     log = (s.log_dir / "api-loop.log").read_text()
     assert "deaths within 60 s: stopping the group" in log, log
+    assert "api not started: " in log and "mode 0700" in log, "each worker says why it did not start"

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from services.api.batch_api.batches import PARK_MAX_S, Batches, Parked
 from shared import streams
 from shared.messages import BatchWork, decode
+from shared.worker import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,8 @@ class BatchRunner:
 
     async def close(self) -> None:
         tasks = [t for t in [self.task, *(h.task for h in self.held.values())] if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for task in tasks:  # the loop first; a Redis call can swallow a cancellation: never wait for ever
+            await stop_task(task)
 
     def running(self, tenant: str | None = None) -> int:
         return sum(1 for h in self.held.values() if h.task is not None and tenant in (None, h.tenant))

@@ -7,6 +7,7 @@ answers it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from contextlib import asynccontextmanager
 
@@ -27,6 +28,8 @@ from services.api.multitenancy.tenancy import TENANT, Tenancy
 from services.api.multitenancy.tenants import KeyCheckBusy
 from services.api.responses_api.responses import Responses
 from shared.settings import ApiSettings
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 
@@ -126,7 +129,11 @@ def create_app(settings: ApiSettings, worker: int | None = None) -> Guard:
         await adapters.register_configured()  # --lora-modules
         runner.start()
         try:
-            await control.start()  # draining: a pod-local socket, no HTTP route (services/api/edge/admin.py)
+            try:
+                await control.start()  # draining: a pod-local socket, no HTTP route (services/api/edge/admin.py)
+            except Exception as e:  # said now: uvicorn's traceback comes only once the closes below are done
+                log.error("api not started: %s", e)
+                raise
             yield
         finally:
             await control.close()

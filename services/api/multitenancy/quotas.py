@@ -42,6 +42,7 @@ from services.api.multitenancy.tenants import Policy, Tenant
 from shared.keys import Keys
 from shared.request_states import TERMINAL
 from shared.settings import ApiSettings
+from shared.worker import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -365,9 +366,7 @@ class Quotas:
     async def close(self) -> None:
         """Shutdown: the leases of requests that run on keep their slots (until they end, `reap`, or their
         deadline); a last look releases those that ended."""
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        if self.task is not None:  # a Redis call can swallow the cancellation: never wait for ever
+            await stop_task(self.task)
         with contextlib.suppress(RedisError, OSError):
             await self.watch()

@@ -9,7 +9,6 @@ appear (scale from zero)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from shared.heartbeats import WorkerInfo, complete, declared_models, live_worker
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
 from shared.request_store import prune_inflight
+from shared.worker import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,9 @@ class StageRegistry:
         while True:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
+            if asyncio.current_task().cancelling():  # stopped, but a Redis call of the refresh swallowed it
+                return
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._task:  # a refresh can swallow the cancellation (shared/worker.py stop_task): never wait for ever
+            await stop_task(self._task)

@@ -4,6 +4,8 @@ counts the requests waiting for one."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 
 from services.api.operations.registry import StageRegistry
@@ -56,3 +58,29 @@ async def test_models_the_api_is_told_of_are_known_without_any_declaration(redis
     finally:
         await redis.delete(*(keys.stage_stream(s, m) for s in STAGES for m in "ab"))
         await redis.aclose()
+
+
+async def test_stop_ends_the_refresh_loop_whose_refresh_swallowed_the_cancellation():
+    """Python 3.11's asyncio.wait_for (redis-py's send, under a socket timeout) returns its result when it is
+    cancelled as its command completes: the refresh goes on and the loop sleeps again. Stopping must still end
+    it: the API's close waited for it for ever, and a start that failed never exited (a worker of
+    tests/e2e/test_api_workers.py whose control socket was refused hung after `api ready`)."""
+    registry, refreshing, swallowed = StageRegistry(None, Keys("reg"), 5.0, refresh_s=60), asyncio.Event(), []
+
+    async def refresh():
+        if not swallowed:  # the first one swallows the cancellation, as wait_for can
+            refreshing.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(30)
+            swallowed.append(True)
+        return registry.snapshot
+
+    registry.refresh, registry.refresh_s = refresh, 0
+    registry.start()
+    await asyncio.wait_for(refreshing.wait(), 10)
+    registry.refresh_s = 60
+    stopping = asyncio.create_task(registry.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=20)  # not a timeout around it: stop() ate that too
+    registry._task.cancel()
+    assert swallowed and done == {stopping} and registry._task.done()
+

@@ -1,0 +1,40 @@
+"""A worker's heartbeat (shared/heartbeats.py) against a real redis-server: its stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+from shared.heartbeats import Beating, Heartbeat
+from shared.keys import Keys
+from shared.redis_conn import connect
+
+
+async def test_a_heartbeat_stopped_during_a_beat_that_swallowed_the_cancellation_ends_at_once(redis_server):
+    """Python 3.11's asyncio.wait_for (redis-py's send, under a socket timeout) returns its result when it is
+    cancelled as its command completes. A heartbeat stopped during such a beat (its first one is under way when
+    an API whose start failed closes at once) ends there, rather than sleeping until `stop` cancels it again
+    2 s later."""
+    redis, keys, swallowed = connect(redis_server.url), Keys(f"hb{uuid.uuid4().hex[:6]}"), asyncio.Event()
+    beat = Heartbeat(redis, keys, Beating("api", "api@1", "", 60.0, 120.0), lambda: {})
+    real, beating = beat.beat, asyncio.Event()
+
+    async def swallowing_beat():
+        if swallowed.is_set():
+            return await real()
+        beating.set()
+        with contextlib.suppress(asyncio.CancelledError):  # as Python 3.11's wait_for can
+            await asyncio.sleep(30)
+        swallowed.set()
+        await real()
+
+    beat.beat = swallowing_beat
+    beat.start()
+    await asyncio.wait_for(beating.wait(), 10)
+    try:
+        await beat.stop()
+        assert swallowed.is_set() and beat._task.done() and not beat._task.cancelled(), "ended by the 2nd cancel"
+        assert not await redis.exists(beat.key), "its key goes with it"
+    finally:
+        await redis.aclose()
