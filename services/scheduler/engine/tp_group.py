@@ -3,8 +3,8 @@
 Rank 0 schedules, samples and owns the page allocator; before each forward it broadcasts the step's inputs (rows
 with their page tables, token ids, the indices whose logits are kept, pages to clear) so every rank runs the
 same forward on its shard (tp_shard.py), each rank's KV cache holding its share of the KV heads under the same
-page ids. The inputs travel as int64 tensors, no pickle: a fixed header, then one body, then the ids (on the
-device, where an overlapped step patched in the previous step's sampled tokens).
+page ids. The inputs travel as int64 tensors, never as serialised Python objects: a fixed header, then one
+body, then the ids (on the device, where an overlapped step patched in the previous step's sampled tokens).
 
 One unit: rank 0 watches its workers and, when one exits, or a step's collectives fail or the step outlasts
 --tp-timeout-s (a hung rank), kills the rest and exits nonzero; its held requests are taken over by a peer

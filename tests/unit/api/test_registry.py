@@ -71,7 +71,7 @@ async def test_stop_ends_the_refresh_loop_whose_refresh_swallowed_the_cancellati
         if not swallowed:  # the first one swallows the cancellation, as wait_for can
             refreshing.set()
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(30)
+                await asyncio.Event().wait()  # a command in flight until cancelled
             swallowed.append(True)
         return registry.snapshot
 
