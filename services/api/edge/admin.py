@@ -45,7 +45,9 @@ def control_sockets(explicit: str, port: int) -> list[Path]:
     """Every control socket of the API on `port` there is (its one process's, or each of its workers'); the one
     process's path when there is none, for the error to name."""
     path = admin_socket_path(explicit, port)
-    found = [p for p in [path, *sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))] if p.is_socket()]
+    # a socket file nobody answers on is a killed process's, left on a port reused since: not this API's
+    found = [p for p in [path, *sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))]
+             if p.is_socket() and _answers(p)]
     return found or [path]
 
 
