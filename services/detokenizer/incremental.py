@@ -13,7 +13,7 @@ same text, and a replica that takes over a dead peer's entries needs nothing fro
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from services.detokenizer.token_bytes import TokenBytes
@@ -107,15 +107,25 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-def merge_deltas(items: list[TokenDelta]) -> list[TokenDelta]:
+def merge_deltas(items: list[TokenDelta], published: Mapping[tuple[str, int], int] | None = None) -> list[TokenDelta]:
     """Join consecutive, contiguous deltas of the same choice (several engine steps in one read) so
-    that one reply entry carries them all."""
+    that one reply entry carries them all.
+
+    A delta ending at or before what this replica already published for its choice (`published`: the end of
+    the last range written, by uid and choice) is a step written twice: it stays alone, as the step it was.
+    Joined to the new steps after it, it would make a range that overlaps what the API delivered, which the
+    API cannot cut by token and drops (shared/reply_order.py), holding every later range for a gap that
+    nothing fills."""
     import msgspec
 
     out: list[TokenDelta] = []
     last: dict[tuple[str, int], int] = {}
     for it in items:
         key = (it.uid, it.index)
+        if published is not None and it.start + len(it.ids) <= published.get(key, -1):
+            last.pop(key, None)
+            out.append(it)
+            continue
         j = last.get(key)
         prev = out[j] if j is not None else None
         if prev is not None and prev.finish is None and prev.start + len(prev.ids) == it.start:

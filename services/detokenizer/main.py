@@ -50,17 +50,21 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         # ones) and a successor's (after a takeover) still rendered. Bounded; the API also ignores anything
         # after a choice's final entry.
         self.finished: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        # Where this replica's last range of each choice in flight ends (merge_deltas keeps a step written twice
+        # apart from new ones). Bounded like `finished`; a choice's entry goes when it ends.
+        self.published: OrderedDict[tuple[str, int], int] = OrderedDict()
         self.stops: ByteLRU[str, list[str]] = ByteLRU(STOP_CACHE_ENTRIES, STOP_CACHE_BYTES)
 
     def load(self) -> dict:
-        return {**super().load(), "finished_tracked": len(self.finished), "stops_cached": len(self.stops)}
+        return {**super().load(), "finished_tracked": len(self.finished), "published_tracked": len(self.published),
+                "stops_cached": len(self.stops)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
         items = await self._with_stops([it for d in batch for it in d.msg.items if not self._after_end(it)])
         # Claimed entries are rendered one step at a time: a dead peer may have written some of them
         # already, and equal ranges are what lets the API drop duplicates exactly.
         if not claimed:
-            items = merge_deltas(items)
+            items = merge_deltas(items, self.published)
         spans = [self.tracer.start("detokenize", it.trace, uid=it.uid, choice=it.index, start=it.start,
                                    end=it.start + len(it.ids), finish=it.finish or "")
                  for it in items if it.trace]  # a choice's first and last range, when traced
@@ -74,6 +78,7 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
             self.metrics.published("reply", len(items))
+            self._note_published(items)
         finally:
             for span in spans:
                 span.end()
@@ -146,6 +151,19 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
             self.requests.abort(pipe, it.uid, EndReason.STOP, self.model_name)
         else:
             self.requests.stop_choice(pipe, it.uid, it.index, self.model_name)
+
+    def _note_published(self, items: list[TokenDelta]) -> None:
+        for it in items:
+            key = (it.uid, it.index)
+            if it.finish is not None or key in self.finished:
+                self.published.pop(key, None)
+                continue
+            end = it.start + len(it.ids)
+            if end > self.published.get(key, -1):
+                self.published[key] = end
+                self.published.move_to_end(key)
+        while len(self.published) > FINISHED_MEMORY:
+            self.published.popitem(last=False)
 
     def _after_end(self, it: TokenDelta) -> bool:
         epoch, end = self.finished.get((it.uid, it.index), (-1, 0))

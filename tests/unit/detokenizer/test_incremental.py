@@ -98,6 +98,20 @@ def test_merge_joins_contiguous_steps_of_a_choice():
         ("u", 0, [1, 2, 3], "length"), ("v", 4, [9], None), ("u", 7, [5], None)]
 
 
+def test_merge_keeps_steps_written_twice_apart_from_new_ones():
+    """Steps [1, 5) and [5, 9) already published, read again with the new [9, 12): joined, they would make
+    [1, 12), which overlaps what the API delivered and is dropped there, leaving a gap before [12, ...)."""
+    again = [TokenDelta(uid="u", start=1, ids=[1, 2, 3, 4], prompt_tokens=2),
+             TokenDelta(uid="u", start=5, ids=[5, 6, 7, 8], prompt_tokens=2)]
+    new = [TokenDelta(uid="u", start=9, ids=[9, 10], prompt_tokens=2),
+           TokenDelta(uid="u", start=11, ids=[11], prompt_tokens=2)]
+    other = TokenDelta(uid="v", start=0, ids=[3], prompt_tokens=2)
+    merged = merge_deltas([*again, other, *new], {("u", 0): 9, ("v", 0): 0})
+    assert [(m.uid, m.start, m.start + len(m.ids)) for m in merged] == [
+        ("u", 1, 5), ("u", 5, 9), ("v", 0, 1), ("u", 9, 12)]
+    assert [(m.start, len(m.ids)) for m in merge_deltas([*again, *new])] == [(1, 11)]
+
+
 def test_logprobs_name_tokens(demo_tok):
     ids = demo_tok.encode("hi there", add_special_tokens=False)
     d = TokenDelta(uid="u", start=0, ids=ids, prompt_tokens=1, logprobs=[-0.5] * len(ids),
