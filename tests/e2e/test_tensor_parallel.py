@@ -1,7 +1,8 @@
-"""Tensor parallelism through the whole pipeline (gloo on CPU): a scheduler of 2 and of 4 ranks serving the demo
-model gives every request the text one rank gives, token for token (greedy and seeded, fp32); each rank holds
-about 1/N of the weights; and a rank killed mid-generation takes its group down at once, its requests finishing on
-a peer scheduler with the same text."""
+"""Tensor parallelism through the whole pipeline (gloo on CPU): a scheduler of 2 ranks serving the demo model gives
+every request the text one rank gives, token for token (greedy and seeded, fp32); each rank holds about half of the
+weights; a scheduler stopped stops its ranks; and a rank killed mid-generation takes its group down at once, its
+requests finishing on a peer scheduler with the same text. (4 ranks, which replicate the demo model's 2 KV heads,
+are tests/unit/engine/test_tensor_parallel.py's.)"""
 
 from __future__ import annotations
 
@@ -104,23 +105,17 @@ def test_tensor_parallel_ranks_give_one_ranks_text_and_die_as_one(redis_server, 
         for r in ranks:  # the norms are whole on every rank: the rest is split
             assert abs(r["weight_bytes"] - full_bytes / 2) < 0.05 * full_bytes, (r, full_bytes)
             assert r["kv_tokens"] > 0
-        tp2_pids = [r["pid"] for r in ranks]
-
-        load = switch(s, "tp2", "tp4", 4)  # 2 KV heads over 4 ranks: replicated
-        wait_for(lambda: gone(tp2_pids), timeout=30)  # a scheduler stopped stops its ranks
-        assert same(run_all(s), expected)
-        pids = [r["pid"] for r in load["tp_ranks"]]
-        assert len(set(pids)) == 4
+        pids = [r["pid"] for r in ranks]
 
         runs = [Streamer(s.base_url, b) for b in long_bodies]
         wait_for(lambda: all(len(r.text) > 10 for r in runs), timeout=60)
         s.send_signal("scheduler1", signal.SIGCONT)
         wait_for(lambda: "scheduler1" in live_names(s, "scheduler"), timeout=30)
         killed_at = time.monotonic()
-        os.kill(pids[2], signal.SIGKILL)
+        os.kill(pids[1], signal.SIGKILL)
         wait_for(lambda: gone(pids), timeout=30)  # rank 0 and every other rank
         assert time.monotonic() - killed_at < 30
-        assert s.procs["tp4"].wait(5) != 0
+        assert s.procs["tp2"].wait(5) != 0
         assert [r.result(120) for r in runs] == long_expected
         records = [s.redis().hgetall(s.keys.request(r.uid)) for r in runs]
         assert all(rec["scheduler"].startswith("scheduler1@") for rec in records), records

@@ -140,7 +140,10 @@ from shared.settings import SchedulerSettings
 engine = build_engine(SchedulerSettings(device="cpu", dtype="float32", threads=1, max_kv_tokens=512,
                                         tensor_parallel_size=2, tp_timeout_s=2), sys.argv[1])
 print(" ".join(str(r["pid"]) for r in engine.group.ranks), flush=True)
-sys.stdin.readline()
+if sys.stdin.readline().strip() == "close":
+    engine.close()
+    print("closed", flush=True)
+    sys.exit(0)
 engine.add(EngineRequest("u", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0)))
 while engine.has_work():
     engine.step()
@@ -159,10 +162,11 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow  # two processes start (~10 s on 2 cores)
 @pytest.mark.timeout(120)
 # a rank that exits (SIGKILL) is the pipeline test's: tests/e2e/test_tensor_parallel.py
-@pytest.mark.parametrize("fault", ["hang"])
-def test_a_rank_that_hangs_takes_the_group_down(random_model_dir, fault):
+@pytest.mark.parametrize("fault", ["hang", "close"])
+def test_a_rank_that_hangs_takes_the_group_down_and_a_closed_engine_stops_its_ranks(random_model_dir, fault):
     """A hung rank (stopped) holds rank 0's next step past --tp-timeout-s; rank 0's watch then kills the other ranks
-    and exits nonzero, none left running (a rank that exits is seen at once)."""
+    and exits nonzero, none left running (a rank that exits is seen at once). An engine closed (its scheduler
+    stopping) stops its ranks and exits 0."""
     import signal
     import subprocess
     import sys
@@ -175,7 +179,13 @@ def test_a_rank_that_hangs_takes_the_group_down(random_model_dir, fault):
     try:
         pids = [int(p) for p in rank0.stdout.readline().split()]
         assert len(pids) == 2 and pids[0] == rank0.pid, pids
-        os.kill(pids[1], signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
+        if fault == "close":
+            rank0.stdin.write("close\n")
+            rank0.stdin.flush()
+            assert rank0.wait(30) == 0 and "closed" in rank0.stdout.read()
+            wait_for(lambda: _gone(pids[1]), timeout=15)
+            return
+        os.kill(pids[1], signal.SIGSTOP)
         began = time.monotonic()
         rank0.stdin.write("go\n")
         rank0.stdin.flush()
