@@ -35,13 +35,16 @@ LONG = ("test_lora", "test_batch", "test_batch_tenants", "test_tenants", "test_u
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the process tiers by module for `--dist loadgroup` (before xdist reads the marks; unit tests stay
     ungrouped, so they spread over both workers one by one), and order the run so that xdist hands out the
-    serial group first, the long modules next and the unit tests last (`make test` turns xdist's own reordering,
-    by test count, off)."""
+    serial group first, the deploy tier next (it needs no model: the other worker runs it while the first trains
+    the demo model, instead of waiting for it), the long modules next and the unit tests last (`make test` turns
+    xdist's own reordering, by test count, off)."""
     def rank(item: pytest.Item) -> int:
         module = item.path.stem
         if "unit" in item.path.parts:
-            return 3
-        return 0 if module in SERIAL else 1 if module in LONG else 2
+            return 4
+        if "deploy" in item.path.parts:
+            return 1
+        return 0 if module in SERIAL else 2 if module in LONG else 3
 
     grouped = [item for item in items if "unit" not in item.path.parts]
     for item in grouped:

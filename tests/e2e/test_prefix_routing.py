@@ -159,6 +159,7 @@ def test_tenants_never_read_each_others_cached_prefix_unless_their_policies_shar
 @pytest.mark.parametrize("routed", ["fifo"], indirect=True)
 def test_a_routed_request_whose_scheduler_is_killed_mid_generation_finishes_on_a_peer(routed):
     s = routed
+    two_routing(s, "sc")
     p = [*prefix(2), 5, 6]
     holder = holder_of(s, p)
     expected = complete(s, p, 200)["choices"][0]["text"]
@@ -171,7 +172,6 @@ def test_a_routed_request_whose_scheduler_is_killed_mid_generation_finishes_on_a
     rec = s.redis().hgetall(s.keys.request(run.uid))
     assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # claimed from the dead one's stream
     ended(s, holder)
-    restore(s, "sc")
 
 
 @pytest.mark.parametrize("routed", ["fifo"], indirect=True)
@@ -180,6 +180,7 @@ def test_a_request_routed_to_a_scheduler_that_dies_before_reading_it_is_run_by_a
     it (alive to the tokenizer for a heartbeat TTL more) and stays undelivered in its stream; then it is killed.
     A peer claims the first (pending to the dead one) and reads the second (never delivered)."""
     s = routed
+    two_routing(s, "sd")
     p = [*prefix(3), 5, 6]
     holder = holder_of(s, p)
     long_one, routed_late = body(p, 300), body(p, 120, seed=424242)  # the seed marks its entry (greedy: no effect)
@@ -198,7 +199,6 @@ def test_a_request_routed_to_a_scheduler_that_dies_before_reading_it_is_run_by_a
         rec = s.redis().hgetall(s.keys.request(run.uid))
         assert rec["scheduler"] != holder and rec["entry"].startswith(f"{holder}/")  # from the dead one's stream
     ended(s, holder)
-    restore(s, "sd")
 
 
 def ended(s: Stack, dead: str) -> None:
@@ -208,6 +208,9 @@ def ended(s: Stack, dead: str) -> None:
              and dead not in r.smembers(s.keys.routed(MODEL)), timeout=20)
 
 
-def restore(s: Stack, name: str) -> None:
-    s.start(name, "scheduler", **ENV)
+def two_routing(s: Stack, name: str) -> None:
+    """Two schedulers to route among: a test that killed one left one (a new one, `name`, starts then; not at the
+    end of that test, which may be the stack's last)."""
+    if not routing_among(s, 2):
+        s.start(name, "scheduler", **ENV)
     wait_for(lambda: routing_among(s, 2), timeout=60)
