@@ -104,7 +104,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         if self._task:
-            for _ in range(3):  # again if it swallowed the cancellation (see shared/worker.py stop_task)
+            for _ in range(3):  # again if it swallowed the cancellation (see shared/tasks.py stop_task)
                 self._task.cancel()
                 done, _ = await asyncio.wait({self._task}, timeout=2.0)
                 if done:

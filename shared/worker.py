@@ -32,6 +32,7 @@ from shared.redis_conn import broker, connect, is_cluster_client
 from shared.settings import StageSettings
 from shared.stage_metrics import WorkerMetrics
 from shared.streams import Member
+from shared.tasks import stop_task, unless_set
 from shared.tracing import Tracer
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,15 @@ class PullWorker(StageWorker[M]):
             if claimed:
                 log.info("claimed %d entries a dead, hung or departing peer left pending", len(claimed))
                 return claimed, True
-        return await self.source.read(count, block_ms), False
+        return await self._read_unless_stopped(count, block_ms), False
+
+    async def _read_unless_stopped(self, count: int, block_ms: int | None) -> list[Delivery[M]]:
+        """The read, ended early by SIGTERM: an idle worker blocked in it would otherwise notice the signal only
+        when the block runs out (a second for the scheduler). What Redis delivered to a read cut short stays
+        pending to this consumer, which `drain` hands back."""
+        if self.stopping.is_set():
+            return await self.source.read(count, None)
+        return await unless_set(self.source.read(count, block_ms), self.stopping, default=[])
 
     async def claim_disconnected(self, count: int) -> list[Delivery[M]]:
         """The entries of peers whose process is gone, long before their claim idle: its claim idle is the longest
@@ -408,19 +417,6 @@ class PushWorker(StageWorker[M]):
         with contextlib.suppress(Exception):
             await self.broker.stop()
         await super().close()
-
-
-async def stop_task(task: asyncio.Task, patience_s: float = 2.0) -> None:
-    """Cancel a background task and wait for it, cancelling again if it swallowed the first cancellation
-    (Python 3.11's asyncio.wait_for, which redis-py's blocking pool uses, can), never hanging a shutdown."""
-    for _ in range(3):
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=patience_s)
-        if done:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                task.result()
-            return
-    log.warning("task %s did not stop", task.get_name())
 
 
 def run_stage(settings: StageSettings, build: Callable[[str, str], Awaitable[StageWorker]]) -> int:

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from shared import slots, streams
 from shared.keys import Keys
 from shared.redis_conn import connect_single, is_cluster_client
-from shared.worker import stop_task
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from services.api.batch_api.batches import PARK_MAX_S, Batches, Parked
 from shared import streams
 from shared.messages import BatchWork, decode
-from shared.worker import stop_task
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 

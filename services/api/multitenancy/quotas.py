@@ -42,7 +42,7 @@ from services.api.multitenancy.tenants import Policy, Tenant
 from shared.keys import Keys
 from shared.request_states import TERMINAL
 from shared.settings import ApiSettings
-from shared.worker import stop_task
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 

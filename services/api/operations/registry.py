@@ -22,7 +22,7 @@ from shared.heartbeats import WorkerInfo, complete, declared_models, live_worker
 from shared.keys import STAGES, Keys
 from shared.messages import DetokenizeBatch, ScheduleJob, TokenizeJob
 from shared.request_store import prune_inflight
-from shared.worker import stop_task
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
