@@ -53,16 +53,17 @@ def test_liveness_survives_a_redis_outage_and_a_stuck_loop_fails_it(demo_model_d
         server = RedisServer(port=server.port).start()  # back, empty
         wait_for(lambda: all_pass(s, ready=True), timeout=60, every=0.5)
 
-        for role in ("scheduler", "detokenizer"):  # the engine loop, and a FastStream-fed stage
-            proc = s.procs[f"{role}1"]
-            proc.send_signal(signal.SIGSTOP)
-            try:
-                wait_for(lambda r=role: probe(s, r) == 1, timeout=MAX_STALL_S + 20, every=0.2)
-                # the stall is what fails it (not the probe or Redis): a bound it has not reached yet still passes
-                assert probe(s, role, max_stall_s=600) == 0
-            finally:
-                proc.send_signal(signal.SIGCONT)
-            wait_for(lambda r=role: probe(s, r) == 0, timeout=30, every=0.2)
+        frozen = ("scheduler", "detokenizer")  # the engine loop, and a FastStream-fed stage, stalled together
+        for role in frozen:
+            s.procs[f"{role}1"].send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(probe(s, r) == 1 for r in frozen), timeout=MAX_STALL_S + 20, every=0.2)
+            # the stall is what fails it (not the probe or Redis): a bound it has not reached yet still passes
+            assert [probe(s, r, max_stall_s=600) for r in frozen] == [0, 0]
+        finally:
+            for role in frozen:
+                s.procs[f"{role}1"].send_signal(signal.SIGCONT)
+        wait_for(lambda: all(probe(s, r) == 0 for r in frozen), timeout=30, every=0.2)
     finally:
         s.stop()
         server.stop()
