@@ -34,7 +34,7 @@ from services.scheduler.registered_adapters import SYNC_EVERY_S, RegisteredAdapt
 from shared.consumer_group import Delivery
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
-from shared.models import sentence_transformers_pooling
+from shared.models import sentence_transformers_pooling, transformers_without_torch
 from shared.request_store import RequestStore
 from shared.settings import SchedulerSettings
 from shared.worker import PullWorker, run_stage
@@ -280,6 +280,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
 async def build_worker(settings: SchedulerSettings, model_path: str, model_name: str) -> SchedulerWorker:
     """Load the model and warm the engine up (kernels compiled, batch shapes run): all before the worker
     exists, so its heartbeat, which probes and the API read as "ready", appears only when it can serve."""
+    if settings.engine == "synthetic":  # it runs no model: transformers reads the config without torch (~1 s less)
+        transformers_without_torch()
     adapters = RegisteredAdapters(settings, model_name) if settings.max_loras and settings.engine == "paged" else None
     engine = await asyncio.to_thread(build_engine, settings, model_path, adapters)
     return SchedulerWorker(settings, model_name, engine, model_path, adapters)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.scheduler.engine.lora_weights import AdapterFolders, StoredAdapters
 from shared import adapter_registry as registry
 from shared.consumer_group import Delivery
 from shared.lora_folder import AdapterError, LoraCard, check_folder
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from services.scheduler.engine.base import Engine
+    from services.scheduler.engine.lora_weights import StoredAdapters
     from shared.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class RegisteredAdapters:
         return name in self.records
 
     def fetch(self, name: str) -> Path:
+        # lora_weights imports torch: a scheduler that serves no adapter (the synthetic engine's) starts without it
+        from services.scheduler.engine.lora_weights import AdapterFolders
+
         if name in self.paths:
             return AdapterFolders(self.paths).fetch(name)
         if self._stored is None:
@@ -101,6 +104,8 @@ class RegisteredAdapters:
         self.paths = {i: r.path for i, r in keep.items() if r.path}
         self.prefixes = {i: r.stored for i, r in keep.items() if r.stored}
         if self.prefixes and self._stored is None:
+            from services.scheduler.engine.lora_weights import StoredAdapters
+
             self._stored = StoredAdapters(self.store(), asyncio.get_running_loop(), self.prefixes, FETCH_TIMEOUT_S)
         if self._stored is not None:
             self._stored.prefixes = self.prefixes
