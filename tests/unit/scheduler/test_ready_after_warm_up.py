@@ -39,3 +39,20 @@ async def test_the_health_probe_fails_during_warm_up_and_passes_once_ready(redis
     finally:
         await worker.close()
     assert healthcheck(settings, probe) == 1, "a stopped worker's liveness file is gone"
+
+
+def test_a_synthetic_engines_scheduler_is_built_without_torch(redis_server, random_model_dir):
+    """It runs no model: neither torch nor transformers' modelling is imported (a second and ~150 MB less at every
+    start, which scale-to-zero and the suite's stacks wait for)."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, sys\n"
+            "from services.scheduler.main import build_worker\n"
+            "from shared.settings import SchedulerSettings\n"
+            "settings = SchedulerSettings(engine='synthetic', redis_url=sys.argv[2])\n"
+            "asyncio.run(build_worker(settings, sys.argv[1], 'rsinfer-demo'))\n"
+            "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(random_model_dir), redis_server.url], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
