@@ -26,7 +26,6 @@ other's id; the conversation is read link by link (`conversation`), within --max
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -55,6 +54,7 @@ from services.api.responses_api.response_store import ResponseStore, Stored
 from services.api.responses_api.sealing import Sealer, key_from_setting
 from shared.messages import SamplingParams
 from shared.request_states import NOT_SCHEDULED, TERMINAL, EndReason
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +168,8 @@ class Responses:
         self.followers: set[asyncio.Task] = set()  # background responses this process follows to their end
 
     async def close(self) -> None:
-        for task in list(self.followers):
-            task.cancel()
-        for task in list(self.followers):
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError, ApiError):
-                await task
+        """Stop following: a follower in a Redis read can swallow its first cancellation (shared/tasks.py)."""
+        await asyncio.gather(*(stop_task(task) for task in list(self.followers)))
 
     # -- create ----------------------------------------------------------------------------------------------
     async def create(self, http: HttpRequest, body: ResponseRequest):
