@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from shared.keys import STAGES, Keys
+from shared.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,8 @@ class Heartbeat:
             await asyncio.sleep(self.interval)
 
     async def stop(self) -> None:
-        if self._task:
-            for _ in range(3):  # again if it swallowed the cancellation (see shared/tasks.py stop_task)
-                self._task.cancel()
-                done, _ = await asyncio.wait({self._task}, timeout=2.0)
-                if done:
-                    break
+        if self._task:  # again if a beat's Redis call swallowed the cancellation
+            await stop_task(self._task)
         with contextlib.suppress(RedisError, OSError):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.key)

@@ -42,9 +42,10 @@ async def test_the_works_result_or_its_error_when_it_ends_first():
 
 
 async def test_stop_task_cancels_again_a_task_that_swallowed_the_first_cancellation():
-    swallowed = asyncio.Event()
+    started, swallowed = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
+        started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -52,6 +53,6 @@ async def test_stop_task_cancels_again_a_task_that_swallowed_the_first_cancellat
         await asyncio.Event().wait()
 
     task = asyncio.ensure_future(stubborn())
-    await asyncio.sleep(0)
+    await started.wait()
     await stop_task(task, patience_s=0.05)
     assert swallowed.is_set() and task.cancelled()
