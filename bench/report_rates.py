@@ -49,7 +49,33 @@ def gpurate_section(g: dict) -> list[str]:
             f"| {g['steady_tok_per_s']:,.0f} tok/s ({g['fraction_of_ideal']:.0%}) "
             f"| {g['ttft_p50_ms']:,.0f} / {g['ttft_p99_ms']:,.0f} ms "
             f"| {g['itl_p50_ms']:.1f} / {g['itl_p99_ms']:.1f} ms "
-            f"| {g['chunks_per_request']:.0f} | {g['ok']}/{g['requests']} |"]
+            f"| {g['chunks_per_request']:.0f} | {g['ok']}/{g['requests']} |", *flush_sweep_table(g)]
+
+
+def flush_sweep_table(g: dict) -> list[str]:
+    """The same load at several --stream-flush-ms, unpaced, and at the defaults (the section's main run)."""
+    sweep = g.get("flush_sweep") or []
+    if not sweep:
+        return []
+    rows = sorted([g, *sweep], key=lambda p: (p["flush_ms"], p.get("entry_rate", 0)))
+    lines = ["", "The same load at other settings: `--stream-flush-ms` T, how long a choice's tokens may wait to merge "
+             "into one delta (its first token and its end go at once), and `--stream-entry-rate` R, the deltas per "
+             "second a scheduler aims at (a token waits choices / R, at most T; 0: always T). The stages' CPU and "
+             "Redis' commands are paid per delta, so they fall as deltas carry more tokens; the gaps between chunks "
+             "grow toward the wait.", "",
+             "| T (ms) | R (/s) | tokens per chunk | XADD / token | Redis cmds / token | api | detokenizer | "
+             "plumbing in all | delivered (steady) | TTFT p50 | ITL p50 / p99 |", "|" + "---|" * 11]
+    for p in rows:
+        per = p["us_per_token"]
+        flush = f"{p['flush_ms']:.0f}" + (" (default)" if p.get("flush_default") else "")
+        per_chunk = p["max_tokens"] / p["chunks_per_request"] if p["chunks_per_request"] else 0.0
+        xadds = f"{p['xadds_per_token']:.2f}" if "xadds_per_token" in p else "–"
+        lines.append(f"| {flush} | {p.get('entry_rate', 0):,.0f} | {per_chunk:.1f} | {xadds} | "
+                     f"{p['redis_cmds_per_token']:.2f} | {per.get('api', 0):.1f} µs | "
+                     f"{per.get('detokenizer', 0):.1f} µs | {p['plumbing_us_per_token']:.1f} µs | "
+                     f"{p['steady_tok_per_s']:,.0f} tok/s ({p['fraction_of_ideal']:.0%}) | "
+                     f"{p['ttft_p50_ms']:,.0f} ms | {p['itl_p50_ms']:.1f} / {p['itl_p99_ms']:.1f} ms |")
+    return lines
 
 
 def _peak(res: dict) -> dict | None:

@@ -21,8 +21,8 @@ FLAG_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("model and engine", "how the model runs (the scheduler's engine) and how its output is parsed", (
         "engine", "device", "dtype", "threads", "trust_remote_code", "max_running", "max_kv_tokens",
         "kv_memory_fraction", "page_size", "chunk_size", "prefix_cache", "cuda_graphs", "overlap", "stream_interval",
-        "stream_flush_ms", "step_ms", "tool_call_parser", "reasoning_parser", "default_max_tokens", "embedding_pooling",
-        "embedding_normalize", "tensor_parallel_size", "tp_timeout_s")),
+        "stream_flush_ms", "stream_entry_rate", "step_ms", "tool_call_parser", "reasoning_parser", "default_max_tokens",
+        "embedding_pooling", "embedding_normalize", "tensor_parallel_size", "tp_timeout_s")),
     ("limits", "what one connection or request may ask: past a limit a 4xx names it, before anything is queued", (
         "request_timeout_s", "max_queued", "max_connections", "listen_backlog", "max_body_bytes",
         "max_header_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_s", "slow_client_timeout_s",

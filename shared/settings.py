@@ -229,8 +229,11 @@ class SchedulerSettings(StageSettings, StorageSettings, AdapterSettings):
     # which recomputes the request's prefix, so longer than the tokenizer's (2 s gave no better soak than 3 s).
     claim_idle_ms: int = Field(3_000, ge=100, description="claim a dead peer's entries after this idle")
     stream_interval: int = Field(1, ge=1, description="engine steps whose tokens one delta per choice carries")
-    stream_flush_ms: float = Field(10.0, ge=0, le=1000, description="ms a choice's tokens may wait to merge into one "
-                                   "delta (both: a choice's first token and end go at once; 0 = a delta per step)")
+    stream_flush_ms: float = Field(40.0, ge=0, le=1000, description="most ms a choice's tokens may wait to merge "
+                                   "into one delta (a choice's first token and end go at once; 0 = a delta per step)")
+    stream_entry_rate: float = Field(5_000.0, ge=0, description="deltas per second this scheduler aims at over all "
+                                     "its choices: a token waits choices / rate s, at most --stream-flush-ms (0 = "
+                                     "always that long)")
     engine: Literal["paged", "simple", "synthetic"] = Field("paged", description="engine behind the scheduler; "
                                                             "synthetic: pseudo-random tokens, no model, to "
                                                             "measure the plumbing alone")

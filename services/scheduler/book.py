@@ -147,20 +147,27 @@ class Running:
 
 class Unsent:
     """Each open choice's tokens not published yet, merged over steps: --stream-interval N (steps) and
-    --stream-flush-ms (how long a token may wait). Either, where set, sends them."""
+    --stream-flush-ms (how long a token may wait), paced by --stream-entry-rate. Either, where set, sends them."""
 
-    def __init__(self, interval: int, flush_s: float = 0.0):
-        self.interval, self.flush_s = interval, flush_s
+    def __init__(self, interval: int, flush_s: float = 0.0, entry_rate: float = 0.0):
+        self.interval, self.flush_s, self.entry_rate = interval, flush_s, entry_rate
         self.merging = interval > 1 or flush_s > 0
         # (uid, index) -> (the merged output, how many steps it holds, when its oldest token was made)
         self.held: dict[tuple[str, int], tuple[StepOutput, int, float]] = {}
         self.last: float | None = None  # when the previous step's outputs came
         self.gap = float("inf")  # the time between the last two steps: how long holding a token delays it
+        self.hold_s = flush_s  # how long a token may wait now: the flush interval, or less where pacing says so
 
-    def clock(self, now: float) -> None:
-        """A step's outputs came at `now` (monotonic): its gap to the previous one is the next step's expected."""
+    def clock(self, now: float, choices: int = 0) -> None:
+        """A step's outputs (for `choices` choices) came at `now` (monotonic): its gap to the previous one is the
+        next step's expected. Paced, a token waits as long as keeps this scheduler's deltas near --stream-entry-rate
+        per second (one per choice per hold: `choices` / rate), at most the flush interval: a few streams publish
+        every step, hundreds merge steps, where each delta's cost downstream (detokenizer, reply entry, SSE chunk,
+        Redis commands) adds up."""
         self.gap = float("inf") if self.last is None else now - self.last
         self.last = now
+        if self.entry_rate > 0:
+            self.hold_s = min(self.flush_s, choices / self.entry_rate)
 
     def due(self, out: StepOutput, now: float = 0.0) -> StepOutput | None:
         """A choice's tokens wait until N steps' worth are merged into one output, or until holding them to the
@@ -180,7 +187,7 @@ class Unsent:
         return None
 
     def ripe(self, steps: int, since: float, now: float) -> bool:
-        if self.flush_s > 0 and now - since + self.gap > self.flush_s:
+        if self.flush_s > 0 and now - since + self.gap > self.hold_s:
             return True
         return self.interval > 1 and steps >= self.interval
 
@@ -189,7 +196,7 @@ class Unsent:
         do not wait for their next."""
         if self.flush_s <= 0 or not self.held:
             return []
-        keys = [k for k, (_, _, since) in self.held.items() if now - since + self.gap > self.flush_s]
+        keys = [k for k, (_, _, since) in self.held.items() if now - since + self.gap > self.hold_s]
         return [self.held.pop(k)[0] for k in keys]
 
     def holds(self, uid: str, n: int) -> bool:
@@ -210,12 +217,11 @@ class Unsent:
 class RequestBook:
     """The requests this scheduler runs (`running`, uid -> Running) and their tokens not published yet."""
 
-    def __init__(self, engine: Engine, scheduler_id: str, checkpoint_every: int, stream_interval: int,
-                 stream_flush_s: float = 0.0):
+    def __init__(self, engine: Engine, scheduler_id: str, checkpoint_every: int, unsent: Unsent | None = None):
         self.engine, self.id = engine, scheduler_id
         self.checkpoint_every = checkpoint_every  # tokens between two checkpoints in a reply stream
         self.running: dict[str, Running] = {}
-        self.unsent = Unsent(stream_interval, stream_flush_s)
+        self.unsent = unsent or Unsent(1)  # without one: a delta per step
 
     def held_entries(self) -> list[str]:
         return [r.entry_id for r in self.running.values()]
@@ -253,7 +259,7 @@ class RequestBook:
         items: list[TokenDelta] = []
         ended: list[str] = []
         stepped: set[str] = set()
-        self.unsent.clock(now)
+        self.unsent.clock(now, len(outputs))
         for out in outputs:
             run = self.running.get(out.uid)
             if run is None or out.index in run.done:

@@ -24,7 +24,7 @@ import time
 from redis.exceptions import RedisError
 
 from services.scheduler.arrivals import Admission, Verdict
-from services.scheduler.book import Ends, RequestBook
+from services.scheduler.book import Ends, RequestBook, Unsent
 from services.scheduler.effects import Dequeued, Effect, EffectWriter, Publish, raise_first_error, unapplied
 from services.scheduler.engine.base import Engine, StepOutput
 from services.scheduler.engine.factory import build_engine
@@ -64,8 +64,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         self.model_info.update(adapters.card() if adapters is not None else {"lora_slots": 0})
         # Tokens between checkpoints: at most a quarter of the reply stream's cap lies after the newest one
         # (one entry per token at most), so MAXLEN never trims it away.
-        self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, settings.stream_interval,
-                                settings.stream_flush_ms / 1000)
+        self.book = RequestBook(engine, self.id, settings.reply_maxlen // 4, Unsent(
+            settings.stream_interval, settings.stream_flush_ms / 1000, settings.stream_entry_rate))
         self.admission = Admission(self.book, self.tracer)
         self.source.lane_key = functools.partial(self.keys.scheduler_stream, model_name)
         self.lanes = SchedulerLanes(self.redis, self.keys, model_name, self.source, page_size=engine.prefix_page_size,

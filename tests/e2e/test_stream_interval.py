@@ -5,15 +5,19 @@ back."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
+from tests.support.helpers import sse_payloads
 from tests.support.stack import MODEL, Stack, running_pipeline
 
 pytestmark = pytest.mark.timeout(120)
 INTERVAL = 4
 FLUSH_MS = 300  # many CPU steps of the demo model: with it, a choice's tokens go in a few deltas
+# (unpaced: --stream-entry-rate would publish every step for so few streams; tests/unit/scheduler/test_flush_by_time.py)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def merged(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def timed(redis_server, demo_model_dir, tmp_path_factory) -> Iterator[Stack]:
     with running_pipeline(redis_server, demo_model_dir, tmp_path_factory, "flush",
-                          RSINFER_STREAM_FLUSH_MS=str(FLUSH_MS)) as s:
+                          RSINFER_STREAM_FLUSH_MS=str(FLUSH_MS), RSINFER_STREAM_ENTRY_RATE="0") as s:
         yield s
 
 
@@ -113,3 +117,59 @@ def test_stop_strings_spanning_merged_ranges_cut_each_choice_where_they_would(st
         text = full[i]["text"]
         assert want[i]["text"] == text[:min(text.find(x) for x in stops if x in text)]
         assert want[i]["finish"] == "stop"
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}}}
+
+
+def streamed_call(stack: Stack) -> tuple[list[tuple[str, str]], str]:
+    """A streamed, seeded call of a named tool (as tests/e2e/test_tools.py's): (name, arguments) per call joined
+    over the chunks, and the finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stack.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What time is it?"}], tools=[GET_TIME], max_tokens=200,
+            seed=4, stream=True, tool_choice={"type": "function", "function": {"name": "get_time"}}):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                acc = calls.setdefault(tc.index, ["", ""])
+                acc[0] += tc.function.name or ""
+                acc[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_a_tool_call_streamed_in_merged_ranges_is_the_same_call(stack, timed):
+    want, want_finish = streamed_call(stack)
+    got, finish = streamed_call(timed)
+    assert got == want and finish == want_finish == "tool_calls"
+    assert json.loads(got[0][1])["tz"] in ("UTC", "CET")
+
+
+def test_a_reattach_after_a_merged_entry_gets_exactly_the_rest(timed):
+    """Last-Event-ID names a reply entry; with --stream-flush-ms one entry carries several tokens, and a reattach
+    after any of them gets exactly the text after it (a background request runs on with nobody attached)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "resume merged"}], "max_tokens": 80,
+            "temperature": 0, "ignore_eos": True, "background": True, "stream": True}
+    events: list[tuple[str, str]] = []  # (event id, text)
+    uid = ""
+    with httpx.stream("POST", f"{timed.base_url}/v1/chat/completions", json=body, timeout=60) as resp:
+        last = ""
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                last = line[4:]
+            elif line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                uid = chunk["id"].removeprefix("chatcmpl-")
+                text = "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                if text:
+                    events.append((last, text))
+    assert len(events) < 40, "tokens were not merged"  # 80 tokens
+    for at in (0, len(events) // 2):
+        with httpx.stream("GET", f"{timed.base_url}/v1/requests/{uid}/stream",
+                          headers={"Last-Event-ID": events[at][0]}, timeout=60) as resp:
+            assert resp.status_code == 200
+            data = sse_payloads("".join(resp.iter_text()))
+        rest = "".join(c["delta"].get("content") or "" for d in data[:-1] for c in json.loads(d)["choices"])
+        assert rest == "".join(text for _, text in events[at + 1:])

@@ -130,6 +130,21 @@ def test_the_page_renders_both_sections_with_their_goals(tmp_path, steps):
     assert page.count("| transformers | ") == 3
 
 
+def test_the_flush_sweep_table_puts_the_default_run_among_its_points():
+    g = {**gpurate_results(), "flush_ms": 10.0, "entry_rate": 5000.0, "flush_default": True}
+    assert g["xadds_per_token"] == pytest.approx(1000 / (512 * 256), abs=1e-3)
+    g["flush_sweep"] = [{**g, "flush_ms": f, "entry_rate": 0.0, "flush_default": False, "chunks_per_request": 256 / k,
+                         "redis_cmds_per_token": 0.8 / k} for f, k in ((0.0, 1), (20.0, 4), (40.0, 8))]
+    page = "\n".join(report_rates.gpurate_section(g))
+    table = page[page.index("| T (ms) |"):].split("\n\n")[0].splitlines()
+    assert len({line.count("|") for line in table}) == 1
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| 0", "| 10 (default)", "| 20", "| 40"]
+    assert [row.split(" | ")[1] for row in table[2:]] == ["0", "5,000", "0", "0"]  # the defaults pace
+    assert table[2].split(" | ")[2:5] == ["1.0", "0.01", "0.80"]  # tokens per chunk, XADD and commands per token
+    assert table[4].split(" | ")[2:5] == ["4.0", "0.01", "0.20"]
+    assert "flush" not in "\n".join(report_rates.gpurate_section(gpurate_results()))  # no sweep, no table
+
+
 class Recorder:
     """Stands in for matplotlib.pyplot (not in the test extra): records what guidellm_plot draws."""
 

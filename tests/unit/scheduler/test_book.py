@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from services.scheduler.arrivals import Admission, Found, Resumed, Verdict
-from services.scheduler.book import Ends, RequestBook
+from services.scheduler.book import Ends, RequestBook, Unsent
 from services.scheduler.effects import (
     Ack,
     Checkpoint,
@@ -46,7 +46,7 @@ def delivery(uid: str, entry: str = "1-0", **kw) -> Delivery[ScheduleJob]:
 
 def book_of(stream_interval: int = 1, checkpoint_every: int = 1000) -> tuple[RequestBook, Admission]:
     engine = SyntheticEngine(SyntheticVocab(range(20, 60)), max_context=64, step_s=0.0, sleep=lambda _s: None)
-    book = RequestBook(engine, "s1", checkpoint_every, stream_interval)
+    book = RequestBook(engine, "s1", checkpoint_every, Unsent(stream_interval))
     return book, Admission(book, Tracer("scheduler", None))
 
 

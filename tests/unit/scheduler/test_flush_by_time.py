@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.arrivals import Admission, Found, Verdict
-from services.scheduler.book import Ends, RequestBook
+from services.scheduler.book import Ends, RequestBook, Unsent
 from services.scheduler.effects import Checkpoint, Publish
 from services.scheduler.engine.base import StepOutput
 from services.scheduler.engine.synthetic import SyntheticEngine, SyntheticVocab
@@ -31,9 +31,10 @@ class Clock:
         return self.t
 
 
-def book_of(flush_ms: float, stream_interval: int = 1, checkpoint_every: int = 1000) -> RequestBook:
+def book_of(flush_ms: float, stream_interval: int = 1, checkpoint_every: int = 1000,
+            entry_rate: float = 0.0) -> RequestBook:
     engine = SyntheticEngine(SyntheticVocab(range(20, 60)), max_context=256, step_s=0.0, sleep=lambda _s: None)
-    return RequestBook(engine, "s1", checkpoint_every, stream_interval, flush_ms / 1000)
+    return RequestBook(engine, "s1", checkpoint_every, Unsent(stream_interval, flush_ms / 1000, entry_rate))
 
 
 def admit(book: RequestBook, uid: str, entry: str = "1-0", **params) -> None:
@@ -120,3 +121,29 @@ def test_an_abort_publishes_the_waiting_tokens_before_its_end_and_a_stop_drops_t
     [_, pub, _] = book.end(Ends({"a": "client_gone"}), 4)
     assert [(d.start, len(d.ids), d.finish) for d in pub.deltas] == [(1, 2, None), (3, 0, "abort")]
     assert [(d.uid, d.start, len(d.ids)) for d in book.unsent_now(4)[0].deltas] == [("b", 1, 2)]
+
+
+def test_paced_a_few_streams_publish_every_step_and_hundreds_merge_up_to_the_flush_interval():
+    """--stream-entry-rate R: a token waits (choices this step) / R, at most --stream-flush-ms: with 1,000 deltas a
+    second to spend, 2 streams at 4 ms steps publish every step (a hold of 2 ms), 40 of them hold 40 ms, capped at
+    the 10 ms flush interval: a delta per 3 steps, as unpaced."""
+    few, clock = book_of(flush_ms=10, entry_rate=1000), Clock(0.004)
+    for uid in ("a", "b"):
+        admit(few, uid, f"{uid}-0", max_tokens=6)
+    assert [len(step) for step in run(few, clock, 6)] == [2] * 6
+    assert few.unsent.hold_s == pytest.approx(0.002)
+
+    many, clock = book_of(flush_ms=10, entry_rate=1000), Clock(0.004)
+    for k in range(40):
+        admit(many, f"r{k}", f"{k}-0", max_tokens=9)
+    sizes = run(many, clock, 9)
+    assert many.unsent.hold_s == pytest.approx(0.010)  # 40 / 1000 = 40 ms, capped
+    assert all(step == [(0, 1)] * 40 or not step or len(set(step)) == 1 for step in sizes)
+    assert [step[0] if step else None for step in sizes] == [(0, 1), None, None, (1, 3), None, None, (4, 3), None,
+                                                              (7, 2)]
+
+
+def test_unpaced_every_choice_holds_for_the_flush_interval_whatever_the_count():
+    book, clock = book_of(flush_ms=10), Clock(0.004)
+    admit(book, "a", max_tokens=9)
+    assert run(book, clock, 9)[:4] == [[(0, 1)], [], [], [(1, 3)]] and book.unsent.hold_s == 0.010
