@@ -119,6 +119,30 @@ async def test_a_stalled_owner_acknowledges_only_what_it_still_holds(env):
     assert await peer.pending_ids() == []
 
 
+async def test_touch_and_acknowledgement_look_up_the_owner_once_however_many_entries(env):
+    """A scheduler touches every entry it runs and acknowledges all a step ended: one XPENDING each (of the
+    consumer's entries between the lowest and highest id), not one per entry; entries of another consumer in
+    that range, before and after ours, stay out."""
+    redis, keys = env
+    owner, peer, ids = await one_of_two_claimed(redis, keys, "x")
+    for i in range(40):
+        await streams.add(redis, keys.schedule("m"), job(f"y{i}"))
+    more = [d.entry_id for d in await owner.read(40, None)]
+    await streams.add(redis, keys.schedule("m"), job("z"))
+    [last] = [d.entry_id for d in await peer.read(1, None)]
+
+    async def xpending_calls() -> int:
+        return (await redis.info("commandstats")).get("cmdstat_xpending", {}).get("calls", 0)
+
+    before = await xpending_calls()
+    assert await owner.touch([*ids, *more, last]) == [ids[0], last]  # the peer's, first and last in the range
+    async with redis.pipeline(transaction=False) as pipe:
+        owner.ack_own_in(pipe, [*ids, *more[:30], last])
+        await pipe.execute()
+    assert await xpending_calls() - before == 2
+    assert await owner.pending_ids() == more[30:] and sorted(await peer.pending_ids()) == sorted([ids[0], last])
+
+
 async def test_departed_consumers_are_removed_unless_they_hold_entries(env):
     redis, keys = env
     await streams.add(redis, keys.schedule("m"), job("u0"))
