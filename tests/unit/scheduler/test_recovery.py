@@ -163,6 +163,35 @@ async def test_a_successor_resumes_where_the_client_stands_not_at_a_checkpoint_a
     assert client.done and client.next == [160, 160] and client.refused == 2
 
 
+async def test_tokens_merging_held_back_are_made_again_by_the_successor_once_each(make):
+    """With --stream-flush-ms the owner holds tokens it has not published; when it dies holding them, its
+    successor resumes where the client stands (after what was published) and makes them again: the client gets
+    every token once, in order, as a delta per step gives them (the synthetic engine's token at a position is a
+    function of the request)."""
+    owner, peer = await make("owner", stream_flush_ms=1000, stream_entry_rate=0), await make("peer")
+    detok = make.detokenizer()
+    await streams.add(owner.redis, owner.source.key, job("u8", 60))
+    await owner.admit(await owner.source.read(1, None), claimed=False)
+    for _ in range(20):
+        await owner.work()
+        await owner.flush()
+        await detokenize(detok)
+    made = list(owner.book.running["u8"].outputs[0])
+    assert len(made) >= 20 and owner.book.unsent.holds("u8", 1)
+    assert delivered(await replies(owner, "u8")).next == [1]  # the first token went at once; the rest wait
+    await claimable(owner)  # the owner stalls for good, its merged tokens unsent
+    [claimed] = await peer.source.claim(200, 1)
+    await peer.admit([claimed], claimed=True)
+    await run_until_idle(peer)
+    await detokenize(detok)
+    entries = await replies(peer, "u8")
+    client, tokens = delivered(entries), ProducedTokens(1)
+    for m in entries:
+        tokens.add(m)
+    assert client.done and client.next == [60] and client.refused == 0
+    assert len(tokens.outputs[0]) == 60 and tokens.outputs[0][:len(made)] == made
+
+
 async def test_a_stop_string_ends_one_choice_of_two_in_the_engine(make):
     w = await make("solo")
     await streams.add(w.redis, w.source.key, job("u3", 500, n=2, stop=["zz"]))
