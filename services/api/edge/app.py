@@ -143,7 +143,9 @@ def create_app(settings: ApiSettings, worker: int | None = None) -> Guard:
             await adapters.close()
             await svc.close()
 
-    app = FastAPI(title="rsinfer", lifespan=lifespan)
+    # rsinfer traces a request across its stages itself (shared/tracing.py); FastAPI's own telemetry would add
+    # server spans beside those and, off, still look up the global providers and the environment per request
+    app = FastAPI(title="rsinfer", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.service = svc
     errors.install(app)
     adapters = Adapters(ctx)  # LoRA: load and unload, the adapters' cards (services/api/lora_api/adapters.py)
