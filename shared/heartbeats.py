@@ -52,6 +52,9 @@ class Beating:
     ttl_s: float
 
 
+RETRY_S = 0.1  # the first retry of a failed beat
+
+
 class Heartbeat:
     """Refreshes this process's heartbeat every `interval` seconds until stopped; deletes it on close."""
 
@@ -92,16 +95,22 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.role}")
 
     async def _run(self) -> None:
+        retry = RETRY_S
         while True:
+            wait = self.interval
             try:
                 await self.beat()
+                retry = RETRY_S
             except (RedisError, OSError) as e:
                 log.warning("heartbeat failed: %s", e)
+                # Beat again as soon as Redis is back (retries doubling up to the interval): a restart that
+                # outlasts the heartbeat's TTL leaves this worker looking dead until its next beat
+                wait, retry = min(retry, self.interval), retry * 2
             except Exception:  # a heartbeat that dies makes a live worker look dead: never let it
                 log.exception("heartbeat failed")
             if asyncio.current_task().cancelling():  # stopped, but the beat's Redis call swallowed it (`stop`)
                 return
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(wait)
 
     async def stop(self) -> None:
         if self._task:  # again if a beat's Redis call swallowed the cancellation

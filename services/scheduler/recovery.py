@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,9 @@ class Recovery:
         # TTLs are refreshed a few times per TTL, not every sweep: two commands per running request a second
         # were most of what a long generation cost Redis beyond its tokens.
         self.refresh_every = min(TTL_REFRESH_S, requests.ttl / 10)
+        # API pods whose heartbeat the last sweep did not find: one is gone when the next does not find it either
+        # (`swept`)
+        self.unseen: set[str] = set()
 
     async def look_up(self, uids: list[str]) -> dict[str, Found]:
         """Per request: its abort flag, and the scheduler and entry its record names, in one round trip."""
@@ -116,7 +120,8 @@ class Recovery:
             for pod in pods:
                 pipe.exists(self.keys.worker("api", pod))
             found = await pipe.execute()
-        ends = swept(runs, view.stoppable, pods, found, self.id)
+        ends = swept(runs, view.stoppable, pods, found, self.id, unseen_before=self.unseen)
+        self.unseen = unseen_pods(pods, found)
         return ends, [RefreshTtl([r.job.uid for r in view.stale])] if view.stale else []
 
 
@@ -152,12 +157,21 @@ def resumed_from(n: int, epoch: int, trimmed: bool, before: streams.Rows) -> Res
     return Resumed(produced, epoch)
 
 
-def swept(runs: list[Running], stoppable: list[tuple[str, int]], pods: list[str], found: list, me: str) -> Ends:
+def unseen_pods(pods: list[str], found: list) -> set[str]:
+    """The API pods whose heartbeat the sweep's reads (`Recovery.sweep`: the pods' EXISTS last) did not find."""
+    return {pod for pod, ok in zip(pods, found[len(found) - len(pods):], strict=True) if not ok}
+
+
+def swept(runs: list[Running], stoppable: list[tuple[str, int]], pods: list[str], found: list, me: str, *,
+          unseen_before: Set[str] = frozenset()) -> Ends:
     """What the sweep's reads (`Recovery.sweep`, in its order) say ended: requests whose abort flag is set (an
     operator's `SET rsinfer:abort:<uid>`, or a notification lost in a Redis outage), choices a stop string
-    ended, and requests nobody can receive or that are no longer ours (`orphan_reason`). A flag's reason wins."""
+    ended, and requests nobody can receive or that are no longer ours (`orphan_reason`). A flag's reason wins.
+    An API pod is gone once two sweeps in a row (`unseen_before`: the previous one's) find no heartbeat of it: a
+    Redis restart can outlast a heartbeat's TTL, and a sweep right after it would otherwise end the requests of
+    every API pod that had not beaten again yet."""
     n, k = 2 * len(runs), len(stoppable)
-    alive = {pod for pod, ok in zip(pods, found[n + k:], strict=True) if ok}
+    alive = {pod for pod, ok in zip(pods, found[n + k:], strict=True) if ok or pod not in unseen_before}
     ends = Ends(choices={c for c, stop in zip(stoppable, found[n:n + k], strict=True) if stop})
     for r, flag, (owner, epoch) in zip(runs, found[0:n:2], found[1:n:2], strict=True):
         reason = flag.decode() if flag is not None else orphan_reason(r, owner, epoch, alive, me)

@@ -12,6 +12,7 @@ from services.scheduler.book import Running
 from services.scheduler.effects import DeadLetter, Fail, RefreshTtl
 from services.scheduler.recovery import Recovery, found_of, orphan_reason, poisoned, resumed_from
 from shared import streams
+from shared.consumer_group import Delivery
 from shared.keys import Keys
 from shared.messages import ReplyCheckpoint, ReplyEvent, encode
 from shared.request_states import EndReason
@@ -105,6 +106,23 @@ async def test_the_sweep_returns_ends_and_ttl_refreshes_and_leaves_the_book_alon
     assert book.running == before and all(not s.ended for s in book.engine.running)  # the loop applies the ends
     _, again = await recovery.sweep(book.sweep_view(book.running["b"].refreshed + 50, 60))
     assert again == []  # marked refreshed by the book
+
+async def test_an_api_pod_is_gone_once_two_sweeps_in_a_row_find_no_heartbeat_of_it():
+    """A Redis restart can outlast the heartbeats' TTL: the first sweep after it may find no heartbeat of a live
+    API pod that has not beaten again yet. Its requests end only when the next sweep does not find it either."""
+    book, adm = book_of()
+    admitted(book, adm, Delivery("1-0", msgspec.structs.replace(job("a"), background=False)))
+    k = Keys("t")
+    redis = FakeRedis({k.request("a"): [b"s1", b"0"]})  # the pod's heartbeat is not there
+    recovery = Recovery(redis, None, "s1", max_deliveries=3)  # type: ignore[arg-type]
+    view = lambda: book.sweep_view(0.0, 60)  # noqa: E731
+    assert (await recovery.sweep(view()))[0].requests == {}  # not found once: it may be about to beat again
+    redis.values[k.worker("api", "api-x")] = 1
+    assert (await recovery.sweep(view()))[0].requests == {}  # it did
+    del redis.values[k.worker("api", "api-x")]
+    assert (await recovery.sweep(view()))[0].requests == {}
+    assert (await recovery.sweep(view()))[0].requests == {"a": EndReason.OWNER_GONE}  # twice in a row: gone
+
 
 def test_what_redis_holds_of_a_delivered_request():
     assert found_of(None, [None, None]) == Found()
