@@ -129,7 +129,7 @@ def ack_own(target: Target, key: str, member: Member, ids: Sequence[str]) -> Any
     """`ack` of only those of `ids` that `member` still holds. A worker that was stalled (SIGSTOP) past the claim
     idle time can end a request a peer has since taken over, and a plain XACK would end the peer's entry too:
     the peer would then drop the request as taken from it, and nobody would finish it."""
-    args = (1, key, member.group, member.consumer, *ids)
+    args = (1, key, member.group, member.consumer, *_id_range(ids), *ids)
     return _in_own_transaction(target, lambda t: t.eval(_ACK_OWN, *args), lambda t: t.eval(_ACK_OWN_FLAGGED, *args))
 
 
@@ -233,6 +233,12 @@ async def length(redis: Redis, key: str) -> int:
 def id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _id_range(ids: Sequence[str]) -> tuple[str, str]:
+    """The lowest and the highest of some entry ids (shared/data/ack_own.lua and touch_own.lua read what a
+    consumer holds between them in one XPENDING)."""
+    return min(ids, key=id_tuple), max(ids, key=id_tuple)
 
 
 def id_after(entry_id: str, other: str) -> bool:
@@ -362,7 +368,7 @@ async def touch_own(redis: Redis, ids_by_key: dict[str, list[str]], member: Memb
     # EVAL, not EVALSHA, as in Appender.queue
     async with redis.pipeline(transaction=False) as pipe:
         for key, entry_ids in ids_by_key.items():
-            pipe.eval(_TOUCH, 1, key, member.group, member.consumer, *entry_ids)
+            pipe.eval(_TOUCH, 1, key, member.group, member.consumer, *_id_range(entry_ids), *entry_ids)
         lost = await pipe.execute()
     return {key: [as_str(i) for i in gone] for key, gone in zip(ids_by_key, lost, strict=True)}
 

@@ -252,8 +252,10 @@ class PullWorker(StageWorker[M]):
         """The read, ended early by SIGTERM: an idle worker blocked in it would otherwise notice the signal only
         when the block runs out (a second for the scheduler). What Redis delivered to a read cut short stays
         pending to this consumer, which `drain` hands back."""
-        if not block_ms or self.stopping.is_set():  # a read that does not block (every engine step's): as it is
-            return await self.source.read(count, None if self.stopping.is_set() else block_ms)
+        if self.stopping.is_set():
+            block_ms = None  # stopping: what is there, without waiting
+        if not block_ms:  # a read that does not block (every engine step's): as it is
+            return await self.source.read(count, block_ms)
         return await unless_set(self.source.read(count, block_ms), self.stopping, default=[])
 
     async def claim_disconnected(self, count: int) -> list[Delivery[M]]:
