@@ -76,21 +76,14 @@ class Keys:
         return f"{self.namespace}:parked-tenants:{model}:{{{self.fair_tag(model)}}}"
 
     def queued(self, model: str) -> str:
-        """Sorted set of the model's queued jobs (admitted, not yet started by a scheduler): member = uid, score =
-        its deadline, past which it no longer counts (its process died)."""
-        return f"{self.namespace}:queued:{model}:{{{self.fair_tag(model)}}}"
-
-    def queued_owners(self, model: str) -> str:
-        """Hash of the model's queued jobs: uid -> tenant."""
-        return f"{self.namespace}:queued-owners:{model}:{{{self.fair_tag(model)}}}"
+        """Sorted set of the model's queued jobs (admitted, not yet started by a scheduler): member = "<uid>
+        <tenant>", score = its deadline, past which it no longer counts (its process died)."""
+        return f"{self.namespace}:queued-jobs:{model}:{{{self.fair_tag(model)}}}"
 
     def queued_tenants(self, model: str) -> str:
-        """Hash of the model's tenants with jobs queued: tenant -> how many."""
-        return f"{self.namespace}:queued-tenants:{model}:{{{self.fair_tag(model)}}}"
-
-    def queued_weights(self, model: str) -> str:
-        """Hash of the model's tenants with jobs queued: tenant -> its key's `weight` (its share of the queue)."""
-        return f"{self.namespace}:queued-weights:{model}:{{{self.fair_tag(model)}}}"
+        """Hash of the model's tenants with jobs queued: `c:<tenant>` -> how many, `w:<tenant>` -> its key's
+        `weight` (its share of the queue); `~exp` -> when the two keys expire (shared/queued.py)."""
+        return f"{self.namespace}:queued-by-tenant:{model}:{{{self.fair_tag(model)}}}"
 
     def detokenize(self, model: str) -> str:
         return f"{self.namespace}:detokenize:{model}"

@@ -101,7 +101,7 @@ class Dequeued:
     against --max-queued and their tenants' shares of it (shared/queued.py)."""
 
     model: str
-    uids: list[str]
+    members: list[str]  # shared/queued.py `member`
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +189,7 @@ class EffectWriter:
         self.requests.note_abort(pipe, e.uid, e.reason)
 
     def dequeued(self, pipe: Pipeline, e: Dequeued) -> None:
-        queued.leave(pipe, self.requests.keys, e.model, e.uids)
+        queued.leave(pipe, self.requests.keys, e.model, e.members)
 
     def dead_letter(self, pipe: Pipeline, e: DeadLetter) -> None:
         self.source.queue_dead_letter(pipe, e.entries)

@@ -31,6 +31,7 @@ from services.scheduler.engine.factory import build_engine
 from services.scheduler.lanes import SchedulerLanes
 from services.scheduler.recovery import AbortNotes, Recovery
 from services.scheduler.registered_adapters import SYNC_EVERY_S, RegisteredAdapters
+from shared import queued
 from shared.consumer_group import Delivery
 from shared.keys import SCHEDULER_GROUP
 from shared.messages import ScheduleJob
@@ -187,7 +188,7 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
             batch = await self.adapters.resolved(batch)
         uids = [d.msg.uid for d in batch]
         found = await self.recovery.look_up(uids)
-        now, effects = time.time(), [Dequeued(self.model_name, uids)]
+        now, effects = time.time(), [Dequeued(self.model_name, queued.members(d.msg for d in batch))]
         for d in batch:
             try:
                 verdict, ended = self.admission.verdict(d, claimed, found[d.msg.uid], now)

@@ -88,9 +88,9 @@ class Park(msgspec.Struct, frozen=True):
 
 
 class LeaveQueue(msgspec.Struct, frozen=True):
-    """Jobs that ended here: they no longer count against --max-queued (shared/queued.py)."""
+    """Jobs that ended here: they no longer count against --max-queued (shared/queued.py `member`s)."""
 
-    uids: list[str]
+    members: list[str]
 
 
 class Ack(msgspec.Struct, frozen=True):
@@ -136,7 +136,7 @@ class Outbox:
                 case Barrier():
                     barrier(pipe)
                 case LeaveQueue():
-                    queued.leave(pipe, self.keys, self.model, e.uids)
+                    queued.leave(pipe, self.keys, self.model, e.members)
                 case Ack():
                     self.source.ack_in(pipe, e.entries)
                 case _:

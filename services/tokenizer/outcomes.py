@@ -28,6 +28,7 @@ from services.tokenizer.outbox import (
     QueryAborted,
     Tokenized,
 )
+from shared import queued
 from shared.consumer_group import Delivery
 from shared.messages import ReplyError, ScheduleJob, TokenizeJob, TokenizerAnswer, TokenizerQuery
 from shared.request_states import NOT_SCHEDULED, TERMINAL
@@ -81,7 +82,7 @@ def read(batch: Sequence[Delivery[TokenizeJob]], encoded: dict[str, ScheduleJob 
     waiting = {h.entry_id for h in (*plan.hold, *plan.kept)}
     return [*(job_end(j, encoded.get(j.uid), aborted.get(j.uid)) for j in jobs), Barrier(),
             *(Forward(h.job, routes.get(h.job.uid)) for h in plan.send), *(Park(h.job) for h in plan.park),
-            LeaveQueue([j.uid for j in jobs if not isinstance(encoded.get(j.uid), ScheduleJob)]),
+            LeaveQueue(queued.members(j for j in jobs if not isinstance(encoded.get(j.uid), ScheduleJob))),
             Ack([d.entry_id for d in batch if d.entry_id not in waiting])]
 
 
@@ -118,14 +119,14 @@ def released(batch: Sequence[Held], aborted: dict[str, str], now: float, routes:
             out.append(EndTimedOut(uid))
         else:
             out.append(Forward(h.job, routes.get(uid)))
-    ended = [h.job.uid for h in batch if h.job.uid in aborted or h.job.deadline <= now]
+    ended = queued.members(h.job for h in batch if h.job.uid in aborted or h.job.deadline <= now)
     return [*out, LeaveQueue(ended), Ack([h.entry_id for h in batch])]
 
 
 def dead(messages: Sequence[TokenizeJob | TokenizerQuery]) -> list[Effect]:
     """Entries whose handling failed every time they were delivered: their clients get the error now."""
     return [*(EndFailed(m.uid, DEAD_LETTERED) for m in messages),
-            LeaveQueue([m.uid for m in messages if isinstance(m, TokenizeJob)])]
+            LeaveQueue(queued.members(m for m in messages if isinstance(m, TokenizeJob)))]
 
 
 def count(effects: Iterable[Effect], kind: type) -> int:

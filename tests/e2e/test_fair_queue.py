@@ -22,6 +22,7 @@ import openai
 import pytest
 import redis
 
+from shared import queued
 from tests.support.helpers import wait_for
 from tests.support.stack import MODEL, Stack, new_stack, start_replicas
 
@@ -92,7 +93,7 @@ def parked_waiting(s: Stack) -> int:
 
 def queue(s: Stack) -> dict[str, int]:
     """The model's queue count per tenant (shared/queued.py)."""
-    return {t: int(n) for t, n in s.redis().hgetall(s.keys.queued_tenants(MODEL)).items()}
+    return queued.parse_figures(s.redis().hgetall(s.keys.queued_tenants(MODEL))).counts
 
 
 def submitted(s: Stack) -> int:

@@ -128,7 +128,7 @@ class Admission:
             lease = await tenancy.admit(tenant, self.reserve(jobs), first.uid, max(j.deadline for j in jobs))
         except BaseException:
             with contextlib.suppress(RedisError, OSError):  # else they leave the count at their deadline
-                await queued.leave(self.ctx.redis, self.ctx.keys, first.model, [j.uid for j in jobs])
+                await queued.leave(self.ctx.redis, self.ctx.keys, first.model, queued.members(jobs))
             raise
         return Admitted(dataclasses.replace(submission, jobs=jobs, record=record), lease)
 

@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from services.api.errors import ApiError
 from services.api.operations.metrics import Metrics
 from services.api.operations.registry import Snapshot
+from shared import queued
 from shared.keys import Keys
 
 MAX_SLO_MS = 600_000  # ten minutes: a longer target is no target
@@ -124,18 +125,12 @@ class SloGate:
         """Jobs of the model's queue (shared/queued.py) that start before one of `tenant`'s with a target: every one
         without fair queueing, else `fair_ahead` and those released to the schedulers already."""
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self.keys.queued_tenants(model))
-                pipe.hgetall(self.keys.queued_weights(model))
-                counts, weights = await pipe.execute()
+            now = await queued.figures(self.redis, self.keys, model)
         except (RedisError, OSError):
             return 0  # admission's own round trips tell Redis' outage; this estimate is not worth a refusal
-        counts, weights = _ints(counts), _ints(weights)
+        counts, weights = now.counts, now.weights
         if not self.fair:
             return sum(counts.values())
         released = snap.backlog.get(model, {}).get("scheduler")  # released by the tokenizers, not yet read
         return fair_ahead(counts, weights, tenant) + (released.lag if released is not None else 0)
 
-
-def _ints(raw: dict) -> dict[str, int]:
-    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}

@@ -345,7 +345,7 @@ class LineRun:
             return await leased(self.submit(sub), admitted.lease)
         except BaseException:  # not opened: its jobs leave the model's queue count now, not at their deadline
             with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                await queued.leave(self.b.redis, self.b.keys, sub.jobs[0].model, [j.uid for j in sub.jobs])
+                await queued.leave(self.b.redis, self.b.keys, sub.jobs[0].model, queued.members(sub.jobs))
             raise
 
     async def submit(self, submission: Submission) -> ApiRequest:
@@ -368,7 +368,7 @@ class LineRun:
             raise
         # a followed job was counted in the model's queue by its admission here, but it was queued (and counted,
         # and maybe started) by the predecessor: it leaves the count, which would otherwise hold it till its deadline
-        followed = [j.uid for j in jobs if records[j.uid][0] is not None]
+        followed = queued.members(j for j in jobs if records[j.uid][0] is not None)
         if followed:
             await queued.leave(self.b.redis, self.b.keys, jobs[0].model, followed)
         return members[0] if len(members) == 1 else RequestGroup(members, jobs[0].params.n)

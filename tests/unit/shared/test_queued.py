@@ -33,18 +33,23 @@ def jobs(tenant: str, n: int = 1, weight: int = 1, timeout: float = 60.0) -> lis
 
 
 async def admitted(q, tenant: str, times: int, most: int, weight: int = 1) -> list[list[str]]:
+    """The members (shared/queued.py `member`) of each request admitted."""
     r, keys = q
     out = []
     for _ in range(times):
         js = jobs(tenant, weight=weight)
         if (await queued.enter(r, keys, js, most)).admitted:
-            out.append([j.uid for j in js])
+            out.append(queued.members(js))
     return out
+
+
+async def counts(r: Redis, keys: Keys) -> dict[str, int]:
+    return (await queued.figures(r, keys, MODEL)).counts
 
 
 async def test_one_tenant_alone_may_fill_the_queue_and_no_more(q):
     assert len(await admitted(q, "a", 40, most=30)) == 30
-    assert await queued.figures(*q, MODEL) == {"a": 30}
+    assert await counts(*q) == {"a": 30}
 
 
 async def test_a_tenant_arriving_at_a_full_queue_gets_its_share_and_the_flooder_no_more(q):
@@ -54,7 +59,7 @@ async def test_a_tenant_arriving_at_a_full_queue_gets_its_share_and_the_flooder_
     assert len(await admitted(q, "a", 5, most=30)) == 0  # over its share, and the queue is past --max-queued
     r, keys = q
     await queued.leave(r, keys, MODEL, [u for uids in a[:20] for u in uids])  # 20 of A's taken by a scheduler
-    assert await queued.figures(r, keys, MODEL) == {"a": 10, "b": 15}
+    assert await counts(r, keys) == {"a": 10, "b": 15}
     assert len(await admitted(q, "a", 10, most=30)) == 5  # within the queue's room again
 
 
@@ -71,14 +76,18 @@ async def test_shares_follow_weights_and_requests_of_several_jobs_count_each(q):
     assert not (await queued.enter(r, keys, jobs("c", n=11), 40)).admitted  # past its share (8) and the queue full
     got = await queued.enter(r, keys, jobs("c", n=8), 40)
     assert got.admitted and got.share == 8 and got.mine == 8  # 40 × 1 / (1 + 3 + 1)
+    assert await queued.figures(r, keys, MODEL) == queued.Figures({"a": 40, "b": 30, "c": 8}, {"a": 1, "b": 3, "c": 1})
 
 
 async def test_everything_leaves_the_count_and_its_keys(q):
     r, keys = q
     uids = [u for batch in await admitted(q, "a", 3, most=10) + await admitted(q, "b", 2, most=10) for u in batch]
-    await queued.leave(r, keys, MODEL, [*uids, "never-queued"])
-    assert await queued.figures(r, keys, MODEL) == {}
-    assert not await r.exists(keys.queued(MODEL), keys.queued_owners(MODEL), keys.queued_weights(MODEL))
+    await queued.leave(r, keys, MODEL, [*uids, "never-queued a", uids[0]])  # one that is gone already, too
+    assert await queued.figures(r, keys, MODEL) == queued.Figures({}, {})
+    assert not await r.exists(keys.queued(MODEL))
+    # the tenants' hash keeps only when the two keys expire, and expires then (module doc)
+    assert [k.decode() for k in await r.hkeys(keys.queued_tenants(MODEL))] == ["~exp"]
+    assert 0 < await r.ttl(keys.queued_tenants(MODEL)) <= 121 + queued.TTL_SLACK_S
 
 
 async def test_a_job_whose_process_died_leaves_at_its_deadline(q, monkeypatch):
@@ -88,7 +97,7 @@ async def test_a_job_whose_process_died_leaves_at_its_deadline(q, monkeypatch):
     # the clock enter() reads (and hands its script) moves past the first jobs' deadline
     monkeypatch.setattr(queued, "time", SimpleNamespace(time=lambda: time.time() + 0.3))
     got = await queued.enter(r, keys, jobs("a"), 3)
-    assert got.admitted and got.total == 1 and await queued.figures(r, keys, MODEL) == {"a": 1}
+    assert got.admitted and got.total == 1 and await counts(r, keys) == {"a": 1}
     assert 60 < await r.ttl(keys.queued(MODEL)) <= 121 + queued.TTL_SLACK_S
     assert (await queued.enter(r, keys, jobs("b", timeout=0.1), 3)).admitted
     assert await r.ttl(keys.queued(MODEL)) > 60  # a shorter deadline does not shorten the keys' life
@@ -99,17 +108,40 @@ async def calls(r: Redis, *names: str) -> dict[str, int]:
     return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in names}
 
 
-async def test_an_enter_within_the_keys_ttl_writes_no_ttl_nor_weight(q):
-    """Issue 34: the script's fixed cost per request. The keys' TTL is read once (the jobs' key stands for all
-    four) and refreshed with slack, so a later request's longer deadline within it writes no EXPIRE; an unchanged
-    weight is not written again."""
+async def test_a_request_entering_and_leaving_runs_few_commands_and_writes_a_ttl_only_when_short(q):
+    """Issue 34 (item 5): the fair queue's fixed cost per request. A job names its tenant (no lookup when it
+    leaves), the counts and weights are one hash read once, and the keys' expiry is a field of that hash kept
+    across an empty queue: an enter within it writes no EXPIRE but the jobs' key's when it was gone."""
     r, keys = q
-    assert (await queued.enter(r, keys, jobs("a", timeout=60), 10)).admitted
-    before = await calls(r, "ttl", "expire", "hset")
-    assert (await queued.enter(r, keys, jobs("a", timeout=90), 10)).admitted
-    after = await calls(r, "ttl", "expire", "hset")
-    assert {k: after[k] - before[k] for k in after} == {"ttl": 1, "expire": 0, "hset": 1}  # the job's owner
-    assert 90 + 60 <= await r.ttl(keys.queued_weights(MODEL)) <= 121 + queued.TTL_SLACK_S
+    first = jobs("a", timeout=60)
+    assert (await queued.enter(r, keys, first, 10)).admitted
+    await queued.leave(r, keys, MODEL, queued.members(first))  # the queue empties: the jobs' key is gone
+    before = await commands(r)
+    later = jobs("a", timeout=90)
+    assert (await queued.enter(r, keys, later, 10)).admitted
+    await queued.leave(r, keys, MODEL, queued.members(later))
+    ran = {k: v - before.get(k, 0) for k, v in (await commands(r)).items() if v != before.get(k, 0)}
+    assert ran == {"eval": 2, "zrangebyscore": 1, "hgetall": 1, "zadd": 1, "hset": 1, "expire": 1, "zrem": 1,
+                   "hincrby": 1, "hdel": 1}
+    assert 90 + 60 <= await r.ttl(keys.queued_tenants(MODEL)) <= 121 + queued.TTL_SLACK_S
     assert (await queued.enter(r, keys, jobs("a", timeout=60 + queued.TTL_SLACK_S + 30), 10)).admitted
     ttls = [await r.ttl(k) for k in queued._keys(keys, MODEL)]
-    assert min(ttls) > queued.TTL_SLACK_S + 60 + 30 and max(ttls) - min(ttls) <= 1  # past it: all four refreshed
+    assert min(ttls) > queued.TTL_SLACK_S + 60 + 30 and max(ttls) - min(ttls) <= 1  # past it: both refreshed
+
+
+async def test_a_tenant_s_own_jobs_and_weight_alone_are_written_while_it_queues(q):
+    """A second request of a queued tenant adds to its count; a changed weight is written, an unchanged one not."""
+    r, keys = q
+    assert (await queued.enter(r, keys, jobs("a", weight=2), 10)).admitted
+    before = await commands(r)
+    assert (await queued.enter(r, keys, jobs("a", n=2, weight=2), 10)).admitted
+    ran = {k: v - before.get(k, 0) for k, v in (await commands(r)).items() if v != before.get(k, 0)}
+    assert ran == {"eval": 1, "zrangebyscore": 1, "hgetall": 1, "zadd": 1, "hincrby": 1}
+    assert (await queued.enter(r, keys, jobs("a", weight=5), 10)).admitted
+    assert await queued.figures(r, keys, MODEL) == queued.Figures({"a": 4}, {"a": 5})
+
+
+async def commands(r: Redis) -> dict[str, int]:
+    """The commands Redis ran so far, by name (those a script runs included; INFO itself not)."""
+    stats = await r.info("commandstats")
+    return {n: v["calls"] for k, v in stats.items() if (n := k.removeprefix("cmdstat_")) != "info"}

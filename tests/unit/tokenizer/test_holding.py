@@ -124,7 +124,7 @@ async def test_on_a_redis_cluster_parking_reading_back_and_the_queue_count_name_
         assert w.fair.queue.tenants() == {"a": 3} and await w.redis.xlen(w.keys.parked("demo", "a")) == 2
         assert await run_until(w, 5) == [f"a{i}" for i in range(5)]
         assert not await w.redis.exists(w.keys.parked("demo", "a"))
-        await queued.leave(w.redis, w.keys, "demo", [j.uid for j in jobs])  # as the scheduler's admission does
-        assert await queued.figures(w.redis, w.keys, "demo") == {}
+        await queued.leave(w.redis, w.keys, "demo", queued.members(jobs))  # as the scheduler's admission does
+        assert await queued.figures(w.redis, w.keys, "demo") == queued.Figures({}, {})
     finally:
         await w.close()

@@ -56,7 +56,7 @@ async def test_a_read_s_effects_are_written_and_its_entries_acknowledged_in_one_
     entries = [eid.decode() for eid, _ in read[0][1]]
     results = await w.outbox.send([
         Tokenized("shared", 2, None), Tokenized("routed", 2, 4), Barrier(), Forward(scheduled("shared"), None),
-        Forward(scheduled("routed"), "s1"), Park(scheduled("parked", tenant="a")), LeaveQueue(["x"]), Ack(entries)])
+        Forward(scheduled("routed"), "s1"), Park(scheduled("parked", tenant="a")), LeaveQueue(["x a"]), Ack(entries)])
     assert results and not any(isinstance(r, Exception) for r in results)
     assert await w.redis.hget(w.keys.request("routed"), "status") == b"tokenized"
     assert await w.redis.hget(w.keys.request("routed"), "max_tokens") == b"4"

@@ -29,10 +29,10 @@ REFUSED = ReplyError(message="too long", status=400, param="prompt")
 
 def job(uid: str, deadline: float = NOW + 60, n: int = 1) -> TokenizeJob:
     return TokenizeJob(uid=uid, model="demo", pod="p", created_at=NOW, deadline=deadline,
-                       params=SamplingParams(max_tokens=4, n=n), prompt="hi")
+                       params=SamplingParams(max_tokens=4, n=n), prompt="hi", tenant="acme")
 
 
-def scheduled(uid: str, deadline: float = NOW + 60, tenant: str = "") -> ScheduleJob:
+def scheduled(uid: str, deadline: float = NOW + 60, tenant: str = "acme") -> ScheduleJob:
     return ScheduleJob(uid=uid, model="demo", pod="p", created_at=NOW, deadline=deadline,
                        params=SamplingParams(max_tokens=4), input_ids=[1, 2, 3], tenant=tenant)
 
@@ -62,7 +62,7 @@ def test_a_read_writes_records_then_past_a_barrier_sends_parks_leaves_and_acknow
         Tokenized("sent", 3, 4), Tokenized("routed", 3, 4), Tokenized("held", 3, 4), Tokenized("parked", 3, 4),
         EndFailed("bad", REFUSED), EndAborted("gone", 1, "client"), Barrier(),
         Forward(encoded["sent"], None), Forward(encoded["routed"], "s1"), Park(encoded["parked"]),
-        LeaveQueue(["bad", "gone"]), Ack(["0-0", "1-0", "3-0", "4-0", "5-0"])]
+        LeaveQueue(["bad acme", "gone acme"]), Ack(["0-0", "1-0", "3-0", "4-0", "5-0"])]  # shared/queued.py `member`
     assert (outcomes.count(effects, Tokenized), outcomes.count(effects, EndFailed)) == (4, 1)  # the metrics
 
 
@@ -90,14 +90,14 @@ def test_a_release_sends_the_live_ends_the_aborted_and_expired_and_acknowledges_
              Held("3-0", scheduled("late", deadline=NOW)), Held("4-0", scheduled("routed"))]
     effects = outcomes.released(batch, {"gone": "client"}, NOW, {"routed": "s2"})
     assert effects == [Forward(batch[0].job, None), EndAborted("gone", 1, "client"), EndTimedOut("late"),
-                       Forward(batch[3].job, "s2"), LeaveQueue(["gone", "late"]),
+                       Forward(batch[3].job, "s2"), LeaveQueue(["gone acme", "late acme"]),
                        Ack(["a/1-0", "2-0", "3-0", "4-0"])]
 
 
 def test_dead_lettered_entries_fail_and_only_jobs_leave_the_queue_count():
     effects = outcomes.dead([job("j"), query("q")])
     assert effects == [EndFailed("j", outcomes.DEAD_LETTERED), EndFailed("q", outcomes.DEAD_LETTERED),
-                       LeaveQueue(["j"])]
+                       LeaveQueue(["j acme"])]
     assert effects[0].error.code == "request_dead_lettered"
 
 

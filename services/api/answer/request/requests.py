@@ -85,7 +85,7 @@ class Requests(RequestContext):
             return await leased(opening, admitted.lease)
         except BaseException:  # not opened: its jobs leave the model's queue count now, not at their deadline
             with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                await queued.leave(self.redis, self.keys, sub.jobs[0].model, [j.uid for j in sub.jobs])
+                await queued.leave(self.redis, self.keys, sub.jobs[0].model, queued.members(sub.jobs))
             raise
 
     async def open_jobs(self, jobs: list[TokenizeJob], record: dict, stream: bool, label: str, *,
