@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
-from shared import faststream_glue
+from shared import faststream_glue, heap
 from shared.consumer_group import Delivery, GroupConsumer
 from shared.heartbeats import Beating, Heartbeat, live_workers
 from shared.keys import Keys
@@ -439,6 +439,7 @@ async def serve(build: Callable[[], Awaitable[StageWorker]]) -> None:
         loop.add_signal_handler(sig, worker.request_stop)
     try:
         await worker.start()
+        heap.freeze_startup(worker.role)
         await worker.loop()
         await worker.drain()
     finally:

@@ -27,6 +27,7 @@ from services.api.messages_api.message_service import Messages
 from services.api.multitenancy.tenancy import TENANT, Tenancy
 from services.api.multitenancy.tenants import KeyCheckBusy
 from services.api.responses_api.responses import Responses
+from shared import heap
 from shared.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ def create_app(settings: ApiSettings, worker: int | None = None) -> Guard:
         await svc.start()
         await adapters.register_configured()  # --lora-modules
         runner.start()
+        heap.freeze_startup("api")
         try:
             try:
                 await control.start()  # draining: a pod-local socket, no HTTP route (services/api/edge/admin.py)
