@@ -132,7 +132,8 @@ def test_a_tool_use_round_trip(client, choice):
     follow = client.messages.create(model=MODEL, max_tokens=8, tools=TOOLS, messages=[
         *ASK, {"role": "assistant", "content": msg.content}, {"role": "user", "content": results}])
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK, tools=TOOLS, tool_choice=choice) as s:
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                extra_body={"temperature": 0}) as s:  # greedy, as above
         final = s.get_final_message()
     assert final.stop_reason == "tool_use" and any(b.type == "tool_use" for b in final.content)
 
