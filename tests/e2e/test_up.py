@@ -121,8 +121,8 @@ def test_up_with_embedded_redis_and_an_api_key_file(demo_model_dir, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
-        assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=3).usage.completion_tokens == 3
+        assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                              extra_body={"ignore_eos": True}).usage.completion_tokens == 3
         roles = sorted(m.decode().split(":")[0] for m in r.zrange(Keys().workers(), 0, -1))
         assert roles == ["api", "detokenizer", "scheduler", "tokenizer"]
         # inspect and healthcheck find up's Redis with no flag (the file it left in the cache directory)
