@@ -105,12 +105,7 @@ async def test_a_takeover_fences_the_old_owner_and_resumes_past_the_cap(make):
     checkpoint plus the ranges after it, after its fence; what the stalled owner publishes later is refused."""
     owner, peer = await make("owner", reply_maxlen=16), await make("peer", reply_maxlen=16)
     detok = make.detokenizer(reply_maxlen=16)
-    await streams.add(owner.redis, owner.source.key, job("u2", 300))
-    await owner.admit(await owner.source.read(1, None), claimed=False)
-    for _ in range(200):
-        await owner.work()
-        await owner.flush()
-        await detokenize(detok)
+    await running_for(owner, detok, "u2", 200, max_tokens=300)
     entry = owner.book.running["u2"].entry_id
     info = await owner.redis.xinfo_stream(owner.keys.reply("u2"))
     assert streams.was_trimmed(info) and info["length"] <= 40  # the head is gone
@@ -170,12 +165,7 @@ async def test_tokens_merging_held_back_are_made_again_by_the_successor_once_eac
     function of the request)."""
     owner, peer = await make("owner", stream_flush_ms=1000, stream_entry_rate=0), await make("peer")
     detok = make.detokenizer()
-    await streams.add(owner.redis, owner.source.key, job("u8", 60))
-    await owner.admit(await owner.source.read(1, None), claimed=False)
-    for _ in range(20):
-        await owner.work()
-        await owner.flush()
-        await detokenize(detok)
+    await running_for(owner, detok, "u8", 20)
     made = list(owner.book.running["u8"].outputs[0])
     assert len(made) >= 20 and owner.book.unsent.holds("u8", 1)
     assert delivered(await replies(owner, "u8")).next == [1]  # the first token went at once; the rest wait
@@ -216,9 +206,9 @@ async def pump(w, detok: DetokenizerWorker) -> None:
         await detokenize(detok)
 
 
-async def running_for(w, detok: DetokenizerWorker, uid: str, steps: int) -> None:
-    """Admit a 60-token request on `w` and run it `steps` steps, each rendered."""
-    await streams.add(w.redis, w.source.key, job(uid, 60))
+async def running_for(w, detok: DetokenizerWorker, uid: str, steps: int, max_tokens: int = 60) -> None:
+    """Admit a request on `w` and run it `steps` steps, each rendered."""
+    await streams.add(w.redis, w.source.key, job(uid, max_tokens))
     await w.admit(await w.source.read(1, None), claimed=False)
     for _ in range(steps):
         await w.work()
