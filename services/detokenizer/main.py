@@ -1,13 +1,15 @@
 """Detokenizer worker: consumer group `detokenizer` on rsinfer:detokenize:<model> -> rsinfer:reply:{<uid>}.
 
 Each read is one batch of engine steps: contiguous tokens of a choice are merged into one reply entry,
-all windows are decoded together, and one pipeline writes every reply entry (EXPIRE only when a request
-starts, ends or crosses a refresh mark, not per token) and acknowledges the read.
+all windows are decoded together, and one pipeline writes every reply entry (EXPIRE as a request starts, at most
+every PROGRESS_EVERY_S while it runs, and at its end if none went for that long: not per token) and acknowledges
+the read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 import msgspec
@@ -25,7 +27,11 @@ from shared.worker import PushWorker, run_stage
 
 log = logging.getLogger(__name__)
 
-REFRESH_EVERY_TOKENS = 64  # refresh TTLs and the record's token count this often on long requests
+# How often a choice's progress (the record's completion_tokens, with the reply stream's TTL) is written while it
+# runs: by time, not tokens, so that at a GPU's rates a request costs Redis the same few writes however fast it
+# goes (every 64 tokens was 6 commands more per 256-token request at 5 ms steps; issue 34). The scheduler refreshes
+# both TTLs of what it runs too (services/scheduler/recovery.py TTL_REFRESH_S).
+PROGRESS_EVERY_S = 5.0
 FINISHED_MEMORY = 50_000
 # Stop strings by uid (shared/messages.py TokenDelta): every request in flight with stop strings, whatever they
 # weigh (the API caps them; 32 MiB is 8k requests at 4 KiB each). A request dropped from here is read again from
@@ -52,11 +58,13 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         # Where this replica's last range of each choice in flight ends (merge_deltas keeps a step written twice
         # apart from new ones). Bounded like `finished`; a choice's entry goes when it ends.
         self.published: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # When this replica last wrote each running choice's progress (`_marks`), bounded like `published`
+        self.marked: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.stops: ByteLRU[str, list[str]] = ByteLRU(STOP_CACHE_ENTRIES, STOP_CACHE_BYTES)
 
     def load(self) -> dict:
         return {**super().load(), "finished_tracked": len(self.finished), "published_tracked": len(self.published),
-                "stops_cached": len(self.stops)}
+                "marked_tracked": len(self.marked), "stops_cached": len(self.stops)}
 
     async def handle(self, batch: list[Delivery[DetokenizeBatch]], claimed: bool) -> None:
         items = await self._with_stops([it for d in batch for it in d.msg.items if not self._after_end(it)])
@@ -73,10 +81,11 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
             # "Measured facts behind the design")
             rendered = self.detok.render(items) if items else []
             async with self.redis.pipeline(transaction=False) as pipe:
-                pairs = list(zip(items, rendered, strict=True))
-                self.requests.replies(pipe, [self._event(it, r) for it, r in pairs])
-                for it, r in pairs:
-                    self._record(pipe, it, r)
+                now = time.monotonic()
+                rows = [(it, r, self._marks(it, r, now)) for it, r in zip(items, rendered, strict=True)]
+                self.requests.replies(pipe, [self._event(it, r, mark) for it, r, mark in rows])
+                for it, r, mark in rows:
+                    self._record(pipe, it, r, mark)
                 self.source.ack_in(pipe, [d.entry_id for d in batch])
                 await pipe.execute()
             self.metrics.published("reply", len(items))
@@ -111,26 +120,37 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
                 self.stops.put(uid, known[uid], len(raw) + 64)
         return [msgspec.structs.replace(it, stop=known[it.uid]) if it.stops and not it.stop else it for it in items]
 
-    def _event(self, it: TokenDelta, r: Rendered) -> tuple[str, ReplyEvent, bool]:
-        """The reply entry for `it`, and whether it refreshes the stream's TTL (a request's first and last
-        entries, and one every REFRESH_EVERY_TOKENS tokens: not one EXPIRE per token)."""
+    def _event(self, it: TokenDelta, r: Rendered, mark: bool) -> tuple[str, ReplyEvent, bool]:
+        """The reply entry for `it`, and whether it refreshes the stream's TTL (`mark`)."""
         finish = Finish.STOP if r.stopped else it.finish
         end = it.start + len(it.ids)
         event = ReplyEvent(start=it.start, end=end, text=r.text, prompt_tokens=it.prompt_tokens,
                            index=it.index, ids=it.ids, finish_reason=finish, logprobs=self.detok.logprobs(it),
                            epoch=it.epoch, stop_sequence=r.stop, **self.detok.first_range(it))
-        return it.uid, event, self._marks(it, finish)
+        return it.uid, event, mark
 
-    @staticmethod
-    def _marks(it: TokenDelta, finish: str | None) -> bool:
-        end = it.start + len(it.ids)
-        return it.start == 0 or finish is not None or end // REFRESH_EVERY_TOKENS > it.start // REFRESH_EVERY_TOKENS
+    def _marks(self, it: TokenDelta, r: Rendered, now: float) -> bool:
+        """Whether `it`'s entry sets the stream's TTL and the record's progress: a choice's first entry, one
+        PROGRESS_EVERY_S after this replica last did (a choice it first sees mid-way starts the clock), and its
+        last unless this replica set the TTL less than PROGRESS_EVERY_S before (it reaches past the end by the
+        TTL less those seconds already; the record's end is written whatever this says)."""
+        key = (it.uid, it.index)
+        if r.stopped or it.finish is not None:
+            last = self.marked.pop(key, None)
+            return it.start == 0 or last is None or now - last >= PROGRESS_EVERY_S
+        last = self.marked.get(key)
+        due = it.start == 0 or (last is not None and now - last >= PROGRESS_EVERY_S)
+        if due or last is None:
+            self.marked[key] = now
+            self.marked.move_to_end(key)
+            if len(self.marked) > FINISHED_MEMORY:
+                self.marked.popitem(last=False)
+        return due
 
-    def _record(self, pipe, it: TokenDelta, r: Rendered) -> None:
+    def _record(self, pipe, it: TokenDelta, r: Rendered, mark: bool) -> None:
         """The request record (and, on a stop string, the engine) after `it`'s entry."""
         finish = Finish.STOP if r.stopped else it.finish
         end = it.start + len(it.ids)
-        mark = self._marks(it, finish)
         if finish is not None:
             # One choice: the sum of its choices' tokens is its own, written with its end (not an HINCRBY more)
             self.requests.set_status(pipe, it.uid, status_after(finish), finish_reason=finish,

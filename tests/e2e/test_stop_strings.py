@@ -143,7 +143,7 @@ def test_a_resumed_request_rendered_by_a_new_detokenizer_still_stops(pipeline):
     r = s.redis()
     uid = wait_for(lambda: next((s.keys.uid_of_request_key(k) for k in r.scan_iter(match=s.keys.request_pattern())
                                  if r.hget(k, "stop") and r.hget(k, "status") == "running"), None), timeout=30)
-    wait_for(lambda: int(r.hget(s.keys.request(uid), "completion_tokens") or 0) >= 64, timeout=60)
+    wait_for(lambda: replied_up_to(r, s.keys.reply(uid)) >= 64, timeout=60)
     [old], [detok] = live_names(s, "scheduler"), live_names(s, "detokenizer")
     s.procs[old].send_signal(signal.SIGSTOP)
     s.kill(detok)
@@ -154,3 +154,9 @@ def test_a_resumed_request_rendered_by_a_new_detokenizer_still_stops(pipeline):
     choice = result["r"]["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
     assert r.hget(s.keys.request(uid), "scheduler").startswith("scheduler-new@")
+
+
+def replied_up_to(r, key: str) -> int:
+    """The end of the last token range in a reply stream (0 before any)."""
+    raws = [fields[FIELD.decode()] for _, fields in r.xrevrange(key, count=4)]
+    return next((decode(raw, ReplyEvent).end for raw in raws if '"kind":"delta"' in raw), 0)

@@ -109,3 +109,47 @@ async def test_a_one_choice_end_writes_its_generated_tokens_with_its_status(work
     assert after - before == 2  # the two choices of "two"
     one, two = [await r.hmget(worker.keys.request(u), "status", "generated_tokens") for u in ("one", "two")]
     assert one == [b"finished", b"3"] and two[1] == b"3"
+
+
+async def test_a_running_choice_writes_its_progress_by_time_not_by_tokens(worker, monkeypatch):
+    """Issue 34: the record's completion_tokens and the stream's TTL go with a choice's first entry, then at most
+    once every PROGRESS_EVERY_S (however many tokens pass: at a GPU's rates 64 tokens take a fraction of a
+    second), and with its end."""
+    from services.detokenizer import main
+
+    clock = [1000.0]
+    monkeypatch.setattr(main.time, "monotonic", lambda: clock[0])
+    r, key = worker.redis, worker.keys.request("p")
+
+    async def step(start: int, n: int, finish: str | None = None) -> int | None:
+        batch = DetokenizeBatch("s", start, [TokenDelta(uid="p", start=start, ids=[69] * n, prompt_tokens=3,
+                                                        finish=finish)])
+        await worker.handle([Delivery(f"{start + 1}-0", batch)], claimed=False)
+        value = await r.hget(key, "completion_tokens")
+        return int(value) if value is not None else None
+
+    assert await step(0, 1) is None and await r.ttl(worker.keys.reply("p")) > 0  # the first entry: the TTL
+    await r.persist(worker.keys.reply("p"))
+    assert await step(1, 200) is None  # 200 tokens within PROGRESS_EVERY_S: nothing written
+    assert await r.ttl(worker.keys.reply("p")) == -1
+    clock[0] += main.PROGRESS_EVERY_S
+    assert await step(201, 1) == 202 and await r.ttl(worker.keys.reply("p")) > 0
+    assert await step(202, 1) == 202  # not again at once
+    await r.expire(worker.keys.reply("p"), 77)
+    # the end: its status and count, but no EXPIRE (the TTL was set less than PROGRESS_EVERY_S before)
+    assert await step(203, 1, "length") == 204 and ("p", 0) not in worker.marked
+    assert 0 < await r.ttl(worker.keys.reply("p")) <= 77 and await r.hget(key, "status") == b"finished"
+
+
+async def test_an_end_long_after_the_last_ttl_refresh_sets_the_streams_ttl(worker, monkeypatch):
+    from services.detokenizer import main
+
+    clock = [1000.0]
+    monkeypatch.setattr(main.time, "monotonic", lambda: clock[0])
+    for start, finish in ((0, None), (1, "length")):
+        await worker.redis.expire(worker.keys.reply("q"), 77)
+        batch = DetokenizeBatch("s", start, [TokenDelta(uid="q", start=start, ids=[69], prompt_tokens=3,
+                                                        finish=finish)])
+        await worker.handle([Delivery(f"{start + 1}-0", batch)], claimed=False)
+        clock[0] += main.PROGRESS_EVERY_S
+    assert await worker.redis.ttl(worker.keys.reply("q")) > 77  # the end's EXPIRE: the last was too long ago
