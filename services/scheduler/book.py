@@ -75,6 +75,7 @@ class Running:
     checkpointed: int = field(init=False)
     prompt_scores: list | None = None  # echo with logprobs: choice 0's, for every choice's first delta
     refreshed: float = field(default_factory=time.monotonic)  # when its keys' TTLs were last set
+    admitted: float = field(default_factory=time.monotonic)  # when this scheduler looked it up and started it
     window: int = field(init=False)  # completion tokens sent before each delta (`context`)
 
     def __post_init__(self) -> None:
@@ -336,10 +337,13 @@ class RequestBook:
         return [(uid, i) for uid, r in self.running.items() if r.job.params.n > 1 and r.job.params.stop
                 for i in range(r.job.params.n) if i not in r.done]
 
-    def sweep_view(self, now: float, refresh_every: float) -> SweepView:
-        """What the sweep checks: every running request, the choices a stop string may end, and the requests
-        whose TTLs are due for a refresh (marked refreshed: the sweep's effects refresh them)."""
-        return SweepView(dict(self.running), self.stoppable(), self.stale(now, refresh_every))
+    def sweep_view(self, now: float, refresh_every: float, settled_s: float = 0.0) -> SweepView:
+        """What the sweep checks: the requests running for `settled_s` or more (admission read a younger one's
+        flag and owner: the next sweep is soon enough, and a request shorter than that costs no sweep read), the
+        choices a stop string may end, and the requests whose TTLs are due for a refresh (marked refreshed: the
+        sweep's effects refresh them)."""
+        settled = {uid: r for uid, r in self.running.items() if not settled_s or now - r.admitted >= settled_s}
+        return SweepView(settled, self.stoppable(), self.stale(now, refresh_every))
 
     def stale(self, now: float, every: float) -> list[Running]:
         """The requests whose keys' TTLs are due for a refresh (marked refreshed: the caller refreshes them)."""

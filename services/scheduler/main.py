@@ -153,8 +153,8 @@ class SchedulerWorker(PullWorker[ScheduleJob]):
         taken, self.taken = self.taken, set()
         ends = self.book.ends_due(time.time(), taken)
         if self.due("sweep", SWEEP_EVERY_S):
-            swept, refresh = await self.recovery.sweep(self.book.sweep_view(time.monotonic(),
-                                                                              self.recovery.refresh_every))
+            view = self.book.sweep_view(time.monotonic(), self.recovery.refresh_every, SWEEP_EVERY_S)
+            swept, refresh = await self.recovery.sweep(view)
             ends = ends | swept
             self.outbox += refresh
         return ends

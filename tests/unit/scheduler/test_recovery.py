@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from services.detokenizer.main import DetokenizerWorker
-from services.scheduler.main import build_worker
+from services.scheduler.main import SWEEP_EVERY_S, build_worker
 from shared import streams
 from shared.consumer_group import Delivery
 from shared.messages import Reply, ReplyCheckpoint, ReplyEvent, ReplyFence, SamplingParams, ScheduleJob, decode
@@ -249,7 +249,7 @@ async def test_an_owner_whose_request_a_peer_fenced_drops_it_and_it_is_resumed(m
     owner, detok = await make("owner"), make.detokenizer()
     await running_for(owner, detok, "u6", steps=10)
     await a_peer_took_over_and_died(owner, "u6", to=None)
-    owner._last.pop("sweep", None)  # the once-a-second sweep is due
+    sweep_due(owner)
     await owner.work()
     assert "u6" not in owner.book.running
     await claimable(owner)
@@ -270,11 +270,11 @@ async def test_the_sweep_refreshes_a_running_requests_ttls_a_few_times_per_ttl_n
     keys = [w.keys.request("u7"), w.keys.reply("u7")]
     for key in keys:
         await w.redis.expire(key, 100)
-    w._last.pop("sweep", None)
+    sweep_due(w)
     await w.work()
     assert [0 < await w.redis.ttl(k) <= 100 for k in keys] == [True, True]  # checked (owner, epoch), not refreshed
     w.book.running["u7"].refreshed -= 61
-    w._last.pop("sweep", None)
+    sweep_due(w)
     await w.work()
     await w.flush()  # the sweep's refresh goes with the outbox
     assert [await w.redis.ttl(k) > 500 for k in keys] == [True, True]
@@ -302,3 +302,10 @@ async def test_an_engine_step_that_raises_fails_its_requests_and_the_scheduler_s
     await w.admit(await w.source.read(1, None), claimed=False)
     await run_until_idle(w)
     assert not w.book.running and await w.source.pending_ids() == []  # served to its end and acknowledged
+
+
+def sweep_due(w) -> None:
+    """The once-a-second sweep due now, over every request running (admitted a sweep ago or more)."""
+    w._last.pop("sweep", None)
+    for r in w.book.running.values():
+        r.admitted -= SWEEP_EVERY_S

@@ -124,6 +124,19 @@ async def test_an_api_pod_is_gone_once_two_sweeps_in_a_row_find_no_heartbeat_of_
     assert (await recovery.sweep(view()))[0].requests == {"a": EndReason.OWNER_GONE}  # twice in a row: gone
 
 
+def test_the_sweep_leaves_out_requests_admitted_less_than_a_sweep_ago():
+    """Admission read a young request's abort flag and owner: the sweep reads them again only once it has run
+    `settled_s` (a request shorter than that costs no sweep read); TTL refreshes still cover every request."""
+    book, adm = book_of()
+    admitted(book, adm, delivery("a", "1-0"), delivery("b", "2-0"))
+    book.running["a"].admitted -= 5
+    now = book.running["b"].admitted + 0.5
+    assert list(book.sweep_view(now, 60, 1.0).running) == ["a"]
+    assert sorted(book.sweep_view(now + 1, 60, 1.0).running) == ["a", "b"]
+    book.running["b"].refreshed -= 100
+    assert [r.job.uid for r in book.sweep_view(now, 60, 1.0).stale] == ["b"]
+
+
 def test_what_redis_holds_of_a_delivered_request():
     assert found_of(None, [None, None]) == Found()
     assert found_of(b"client_gone", [b"s2", b"7-0"]) == Found("client_gone", "s2", "7-0")
