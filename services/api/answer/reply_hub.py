@@ -1,9 +1,7 @@
 """The reply hub: one listener per API process multiplexing XREAD BLOCK over the reply streams of all
 its in-flight requests, feeding each request's inbox (`Inbox`).
 
-A request's inbox is woken into a blocked read through the shard's control stream: at once for a stream that
-holds entries already (a reattach), and for a new request only if the read in flight is still blocked
-WAKE_AFTER_S later (`_Shard.wake_soon`; under load the read returns sooner). Reads are
+A request's inbox is woken into a blocked read through the shard's control stream. Reads are
 sharded over several connections once one XREAD would carry more than `shard_keys` keys (XREAD's cost
 grows with its key count). An inbox that holds `high_water` entries is left out of reads until its client
 catches up: the reply stream in Redis (capped by MAXLEN) is the buffer, so a slow client cannot grow this
@@ -39,11 +37,6 @@ CONTROL_TTL_S = 3600
 CONTROL_REFRESH_S = 60  # a control stream XADD recreated (Redis lost it) goes at most this long without a TTL
 OUTAGE_S = 10.0  # Redis unreachable this long: fail every subscription rather than hang
 CLUSTER_OUTAGE_S = 30.0  # a cluster failover: cluster-node-timeout (15 s by default) plus the election
-# A new request's first entry comes after a tokenizer, a scheduler's step and a detokenizer have each read and
-# written (several ms); a shard's read under load returns within a step. Waking only a read still blocked this
-# long after a request joined saved most of the wakes (an XADD, and an XREAD of every key more, per request) at
-# 64-512 streams, and left TTFT as it was (issue 34).
-WAKE_AFTER_S = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +143,6 @@ class _Shard:
         # reply stream -> the inboxes reading it: a request's own, and in the same process a reattach to it or
         # the read that rebuilds its final object (each gets every entry after its own position)
         self.subs: dict[str, list[Inbox]] = {}
-        self.unread = False  # a stream joined after the read in flight began (it reads without it)
-        self.wake_timer: asyncio.TimerHandle | None = None
-        self.waking: set[asyncio.Task] = set()
         self.task = asyncio.create_task(self._loop(), name=f"reply-hub-{index}")
 
     def wake_in(self, pipe) -> None:
@@ -169,32 +159,10 @@ class _Shard:
             self.wake_in(pipe)
             await pipe.execute()
 
-    def wake_soon(self) -> None:
-        """Wake the read in flight if it is still blocked without a stream that joined it WAKE_AFTER_S from now
-        (one timer for every stream that joins meanwhile)."""
-        self.unread = True
-        if self.wake_timer is None:
-            self.wake_timer = asyncio.get_running_loop().call_later(WAKE_AFTER_S, self._wake_if_unread)
-
-    def _wake_if_unread(self) -> None:
-        self.wake_timer = None
-        if self.unread:
-            task = asyncio.create_task(self._wake_quietly(), name=f"reply-hub-wake-{self.index}")
-            self.waking.add(task)
-            task.add_done_callback(self.waking.discard)
-
-    async def _wake_quietly(self) -> None:
-        """`wake` for a timer: if Redis refuses it, the read blocks its BLOCK_MS at most, then reads every stream."""
-        try:
-            await self.wake()
-        except (RedisError, OSError) as e:
-            log.debug("reply hub shard %d: wake failed (%s)", self.index, e)
-
     async def _loop(self) -> None:
         failing_since = None
         while True:
             positions = self._positions()
-            self.unread = False
             try:
                 if self.control_id == "$":  # learn the control stream's tip once, so wakes aren't missed
                     self.control_id = await self._control_tip()
@@ -261,10 +229,6 @@ class _Shard:
                 sub.queue.put_nowait(error)
 
     async def close(self) -> None:
-        if self.wake_timer is not None:
-            self.wake_timer.cancel()
-        for task in list(self.waking):
-            await stop_task(task)
         await stop_task(self.task)  # a cluster client's read can swallow the first cancellation
         with contextlib.suppress(Exception):
             await self.redis.delete(self.control)
@@ -310,14 +274,6 @@ class ReplyHub:
         shard.subs.setdefault(inbox.key, []).append(inbox)
         if wake_in is not None:
             shard.wake_in(wake_in)
-        return inbox
-
-    def register_new(self, inbox: Inbox) -> Inbox:
-        """`register` the reply stream of a request being submitted: it has no entry yet, and its first one takes
-        a pass through every stage, so the shard's read is woken only if it is still blocked then
-        (`_Shard.wake_soon`)."""
-        self.register(inbox)
-        inbox.shard.wake_soon()
         return inbox
 
     def _own_shard(self) -> _Shard:

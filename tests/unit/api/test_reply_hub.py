@@ -79,40 +79,6 @@ async def test_a_wake_refreshes_the_control_streams_ttl_once_a_while_not_per_req
         assert [c[0][0] for c in pipe.command_stack] == ["XADD", "EXPIRE"]
 
 
-async def control_entries(redis, shard) -> int:
-    return await redis.xlen(shard.control)
-
-
-async def test_a_new_request_wakes_a_blocked_read_only_if_it_is_still_blocked_a_moment_later(hub_env, monkeypatch):
-    """Issue 34: a request being submitted (`register_new`) has no entry yet; its shard's read is woken (one
-    XADD) only if still blocked WAKE_AFTER_S later, once for all the requests that joined meanwhile; a read that
-    returns first takes the new streams in as it reads again, and no wake is sent."""
-    hub, redis, keys = hub_env
-    await subscribe(hub, "a0")
-    shard = hub.shards[0]
-    await async_wait_for(lambda: not shard.unread and shard.wake_timer is None)
-    woken = await control_entries(redis, shard)
-    subs = [hub.register_new(Inbox(f"n{i}", keys.reply(f"n{i}"))) for i in range(3)]
-    await async_wait_for(lambda: shard.wake_timer is None and not shard.waking)
-    await async_wait_for(lambda: not shard.unread)  # the read woken reads the new streams
-    assert await control_entries(redis, shard) == woken + 1  # one wake for the three
-    for i, sub in enumerate(subs):
-        await streams.add(redis, keys.reply(f"n{i}"), event(i))
-        assert decode((await asyncio.wait_for(sub.get(), 5))[1], ReplyEvent).start == i
-
-    # A read that returns before the timer (made long here, so that the test does not race it): its successor
-    # reads the new stream, and no wake is sent
-    monkeypatch.setattr(reply_hub, "WAKE_AFTER_S", 1.0)
-    woken = await control_entries(redis, shard)
-    late = hub.register_new(Inbox("late", keys.reply("late")))
-    await streams.add(redis, keys.reply("a0"), event(0))  # the read in flight returns with a0's entry
-    await asyncio.wait_for(hub.shards[0].subs[keys.reply("a0")][0].get(), 5)
-    await async_wait_for(lambda: shard.wake_timer is None and not shard.waking and not shard.unread)
-    await streams.add(redis, keys.reply("late"), event(7))
-    assert decode((await asyncio.wait_for(late.get(), 5))[1], ReplyEvent).start == 7
-    assert await control_entries(redis, shard) == woken
-
-
 async def test_slow_reader_is_paused_not_buffered(hub_env):
     hub, redis, keys = hub_env
     sub = await subscribe(hub, "slow")

@@ -42,8 +42,7 @@ class RequestContext:
     async def submit(self, msg: TokenizeJob | TokenizerQuery, record: dict, writes: Writes | None = None) -> Inbox:
         """Write a request's record (`record`: its fields beside its model, pod and creation time), `writes` (what
         its submission stores beside the record), its message on its model's tokenize stream, and subscribe to its
-        reply stream (the reply reader woken only if need be: `ReplyHub.register_new`): one transaction, one
-        round trip. Nothing is left behind (nor
+        reply stream, waking the reply reader: one transaction, one round trip. Nothing is left behind (nor
         subscribed) if Redis fails: the error is raised."""
         sub = None
         try:
@@ -56,7 +55,7 @@ class RequestContext:
                     writes(pipe)
                 barrier(pipe)  # the record exists before a tokenizer can read the message (on a cluster too)
                 streams.add(pipe, self.keys.tokenize(msg.model), msg)
-                sub = self.hub.register_new(Inbox(msg.uid, self.keys.reply(msg.uid)))
+                sub = self.hub.register(Inbox(msg.uid, self.keys.reply(msg.uid)), wake_in=pipe)
                 await pipe.execute()
         except BaseException:
             if sub is not None:

@@ -88,7 +88,7 @@ class SingleRequest:
     async def open(cls, ctx: RequestContext, job: TokenizeJob, record: dict, stream: bool, label: str, *,
                    writes: Writes | None = None) -> SingleRequest:
         """Subscribe to the reply stream, write the record (and `writes`, what the submission stores beside it)
-        and the job (the reply reader woken only if need be), in one round trip; its trace (if tracing) starts here.
+        and the job and wake the reply reader, all in one round trip; its trace (if tracing) starts here.
         Nothing is left behind if Redis fails."""
         span = ctx.tracer.start("request", root=True, uid=job.uid, model=job.model, kind=record.get("kind", ""),
                                 stream=stream)
