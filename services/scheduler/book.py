@@ -342,7 +342,7 @@ class RequestBook:
         flag and owner: the next sweep is soon enough, and a request shorter than that costs no sweep read), the
         choices a stop string may end, and the requests whose TTLs are due for a refresh (marked refreshed: the
         sweep's effects refresh them)."""
-        settled = {uid: r for uid, r in self.running.items() if not settled_s or now - r.admitted >= settled_s}
+        settled = {uid: r for uid, r in self.running.items() if now - r.admitted >= settled_s}
         return SweepView(settled, self.stoppable(), self.stale(now, refresh_every))
 
     def stale(self, now: float, every: float) -> list[Running]:

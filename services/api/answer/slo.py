@@ -125,12 +125,11 @@ class SloGate:
         """Jobs of the model's queue (shared/queued.py) that start before one of `tenant`'s with a target: every one
         without fair queueing, else `fair_ahead` and those released to the schedulers already."""
         try:
-            now = await queued.figures(self.redis, self.keys, model)
+            queue = await queued.figures(self.redis, self.keys, model)
         except (RedisError, OSError):
             return 0  # admission's own round trips tell Redis' outage; this estimate is not worth a refusal
-        counts, weights = now.counts, now.weights
         if not self.fair:
-            return sum(counts.values())
+            return sum(queue.counts.values())
         released = snap.backlog.get(model, {}).get("scheduler")  # released by the tokenizers, not yet read
-        return fair_ahead(counts, weights, tenant) + (released.lag if released is not None else 0)
+        return fair_ahead(queue.counts, queue.weights, tenant) + (released.lag if released is not None else 0)
 

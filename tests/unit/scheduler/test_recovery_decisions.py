@@ -4,6 +4,8 @@ effects for the writer) and never changes the book. What Redis does with them is
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -115,7 +117,7 @@ async def test_an_api_pod_is_gone_once_two_sweeps_in_a_row_find_no_heartbeat_of_
     k = Keys("t")
     redis = FakeRedis({k.request("a"): [b"s1", b"0"]})  # the pod's heartbeat is not there
     recovery = Recovery(redis, None, "s1", max_deliveries=3)  # type: ignore[arg-type]
-    view = lambda: book.sweep_view(0.0, 60)  # noqa: E731
+    view = lambda: book.sweep_view(time.monotonic(), 60)  # noqa: E731
     assert (await recovery.sweep(view()))[0].requests == {}  # not found once: it may be about to beat again
     redis.values[k.worker("api", "api-x")] = 1
     assert (await recovery.sweep(view()))[0].requests == {}  # it did
