@@ -119,11 +119,11 @@ async def test_a_stalled_owner_acknowledges_only_what_it_still_holds(env):
     assert await peer.pending_ids() == []
 
 
-async def test_touch_and_acknowledgement_look_up_the_owner_once_however_many_entries(env):
+async def test_touch_and_acknowledgement_look_up_the_owner_once_however_many_entries(own_env):
     """A scheduler touches every entry it runs and acknowledges all a step ended: one XPENDING each (of the
     consumer's entries between the lowest and highest id), not one per entry; entries of another consumer in
     that range, before and after ours, stay out."""
-    redis, keys = env
+    redis, keys = own_env
     owner, peer, ids = await one_of_two_claimed(redis, keys, "x")
     for i in range(40):
         await streams.add(redis, keys.schedule("m"), job(f"y{i}"))

@@ -26,6 +26,14 @@ async def q(redis_server):
     await r.aclose()
 
 
+@pytest.fixture
+async def q_alone(own_redis_url):
+    """`q` on a redis-server of its own, for the tests that count the commands it ran."""
+    r = Redis.from_url(own_redis_url)
+    yield r, Keys(f"q{uuid.uuid4().hex[:8]}")
+    await r.aclose()
+
+
 def jobs(tenant: str, n: int = 1, weight: int = 1, timeout: float = 60.0) -> list[TokenizeJob]:
     now = time.time()
     return [TokenizeJob(uid=uuid.uuid4().hex, model=MODEL, pod="p", created_at=now, deadline=now + timeout,
@@ -108,11 +116,11 @@ async def calls(r: Redis, *names: str) -> dict[str, int]:
     return {n: stats.get(f"cmdstat_{n}", {}).get("calls", 0) for n in names}
 
 
-async def test_a_request_entering_and_leaving_runs_few_commands_and_writes_a_ttl_only_when_short(q):
+async def test_a_request_entering_and_leaving_runs_few_commands_and_writes_a_ttl_only_when_short(q_alone):
     """Issue 34 (item 5): the fair queue's fixed cost per request. A job names its tenant (no lookup when it
     leaves), the counts and weights are one hash read once, and the keys' expiry is a field of that hash kept
     across an empty queue: an enter within it writes no EXPIRE but the jobs' key's when it was gone."""
-    r, keys = q
+    r, keys = q_alone
     first = jobs("a", timeout=60)
     assert (await queued.enter(r, keys, first, 10)).admitted
     await queued.leave(r, keys, MODEL, queued.members(first))  # the queue empties: the jobs' key is gone
@@ -129,9 +137,9 @@ async def test_a_request_entering_and_leaving_runs_few_commands_and_writes_a_ttl
     assert min(ttls) > queued.TTL_SLACK_S + 60 + 30 and max(ttls) - min(ttls) <= 1  # past it: both refreshed
 
 
-async def test_a_tenant_s_own_jobs_and_weight_alone_are_written_while_it_queues(q):
+async def test_a_tenant_s_own_jobs_and_weight_alone_are_written_while_it_queues(q_alone):
     """A second request of a queued tenant adds to its count; a changed weight is written, an unchanged one not."""
-    r, keys = q
+    r, keys = q_alone
     assert (await queued.enter(r, keys, jobs("a", weight=2), 10)).admitted
     before = await commands(r)
     assert (await queued.enter(r, keys, jobs("a", n=2, weight=2), 10)).admitted
