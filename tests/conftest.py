@@ -13,6 +13,7 @@ import pytest
 from rsinfer.redis_server import RedisServer
 from shared.demo_model import ensure_demo_model
 from tests.support.redis_cluster import LocalCluster
+from tests.support.tls_context import one_tls_context_per_process
 from tests.support.xdist_groups import apply_groups
 
 # The end-to-end modules that stop, freeze or kill processes or Redis and then wait for recovery within claim and
@@ -64,6 +65,13 @@ def run_wide(tmp_path_factory, name: str) -> Iterator[Path]:
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield root / name
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_tls_context() -> Iterator[None]:
+    """The tests' HTTP clients share one default TLS context per process (tests/support/tls_context.py says why)."""
+    with one_tls_context_per_process():
+        yield
 
 
 @pytest.fixture(scope="session")
