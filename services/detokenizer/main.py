@@ -90,6 +90,7 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
                 await pipe.execute()
             self.metrics.published("reply", len(items))
             self._note_published(items)
+            self._note_marked(rows, now)
         finally:
             for span in spans:
                 span.end()
@@ -133,19 +134,12 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
         """Whether `it`'s entry sets the stream's TTL and the record's progress: a choice's first entry, one
         PROGRESS_EVERY_S after this replica last did (a choice it first sees mid-way starts the clock), and its
         last unless this replica set the TTL less than PROGRESS_EVERY_S before (it reaches past the end by the
-        TTL less those seconds already; the record's end is written whatever this says)."""
-        key = (it.uid, it.index)
-        if r.stopped or it.finish is not None:
-            last = self.marked.pop(key, None)
-            return it.start == 0 or last is None or now - last >= PROGRESS_EVERY_S
-        last = self.marked.get(key)
-        due = it.start == 0 or (last is not None and now - last >= PROGRESS_EVERY_S)
-        if due or last is None:
-            self.marked[key] = now
-            self.marked.move_to_end(key)
-            if len(self.marked) > FINISHED_MEMORY:
-                self.marked.popitem(last=False)
-        return due
+        TTL less those seconds already; the record's end is written whatever this says). Reads `marked` only:
+        `_note_marked` updates it once the read's pipeline has gone."""
+        last = self.marked.get((it.uid, it.index))
+        if it.start == 0 or last is None:
+            return it.start == 0 or r.stopped or it.finish is not None
+        return now - last >= PROGRESS_EVERY_S
 
     def _record(self, pipe, it: TokenDelta, r: Rendered, mark: bool) -> None:
         """The request record (and, on a stop string, the engine) after `it`'s entry."""
@@ -186,6 +180,19 @@ class DetokenizerWorker(PushWorker[DetokenizeBatch]):
                 self.published.move_to_end(key)
         while len(self.published) > FINISHED_MEMORY:
             self.published.popitem(last=False)
+
+    def _note_marked(self, rows: list[tuple[TokenDelta, Rendered, bool]], now: float) -> None:
+        """After a read's pipeline: when each running choice's progress was written (or first seen); an ended
+        choice's entry goes. A pipeline that failed changed nothing, so its retry decides the marks again."""
+        for it, r, mark in rows:
+            key = (it.uid, it.index)
+            if r.stopped or it.finish is not None:
+                self.marked.pop(key, None)
+            elif mark or key not in self.marked:
+                self.marked[key] = now
+                self.marked.move_to_end(key)
+        while len(self.marked) > FINISHED_MEMORY:
+            self.marked.popitem(last=False)
 
     def _after_end(self, it: TokenDelta) -> bool:
         epoch, end = self.finished.get((it.uid, it.index), (-1, 0))

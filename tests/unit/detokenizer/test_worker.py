@@ -153,3 +153,32 @@ async def test_an_end_long_after_the_last_ttl_refresh_sets_the_streams_ttl(worke
         await worker.handle([Delivery(f"{start + 1}-0", batch)], claimed=False)
         clock[0] += main.PROGRESS_EVERY_S
     assert await worker.redis.ttl(worker.keys.reply("q")) > 77  # the end's EXPIRE: the last was too long ago
+
+
+async def test_a_progress_mark_whose_pipeline_failed_is_written_when_the_read_is_retried(worker, monkeypatch):
+    """The marks are noted once the read's pipeline has gone: one that failed leaves them as they were, so the
+    retry of the same read writes the progress it was due to write."""
+    from redis.asyncio.client import Pipeline
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from services.detokenizer import main
+
+    clock = [1000.0]
+    monkeypatch.setattr(main.time, "monotonic", lambda: clock[0])
+    first = DetokenizeBatch("s", 0, [TokenDelta(uid="f", start=0, ids=[69], prompt_tokens=3)])
+    await worker.handle([Delivery("1-0", first)], claimed=False)
+    clock[0] += main.PROGRESS_EVERY_S
+    due = DetokenizeBatch("s", 1, [TokenDelta(uid="f", start=1, ids=[69, 70], prompt_tokens=3)])
+    execute = Pipeline.execute
+
+    async def fails_once(self, *args, **kwargs):
+        monkeypatch.setattr(Pipeline, "execute", execute)
+        raise RedisConnectionError("Redis went away")
+
+    monkeypatch.setattr(Pipeline, "execute", fails_once)
+    with pytest.raises(RedisConnectionError):
+        await worker.handle([Delivery("2-0", due)], claimed=False)
+    assert worker.marked[("f", 0)] == 1000.0  # as before the read
+    await worker.handle([Delivery("2-0", due)], claimed=False)
+    assert await worker.redis.hget(worker.keys.request("f"), "completion_tokens") == b"3"
+    assert worker.marked[("f", 0)] == clock[0]

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
+from redis.asyncio import Redis
 
 from rsinfer.redis_server import RedisServer
 from shared.keys import Keys
-from shared.redis_conn import connect
+from shared.redis_conn import Cluster, connect
+
+
+async def client_and_keys(url: str) -> AsyncIterator[tuple[Redis | Cluster, Keys]]:
+    """A client of the redis-server at `url` and a namespace of its own, the client closed after."""
+    redis = connect(url)
+    yield redis, Keys(f"t{uuid.uuid4().hex[:8]}")
+    await redis.aclose()
 
 
 @pytest.fixture
 async def env(redis_server):
     """A client of the test redis-server and a namespace of its own."""
-    redis = connect(redis_server.url)
-    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    yield redis, keys
-    await redis.aclose()
+    async for pair in client_and_keys(redis_server.url):
+        yield pair
 
 
 @pytest.fixture
@@ -31,7 +38,5 @@ def own_redis_url():
 @pytest.fixture
 async def own_env(own_redis_url):
     """`env` on a redis-server of its own (`own_redis_url`)."""
-    redis = connect(own_redis_url)
-    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    yield redis, keys
-    await redis.aclose()
+    async for pair in client_and_keys(own_redis_url):
+        yield pair
