@@ -115,7 +115,11 @@ def merge_deltas(items: list[TokenDelta], published: Mapping[tuple[str, int], in
     the last range written, by uid and choice) is a step written twice: it stays alone, as the step it was.
     Joined to the new steps after it, it would make a range that overlaps what the API delivered, which the
     API cannot cut by token and drops (shared/reply_order.py), holding every later range for a gap that
-    nothing fills."""
+    nothing fills.
+
+    Deltas of two epochs are never joined: a scheduler let go after a peer took its request over sends the steps
+    it made meanwhile, and one of them may end where the successor's next range starts. Joined under the
+    older epoch, the successor's tokens would be refused with it, leaving its client a gap that nothing fills."""
     import msgspec
 
     out: list[TokenDelta] = []
@@ -128,7 +132,8 @@ def merge_deltas(items: list[TokenDelta], published: Mapping[tuple[str, int], in
             continue
         j = last.get(key)
         prev = out[j] if j is not None else None
-        if prev is not None and prev.finish is None and prev.start + len(prev.ids) == it.start:
+        if (prev is not None and prev.finish is None and prev.epoch == it.epoch
+                and prev.start + len(prev.ids) == it.start):
             out[j] = msgspec.structs.replace(
                 prev, ids=prev.ids + it.ids, finish=it.finish, trace=prev.trace or it.trace,
                 logprobs=_concat(prev.logprobs, it.logprobs), top_logprobs=_concat(prev.top_logprobs,

@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.detokenizer.incremental import Detokenizer, merge_deltas, render_delta, stop_hold, visible
-from shared.messages import TokenDelta
+from shared.messages import ReplyEvent, TokenDelta
+from shared.reply_order import OrderedReplies
 
 # qwen_tok's users share one xdist worker, where it is made once (tests/unit/conftest.py)
 TOKENIZERS = ["demo_tok", pytest.param("qwen_tok", marks=pytest.mark.xdist_group("qwen_tok"))]
@@ -110,6 +111,28 @@ def test_merge_keeps_steps_written_twice_apart_from_new_ones():
     assert [(m.uid, m.start, m.start + len(m.ids)) for m in merged] == [
         ("u", 1, 5), ("u", 5, 9), ("v", 0, 1), ("u", 9, 12)]
     assert [(m.start, len(m.ids)) for m in merge_deltas([*again, *new])] == [(1, 11)]
+
+
+def test_merge_never_joins_ranges_of_two_epochs():
+    """A scheduler let go after a peer took its request over (epoch 1, resumed at 20) sends the [20, 25) it made
+    meanwhile; the successor's [20, 25) and [25, 26) come in the same read. Joined to the stale range, the
+    successor's token 25 would be refused with it (shared/reply_order.py), and its client would wait at 25 for
+    ever (the gap test_chaos saw once)."""
+    successor = [TokenDelta(uid="u", start=s, ids=[100 + s], prompt_tokens=2, epoch=1) for s in range(20, 25)]
+    stale = TokenDelta(uid="u", start=20, ids=[7, 7, 7, 7, 7], prompt_tokens=2)
+    nxt = TokenDelta(uid="u", start=25, ids=[125], prompt_tokens=2, epoch=1)
+    merged = merge_deltas([*successor, stale, nxt])
+    assert [(m.epoch, m.start, m.start + len(m.ids)) for m in merged] == [(1, 20, 25), (0, 20, 25), (1, 25, 26)]
+
+    def event(d: TokenDelta) -> ReplyEvent:
+        return ReplyEvent(start=d.start, end=d.start + len(d.ids), text="", prompt_tokens=2, ids=d.ids,
+                          epoch=d.epoch)
+
+    order = OrderedReplies(1)  # the client had [0, 20) when the successor's fence came
+    assert len(order.accept(event(TokenDelta(uid="u", start=0, ids=list(range(20)), prompt_tokens=2)))) == 1
+    order.fence(1)
+    delivered = [ev for m in merged for ev in order.accept(event(m))]
+    assert [t for ev in delivered for t in ev.ids] == [100 + s for s in range(20, 26)]
 
 
 def test_logprobs_name_tokens(demo_tok):
