@@ -271,8 +271,21 @@ def check_stream(run: Run, expected: Expected, failures: dict[str, list], figure
     if got.errors:
         failures.setdefault("error_replies", []).append(f"{tag}: {got.errors[:1]}")
     if got.finish != ["length"] * n or got.ends != [max_tokens] * n:
-        failures.setdefault("reply_stream_incomplete", []).append(f"{tag}: ends={got.ends} finish={got.finish}")
+        failures.setdefault("reply_stream_incomplete", []).append(
+            f"{tag}: ends={got.ends} finish={got.finish} entries={entry_outline(run.recorder.entries[uid])}")
     return got
+
+
+def entry_outline(entries: list[tuple[str, dict]], most: int = 60) -> str:
+    """A reply stream in brief, for a failure's message (CI keeps no logs): each entry's kind, epoch and range
+    (`d1:25-30` a delta of epoch 1, `f2` a fence, `e0` an error), the last `most` of them."""
+    def one(e: dict) -> str:
+        kind, epoch = e.get("kind", "?"), int(e.get("epoch") or 0)
+        where = f":{e['start']}-{e['end']}" if kind == "delta" else ""
+        choice = f"#{e['index']}" if e.get("index") else ""
+        return f"{kind[0]}{epoch}{choice}{where}{'!' if e.get('finish_reason') else ''}"
+
+    return " ".join(one(e) for _, e in entries[-most:])
 
 
 def resume_figures(run: Run) -> dict:
