@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from redis.asyncio import Redis
@@ -13,17 +14,20 @@ from shared.keys import Keys
 from shared.redis_conn import Cluster, connect
 
 
+@asynccontextmanager
 async def client_and_keys(url: str) -> AsyncIterator[tuple[Redis | Cluster, Keys]]:
     """A client of the redis-server at `url` and a namespace of its own, the client closed after."""
     redis = connect(url)
-    yield redis, Keys(f"t{uuid.uuid4().hex[:8]}")
-    await redis.aclose()
+    try:
+        yield redis, Keys(f"t{uuid.uuid4().hex[:8]}")
+    finally:
+        await redis.aclose()
 
 
 @pytest.fixture
 async def env(redis_server):
     """A client of the test redis-server and a namespace of its own."""
-    async for pair in client_and_keys(redis_server.url):
+    async with client_and_keys(redis_server.url) as pair:
         yield pair
 
 
@@ -38,5 +42,5 @@ def own_redis_url():
 @pytest.fixture
 async def own_env(own_redis_url):
     """`env` on a redis-server of its own (`own_redis_url`)."""
-    async for pair in client_and_keys(own_redis_url):
+    async with client_and_keys(own_redis_url) as pair:
         yield pair

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -19,19 +21,27 @@ pytestmark = pytest.mark.timeout(30)
 MODEL = "m"
 
 
+@asynccontextmanager
+async def queue_env(url: str) -> AsyncIterator[tuple[Redis, Keys]]:
+    """A plain client of the redis-server at `url` and a namespace of its own, the client closed after."""
+    r = Redis.from_url(url)
+    try:
+        yield r, Keys(f"q{uuid.uuid4().hex[:8]}")
+    finally:
+        await r.aclose()
+
+
 @pytest.fixture
 async def q(redis_server):
-    r = Redis.from_url(redis_server.url)
-    yield r, Keys(f"q{uuid.uuid4().hex[:8]}")
-    await r.aclose()
+    async with queue_env(redis_server.url) as pair:
+        yield pair
 
 
 @pytest.fixture
 async def q_alone(own_redis_url):
     """`q` on a redis-server of its own, for the tests that count the commands it ran."""
-    r = Redis.from_url(own_redis_url)
-    yield r, Keys(f"q{uuid.uuid4().hex[:8]}")
-    await r.aclose()
+    async with queue_env(own_redis_url) as pair:
+        yield pair
 
 
 def jobs(tenant: str, n: int = 1, weight: int = 1, timeout: float = 60.0) -> list[TokenizeJob]:
