@@ -49,7 +49,25 @@ def gpurate_section(g: dict) -> list[str]:
             f"| {g['steady_tok_per_s']:,.0f} tok/s ({g['fraction_of_ideal']:.0%}) "
             f"| {g['ttft_p50_ms']:,.0f} / {g['ttft_p99_ms']:,.0f} ms "
             f"| {g['itl_p50_ms']:.1f} / {g['itl_p99_ms']:.1f} ms "
-            f"| {g['chunks_per_request']:.0f} | {g['ok']}/{g['requests']} |", *flush_sweep_table(g)]
+            f"| {g['chunks_per_request']:.0f} | {g['ok']}/{g['requests']} |", *per_request_table(g),
+            *flush_sweep_table(g)]
+
+
+def per_request_table(g: dict) -> list[str]:
+    """What a request costs apart from its tokens (the same requests, one token each), and that spread over the
+    main run's tokens per request."""
+    r = g.get("per_request")
+    if not r:
+        return []
+    return ["", f"A request apart from its tokens: the same {r['requests']} requests with one token each, on the same "
+            "stack (admission, record, job, marks, TTLs, end, and the one token's chunk). Spread over a request of "
+            f"{g['max_tokens']} tokens it is the part of the plumbing per token that merging tokens into fewer "
+            "chunks cannot cut.", "",
+            "| " + " | ".join(PLUMBING) + f" | in all | per token over {g['max_tokens']} | share of the plumbing "
+            "| Redis cmds |", "|" + "---|" * (len(PLUMBING) + 4),
+            "| " + " | ".join(f"{r['us'].get(k, 0):,.0f} µs" for k in PLUMBING) +
+            f" | {r['us_in_all']:,.0f} µs | {r['us_per_token_spread']:.1f} µs | {r['share_of_plumbing']:.0%} "
+            f"| {r['redis_cmds']:.1f} |"]
 
 
 def flush_sweep_table(g: dict) -> list[str]:

@@ -105,6 +105,23 @@ def test_gpurate_figures_add_the_plumbing_and_leave_the_client_out():
     assert g["redis_cmds_per_token"] == 0.8 and g["tokens"] == 512 * 256
 
 
+def test_a_one_token_run_is_spread_over_the_main_runs_tokens_and_rendered():
+    g = gpurate_results()  # 41 µs of plumbing per token
+    ones = {"us_per_token": {"api": 1200.0, "tokenizer": 700.0, "scheduler": 450.0, "detokenizer": 350.0,
+                             "redis": 372.0, "client": 900.0},
+            "load": {"ok": 1024}, "redis_cmds_per_token": 24.5}
+    r = gpurate.per_request(ones, g["plumbing_us_per_token"])
+    assert r["us_in_all"] == pytest.approx(3072.0)  # the client is not plumbing
+    assert r["us_per_token_spread"] == pytest.approx(3072.0 / gpurate.TOKENS)  # 12.0 µs over 256 tokens
+    assert r["share_of_plumbing"] == pytest.approx(12.0 / 41.0, abs=1e-3)
+    page = "\n".join(report_rates.gpurate_section({**g, "per_request": r}))
+    assert "| 1,200 µs | 700 µs | 450 µs | 350 µs | 372 µs | 3,072 µs | 12.0 µs | 29% | 24.5 |" in page
+    table = page[page.index("| api | tokenizer | scheduler | detokenizer | redis | in all |"):].split("\n\n")[0]
+    assert len({line.count("|") for line in table.splitlines()}) == 1
+    assert "per_request" not in gpurate_results() and "A request apart" not in "\n".join(
+        report_rates.gpurate_section(gpurate_results()))  # results of earlier runs render as before
+
+
 def test_the_page_renders_both_sections_with_their_goals(tmp_path, steps):
     tf_steps = [{**s, "output_tok_per_s": s["output_tok_per_s"] / 2} for s in steps]
     r = {"meta": {"mode": "quick"}, "gpurate": gpurate_results(),
