@@ -94,7 +94,16 @@ def _split(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 class Cluster(RedisCluster):
-    """redis-py's cluster client whose pipelines keep the order rsinfer relies on (OrderedPipeline)."""
+    """redis-py's cluster client whose pipelines keep the order rsinfer relies on (OrderedPipeline), and whose
+    connections pack with ArgsPacker: the class its nodes build connections from (the startup nodes' own, and the
+    one in the keyword arguments each node it learns later is built with) is the packing one."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        packing = _packing_class(self.connection_kwargs.get("connection_class", Connection))
+        self.connection_kwargs["connection_class"] = packing
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = packing
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> OrderedPipeline:  # type: ignore[override]
         return OrderedPipeline(self)
@@ -208,7 +217,12 @@ _packing: dict[type, type] = {}
 
 def packing_connection_class(url: str) -> type:
     """redis-py's connection class for `url` (TCP, TLS or a unix socket) that packs with ArgsPacker."""
-    base = parse_url(url).get("connection_class", Connection)
+    return _packing_class(parse_url(url).get("connection_class", Connection))
+
+
+def _packing_class(base: type) -> type:
+    if issubclass(base, _PackingArgsAsTheyAre):
+        return base
     if base not in _packing:
         _packing[base] = type(f"Packing{base.__name__}", (_PackingArgsAsTheyAre, base), {})
     return _packing[base]
