@@ -180,7 +180,7 @@ def cluster_client(url: str, **options: Any) -> Cluster:
 
 
 class ArgsPacker:
-    """How our standalone clients' connections pack a command: hiredis packs one whose name is one word and whose
+    """How our clients' connections pack a command: hiredis packs one whose name is one word and whose
     arguments are str, bytes, int or float (as nearly all are) as they are, byte for byte as redis-py would
     (tests/unit/shared/test_redis_conn.py compares them); redis-py's own packer (`fallback`) takes the rest, and
     its errors (a bool, None) stay its own. redis-py encodes every argument in Python first: 331 µs for the reply
