@@ -48,6 +48,13 @@ def test_what_redis_py_refuses_it_refuses_alike(bad):
     assert str(ours.value) == str(theirs.value)
 
 
+def test_a_string_utf8_cannot_encode_fails_as_with_redis_py():
+    with pytest.raises(UnicodeEncodeError):
+        ArgsPacker(redis_py_packer()).pack("SET", "k", "a\udcff")  # a lone surrogate, as redis-py refuses it
+    with pytest.raises(UnicodeEncodeError):
+        redis_py_packer().pack("SET", "k", "a\udcff")
+
+
 @pytest.mark.parametrize(("url", "base"), [("redis://127.0.0.1:6379/0", Connection),
                                            ("rediss://127.0.0.1:6380", SSLConnection),
                                            ("unix:///tmp/redis.sock", UnixDomainSocketConnection)])
