@@ -97,8 +97,6 @@ def run(model_dir: str, name: str, mode: str, say: Say, measure: Callable, *, fl
     out = {"flush_ms": fields["stream_flush_ms"].default if flush_ms is None else flush_ms,
            "entry_rate": fields["stream_entry_rate"].default if flush_ms is None else 0.0,
            "flush_default": flush_ms is None, **figures(m, spans)}
-    if ones is not None:
-        out["per_request"] = per_request(ones, out["plumbing_us_per_token"])
     per = out["us_per_token"]
     say(f"    {out['ok']}/{out['requests']} ok, {out['steady_tok_per_s']:,.0f} tok/s steady = "
         f"{out['fraction_of_ideal']:.0%} of {out['ideal']:,.0f} ({out['tok_per_s']:,.0f} overall)")
@@ -107,8 +105,8 @@ def run(model_dir: str, name: str, mode: str, say: Say, measure: Callable, *, fl
         f"10k tok/s; Redis {out['redis_cmds_per_token']:.2f} cmds/token ({out['xadds_per_token']:.2f} XADD); "
         f"client {per.get('client', 0):.1f} µs/token; TTFT p50 {out['ttft_p50_ms']:.0f} ms, ITL p50/p99 "
         f"{out['itl_p50_ms']:.1f}/{out['itl_p99_ms']:.1f} ms")
-    if "per_request" in out:
-        r = out["per_request"]
+    if ones is not None:
+        r = out["per_request"] = per_request(ones, out["plumbing_us_per_token"])
         say("    a request of one token, CPU µs: " + ", ".join(f"{k} {r['us'][k]:.0f}" for k in PLUMBING) +
             f"; in all {r['us_in_all']:,.0f} = {r['us_per_token_spread']:.1f} µs/token over {TOKENS} tokens "
             f"({r['share_of_plumbing']:.0%} of the plumbing above); Redis {r['redis_cmds']:.1f} cmds")

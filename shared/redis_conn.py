@@ -11,6 +11,7 @@ keeps a pool per node).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -212,20 +213,14 @@ class _PackingArgsAsTheyAre:
             self._command_packer = ArgsPacker(packer)
 
 
-_packing: dict[type, type] = {}
-
-
 def packing_connection_class(url: str) -> type:
     """redis-py's connection class for `url` (TCP, TLS or a unix socket) that packs with ArgsPacker."""
     return _packing_class(parse_url(url).get("connection_class", Connection))
 
 
+@functools.cache
 def _packing_class(base: type) -> type:
-    if issubclass(base, _PackingArgsAsTheyAre):
-        return base
-    if base not in _packing:
-        _packing[base] = type(f"Packing{base.__name__}", (_PackingArgsAsTheyAre, base), {})
-    return _packing[base]
+    return type(f"Packing{base.__name__}", (_PackingArgsAsTheyAre, base), {})
 
 
 def connect(url: str, max_connections: int = 32, **options: Any) -> Redis | Cluster:
