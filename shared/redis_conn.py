@@ -95,16 +95,7 @@ def _split(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 class Cluster(RedisCluster):
-    """redis-py's cluster client whose pipelines keep the order rsinfer relies on (OrderedPipeline), and whose
-    connections pack with ArgsPacker: the class its nodes build connections from (the startup nodes' own, and the
-    one in the keyword arguments each node it learns later is built with) is the packing one."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        packing = _packing_class(self.connection_kwargs.get("connection_class", Connection))
-        self.connection_kwargs["connection_class"] = packing
-        for node in self.nodes_manager.startup_nodes.values():
-            node.connection_class = packing
+    """redis-py's cluster client whose pipelines keep the order rsinfer relies on (OrderedPipeline)."""
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> OrderedPipeline:  # type: ignore[override]
         return OrderedPipeline(self)
@@ -181,7 +172,7 @@ def cluster_client(url: str, **options: Any) -> Cluster:
 
 
 class ArgsPacker:
-    """How our clients' connections pack a command: hiredis packs one whose name is one word and whose
+    """How our standalone clients' connections pack a command: hiredis packs one whose name is one word and whose
     arguments are str, bytes, int or float (as nearly all are) as they are, byte for byte as redis-py would
     (tests/unit/shared/test_redis_conn.py compares them); redis-py's own packer (`fallback`) takes the rest, and
     its errors (a bool, None) stay its own. redis-py encodes every argument in Python first: 331 µs for the reply

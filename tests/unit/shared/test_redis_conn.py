@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
-from shared.redis_conn import ArgsPacker, Cluster, connect, connect_single, packing_connection_class
+from shared.redis_conn import ArgsPacker, connect, connect_single, packing_connection_class
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,19 +90,3 @@ async def test_the_clients_talk_to_redis_through_it(redis_server):
         await pooled.aclose()
         await single.aclose()
 
-
-async def test_a_cluster_clients_connections_pack_with_it(redis_cluster):
-    pooled, single = connect(redis_cluster.url), connect_single(redis_cluster.url)
-    keys = [f"test-redis-conn:{{slot}}:{i}" for i in range(100)]  # one slot: one XREAD names them all
-    try:
-        assert isinstance(pooled, Cluster) and isinstance(single, Cluster)
-        ids = [await pooled.xadd(key, {"data": f"ü{i}", "t": 0.5 * i}) for i, key in enumerate(keys)]
-        read = await single.xread(dict.fromkeys(keys, "0-0"))
-        assert {k.decode(): v for k, v in read} == {
-            key: [(ids[i], {b"data": f"ü{i}".encode(), b"t": repr(0.5 * i).encode()})] for i, key in enumerate(keys)}
-        connections = [c for client in (pooled, single) for node in client.get_nodes() for c in node._connections]
-        assert connections and all(isinstance(c._command_packer, ArgsPacker) for c in connections)
-    finally:
-        await pooled.delete(*keys)
-        await pooled.aclose()
-        await single.aclose()
